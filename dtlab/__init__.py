@@ -1,0 +1,70 @@
+"""dtlab: debug distributed PyTorch training interactively, from a notebook.
+
+    %load_ext dtlab
+    %dt_launch 8          # 8 torch.distributed ranks in ipyparallel engines, bound to `dt`
+
+or, in Python::
+
+    import dtlab
+    with dtlab.launch(4) as dt:
+        print(dt.run(lambda: 1 + 1))   # {0: 2, 1: 2, 2: 2, 3: 2}
+
+Layers (see STYLE in the repository): ``control`` (notebook side, the only user of
+ipyparallel), ``agent`` (rank side, torch only), ``analysis`` (pure), ``views`` (IPython,
+widgets). This module imports none of them until asked, so ``import dtlab`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from dtlab.control.session import Session
+
+
+def launch(
+    num_ranks: int,
+    *,
+    backend: str = "auto",
+    launcher: str = "local",
+    timeout: float = 120.0,
+    threads: int | None = None,
+    env: Mapping[str, str] | None = None,
+    port: int = 0,
+    pg_timeout: float = 600.0,
+    restart: bool = False,
+    profile: str = "",
+    launcher_config: Mapping[str, Mapping[str, object]] | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> Session:
+    """Start ``num_ranks`` ranks (or reuse the live session) and return the Session.
+
+    Same options as ``%dt_launch``; ``launcher_config`` passes traitlets settings to
+    ipyparallel's launchers, e.g. ``{"SlurmEngineSetLauncher": {"queue": "gpu"}}``.
+    """
+    from dtlab.control import lifecycle
+    from dtlab.control.config import LaunchConfig
+    from dtlab.views.progress import auto_progress
+
+    config = LaunchConfig(
+        num_ranks=num_ranks, backend=backend, launcher=launcher, timeout_s=timeout,
+        threads=threads, env=dict(env or {}), port=port, pg_timeout_s=pg_timeout,
+        profile=profile, launcher_config=dict(launcher_config or {}),
+    )
+    return lifecycle.launch(config, progress or auto_progress(), restart=restart)
+
+
+def session() -> Session:
+    """The live session (what ``%dt_launch`` bound to ``dt``)."""
+    from dtlab.control import lifecycle
+
+    return lifecycle.current()
+
+
+def load_ipython_extension(ipython) -> None:
+    from dtlab.views.magics import register
+
+    register(ipython)

@@ -1,0 +1,136 @@
+"""Make this engine a torch.distributed rank, check the group, and leave it.
+
+Stages, each run on the engines by control/session.py:
+1. ``open_store`` on the engine that becomes rank 0: its TCPStore listens before anyone
+   connects (with env:// a rank that connects before rank 0 listens backs off 0.3-0.7 s;
+   a store already listening never did, FACTS.md);
+2. ``join(plan)`` on every rank at once: environment, threads, device, process group,
+   then an all_reduce of the rank ids that proves the group works;
+3. ``check_group`` re-proves a live group; ``leave`` destroys it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+from dtlab.agent.identity import describe_rank
+from dtlab.records import RankInfo, RankPlan
+
+_state: dict = {}  # this process's rank: {"store": TCPStore, "plan": RankPlan, "device": ...}
+
+
+def open_store(port: int, world_size: int, timeout_s: float) -> int:
+    """Listen for the rendezvous on this engine (rank 0); return the port (0 = any free)."""
+    import torch.distributed as dist
+
+    leave()
+    try:
+        store = dist.TCPStore(
+            socket.gethostname(),
+            port,
+            world_size,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" in str(e) or "address already in use" in str(e):
+            raise OSError(
+                f"port {port} is already in use on {socket.gethostname()} (the host of "
+                "rank 0); pick another with --port, or leave --port out to use a free one"
+            ) from None
+        raise
+    _state["store"] = store
+    return store.port
+
+
+def _export_env(plan: RankPlan) -> None:
+    os.environ.update(plan.env)
+    os.environ.update(
+        RANK=str(plan.rank),
+        WORLD_SIZE=str(plan.world_size),
+        LOCAL_RANK=str(plan.local_rank),
+        LOCAL_WORLD_SIZE=str(plan.local_world_size),
+        MASTER_ADDR=plan.master_addr,
+        MASTER_PORT=str(plan.master_port),
+        # for processes the rank starts (DataLoader workers), as torchrun does
+        OMP_NUM_THREADS=str(plan.num_threads),
+    )
+
+
+def join(plan: RankPlan) -> RankInfo:
+    """Become rank ``plan.rank``: init the process group and prove it with an all_reduce."""
+    import torch
+    import torch.distributed as dist
+
+    _export_env(plan)
+    torch.set_num_threads(plan.num_threads)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    timeout = timedelta(seconds=plan.timeout_s)
+    if plan.rank == 0:
+        store = _state["store"]
+    else:
+        store = dist.TCPStore(
+            plan.master_addr, plan.master_port, plan.world_size, is_master=False, timeout=timeout
+        )
+    if plan.backend == "nccl":
+        torch.cuda.set_device(plan.local_rank)
+        device = torch.device("cuda", plan.local_rank)
+        # gloo beside NCCL so CPU tensors (and dtlab's own small collectives) work too
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl",
+            store=store,
+            rank=plan.rank,
+            world_size=plan.world_size,
+            timeout=timeout,
+            device_id=device,
+        )
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group(
+            "gloo", store=store, rank=plan.rank, world_size=plan.world_size, timeout=timeout
+        )
+    _state.update(store=store, plan=plan, device=device)
+    return describe_rank(check_group())
+
+
+def check_group() -> int:
+    """All-reduce the rank ids; the sum is world_size * (world_size - 1) / 2 when sound."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("this engine has no process group; run %dt_launch first")
+    device = _state.get("device", torch.device("cpu"))
+    ids = torch.tensor([dist.get_rank()], dtype=torch.int64, device=device)
+    dist.all_reduce(ids)
+    return int(ids.item())
+
+
+def rank_namespace() -> dict:
+    """Names every rank's notebook namespace gets: rank, world_size, device, torch, dist."""
+    import torch
+    import torch.distributed as dist
+
+    plan: RankPlan = _state["plan"]
+    return {
+        "rank": plan.rank,
+        "world_size": plan.world_size,
+        "local_rank": plan.local_rank,
+        "local_world_size": plan.local_world_size,
+        "device": _state["device"],
+        "torch": torch,
+        "dist": dist,
+    }
+
+
+def leave() -> None:
+    """Destroy the process group and drop the store (safe to call when there is none)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _state.clear()

@@ -1,0 +1,134 @@
+"""Wait for per-rank requests without ever hanging the notebook.
+
+One request per rank is in flight (an ipyparallel AsyncResult each). ``gather`` returns
+``{rank: value}`` when all succeed, and otherwise raises one error that names the ranks:
+
+- an exception on some ranks is reported a short grace period after the first one, not
+  when the slowest rank finishes (a rank waiting in a collective for a failed peer would
+  otherwise hold the cell until the process-group timeout);
+- a dead engine arrives from ipyparallel's nanny within ~0.05 s as ``EngineError``;
+- on timeout or Ctrl-C the unfinished ranks get SIGINT, and the error says which stopped
+  and which are still busy (a rank blocked in a gloo collective ignores SIGINT);
+- a request the engine aborted right after an interrupt is sent once more.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Mapping
+
+from ipyparallel.error import RemoteError, TaskAborted
+
+from dtlab.control.errors import RankError, RankTimeoutError
+from dtlab.records import RemoteFailure
+
+POLL_S = 0.05
+FAILURE_GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks
+INTERRUPT_GRACE_S = 2.0  # after SIGINT, how long to wait before calling a rank stuck
+
+Submit = Callable[[list[int]], Mapping[int, object]]  # ranks -> {rank: AsyncResult}
+
+
+def to_failure(exc: BaseException) -> RemoteFailure:
+    if isinstance(exc, RemoteError):
+        return RemoteFailure(exc.ename or "Error", str(exc.evalue), exc.traceback or "")
+    return RemoteFailure(type(exc).__name__, str(exc))
+
+
+class _Round:
+    """The state of one gather: what finished, what failed, what is still out."""
+
+    def __init__(self, pending: Mapping[int, object]):
+        self.pending = dict(pending)
+        self.values: dict[int, object] = {}
+        self.failures: dict[int, RemoteFailure] = {}
+        self.aborted: list[int] = []
+
+    def collect(self) -> None:
+        for rank, ar in list(self.pending.items()):
+            if not ar.done():
+                continue
+            del self.pending[rank]
+            exc = ar.exception()
+            if isinstance(exc, TaskAborted):
+                self.aborted.append(rank)
+            elif exc is not None:
+                self.failures[rank] = to_failure(exc)
+            else:
+                self.values[rank] = ar.result()
+
+    def wait(self, timeout: float) -> None:
+        if self.pending and timeout > 0:
+            concurrent.futures.wait(
+                list(self.pending.values()),
+                timeout=timeout,
+                return_when=concurrent.futures.FIRST_COMPLETED,
+            )
+        self.collect()
+
+
+def gather(
+    submit: Submit,
+    ranks: list[int],
+    *,
+    what: str,
+    timeout: float | None = None,
+    interrupt: Callable[[list[int]], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[int, object]:
+    """Run ``submit(ranks)`` and wait as described in the module docstring."""
+    state = _Round(submit(ranks))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    first_failure = None
+    reason = None
+    try:
+        while state.pending:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                reason = f"timed out after {timeout:g} s"
+                break
+            step = POLL_S if deadline is None else min(POLL_S, deadline - now)
+            state.wait(step)
+            if progress:
+                progress(len(ranks) - len(state.pending), len(ranks))
+            if state.failures and first_failure is None:
+                first_failure = time.monotonic()
+            if first_failure is not None and time.monotonic() - first_failure > FAILURE_GRACE_S:
+                break
+            if state.aborted and not state.pending:
+                retry, state.aborted = state.aborted, []
+                state.pending.update(submit(retry))
+    except KeyboardInterrupt:
+        reason = "interrupted"
+    if reason is not None:
+        _stop(state, interrupt, what, reason)
+    if state.aborted:
+        state.failures.update(
+            {r: RemoteFailure("TaskAborted", "the engine dropped the request") for r in state.aborted}
+        )
+    if state.failures:
+        raise RankError(what, state.failures, finished=state.values, running=state.pending)
+    return state.values
+
+
+def _stop(state: _Round, interrupt, what: str, reason: str) -> None:
+    """Interrupt what is still out, wait a little, then raise a RankTimeoutError."""
+    unfinished = list(state.pending)
+    if interrupt is not None and unfinished:
+        try:
+            interrupt(unfinished)
+        except Exception:  # a dead engine cannot be signalled; it is reported as stuck
+            pass
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        while state.pending and time.monotonic() < deadline:
+            state.wait(POLL_S)
+    stopped = [r for r in unfinished if r not in state.pending]
+    raise RankTimeoutError(
+        what,
+        reason,
+        stopped=stopped,
+        stuck=list(state.pending),
+        failures=state.failures,
+        finished=[r for r in state.values if r not in unfinished],
+    )

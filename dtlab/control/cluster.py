@@ -1,0 +1,191 @@
+"""The ipyparallel cluster under a session: start it, wait for its engines, stop it cleanly.
+
+Stages of ``start``:
+1. configure an ``ipyparallel.Cluster`` with the launcher that ``--launcher`` names;
+2. for ``local``, start the engines *before* the controller, so the fork server imports
+   torch while the controller boots (the engines wait for its connection file);
+3. connect a client and wait until N engines have registered, reporting k/N, and failing
+   fast if the launcher or the controller process exits.
+
+``stop`` stops the engines first (their nannies can still tell the controller), then the
+controller, then makes sure no process it started is left (by pid).
+"""
+
+from __future__ import annotations
+
+import secrets
+import signal
+import time
+from collections.abc import Callable
+
+import ipyparallel as ipp
+import psutil
+
+from dtlab.control.config import LaunchConfig
+from dtlab.control.errors import LaunchError
+from dtlab.control.launchers import engine_launcher_class
+
+# Registration waits for a heartbeat tick: 3 s by default, ~1.5 s at 250 ms (FACTS.md).
+HEARTBEAT_MS = 250
+# ...and 20 missed beats (5 s) before the hub drops an engine that is merely slow.
+HEARTBEAT_MISSES = 20
+STOP_GRACE_S = 3.0
+
+Progress = Callable[[str, int, int], None]
+
+
+def _local_threads(config: LaunchConfig) -> int:
+    from dtlab.control.rankmap import threads_per_rank
+
+    return threads_per_rank(config.threads, len(psutil.Process().cpu_affinity() or [0]), config.num_ranks)
+
+
+def make_cluster(config: LaunchConfig) -> ipp.Cluster:
+    local = config.launcher == "local"
+    cluster = ipp.Cluster(
+        n=config.num_ranks,
+        engine_launcher_class=engine_launcher_class(config.launcher),
+        profile=config.profile,
+        cluster_id=f"dtlab-{int(time.time())}-{secrets.token_hex(2)}",
+        controller_args=[
+            f"--HeartMonitor.period={HEARTBEAT_MS}",
+            f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}",
+        ],
+        # local engines read the connection file from the shared profile dir, so they can
+        # start before the controller; remote ones get it through their environment
+        send_engines_connection_env=not local,
+        delay=0,
+        log_level=30,
+    )
+    env = dict(config.env)
+    if local:
+        # ipyparallel engines do not set it (torchrun does): without it torch takes every
+        # core in every rank, and 8 ranks on 2 cores step ~15x slower (FACTS.md)
+        env.setdefault("OMP_NUM_THREADS", str(_local_threads(config)))
+    cluster.config.EngineLauncher.environment = env
+    for section, values in config.launcher_config.items():
+        for key, value in values.items():
+            setattr(cluster.config[section], key, value)
+    return cluster
+
+
+class EngineCluster:
+    """N ipyparallel engines plus their controller, and every pid they own locally."""
+
+    def __init__(self, config: LaunchConfig):
+        self.config = config
+        self.cluster = make_cluster(config)
+        self.client: ipp.Client | None = None
+
+    @property
+    def cluster_id(self) -> str:
+        return self.cluster.cluster_id
+
+    def start(self, progress: Progress) -> None:
+        try:
+            self._start(progress)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, progress: Progress) -> None:
+        n = self.config.num_ranks
+        progress("engines registered", 0, n)
+        if self.config.launcher == "local":
+            self.cluster.start_engines_sync()
+            self.cluster.start_controller_sync()
+        else:
+            self.cluster.start_controller_sync()
+            self.cluster.start_engines_sync()
+        deadline = time.monotonic() + self.config.timeout_s
+        self.client = self.cluster.connect_client_sync()
+        seen = -1
+        while len(self.client.ids) < n:
+            if len(self.client.ids) != seen:
+                seen = len(self.client.ids)
+                progress("engines registered", seen, n)
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"only {len(self.client.ids)} of {n} engines registered within "
+                    f"{self.config.timeout_s:g} s ({self.config.launcher} launcher); "
+                    "nothing was left running. Raise --timeout if the engines are just slow "
+                    f"(a batch queue), else read the launcher output:\n{self.output_tail()}"
+                )
+            time.sleep(0.02)
+        progress("engines registered", n, n)
+
+    def _check_alive(self) -> None:
+        launchers = [("controller", self.cluster.controller)] + [
+            ("engine launcher", es) for es in self.cluster.engines.values()
+        ]
+        for name, launcher in launchers:
+            if launcher is not None and launcher.state == "after":
+                raise LaunchError(
+                    f"the {name} exited while engines were registering "
+                    f"({launcher.stop_data}); nothing was left running. Its output:\n"
+                    f"{self.output_tail()}"
+                )
+
+    def output_tail(self, lines: int = 30) -> str:
+        parts = []
+        for launcher in [self.cluster.controller, *self.cluster.engines.values()]:
+            if launcher is not None:
+                text = launcher.get_output() or ""
+                parts.extend(text.splitlines()[-lines:])
+        return "\n".join(parts) or "(no output)"
+
+    def local_pids(self) -> list[int]:
+        """Controller, engine launchers and all their descendants running on this host."""
+        roots = [self.cluster.controller, *self.cluster.engines.values()]
+        pids = []
+        for launcher in roots:
+            pid = getattr(launcher, "pid", -1) if launcher is not None else -1
+            if pid > 0:
+                try:
+                    proc = psutil.Process(pid)
+                    pids += [pid] + [p.pid for p in proc.children(recursive=True)]
+                except psutil.NoSuchProcess:
+                    pass
+        return pids
+
+    def stop(self) -> None:
+        """Stop engines, then the controller; SIGKILL whatever is left. Idempotent."""
+        pids = self.local_pids()
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        for step in (self.cluster.stop_engines_sync, self.cluster.stop_controller_sync):
+            try:
+                step()
+            except Exception:  # a launcher that already died: its processes are reaped below
+                pass
+        _reap(pids)
+
+
+def running(pids: list[int]) -> list[int]:
+    """The pids that are still running processes (a zombie has finished running)."""
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (alive := running(pids)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return alive
+
+
+def _reap(pids: list[int]) -> None:
+    for pid in _wait_gone(pids, STOP_GRACE_S):
+        try:
+            psutil.Process(pid).send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    _wait_gone(pids, STOP_GRACE_S)

@@ -1,0 +1,64 @@
+"""What a launch asks for, validated where it is made."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from dtlab.control.launchers import LAUNCHERS
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def parse_env(items: Iterable[str]) -> dict[str, str]:
+    """``["NCCL_DEBUG=INFO", "A=b=c"]`` -> ``{"NCCL_DEBUG": "INFO", "A": "b=c"}``."""
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not key.replace("_", "a").isalnum() or key[0].isdigit():
+            raise ValueError(f"bad --env item {item!r}: expected KEY=VALUE, e.g. NCCL_DEBUG=INFO")
+        env[key] = value
+    return env
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """Options of ``%dt_launch`` / ``dtlab.launch``.
+
+    ``timeout_s`` bounds the whole launch (engines registering, ranks joining);
+    ``pg_timeout_s`` is the process-group timeout, the only thing that frees a rank blocked
+    in a gloo collective (SIGINT cannot; torch's default is 30 min).
+    """
+
+    num_ranks: int
+    backend: str = "auto"
+    launcher: str = "local"
+    timeout_s: float = 120.0
+    threads: int | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    port: int = 0
+    pg_timeout_s: float = 600.0
+    profile: str = ""
+    launcher_config: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
+            raise ValueError(f"number of ranks must be a whole number >= 1, got {self.num_ranks!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(
+                f"unknown launcher {self.launcher!r}; choose one of {', '.join(LAUNCHERS)}"
+            )
+        if not self.timeout_s > 0:
+            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout_s!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be 0 (any free port) or 1-65535, got {self.port!r}")
+        if not self.pg_timeout_s > 0:
+            raise ValueError(f"process-group timeout must be > 0 s, got {self.pg_timeout_s!r}")
+
+    def group_settings(self) -> tuple:
+        """What the process group is built from; a change means rebuilding it."""
+        return (self.backend, self.threads, tuple(sorted(self.env.items())), self.port, self.pg_timeout_s)

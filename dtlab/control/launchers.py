@@ -1,0 +1,54 @@
+"""Which ipyparallel engine launcher each ``--launcher`` name means.
+
+``local`` is ipyparallel's local launcher with one change: the N engines are forked from a
+single process that has already imported torch (see :mod:`dtlab.control.forkserver`), which
+is what makes an 8-rank launch on 2 cores faster than torchrun. ``mpi``, ``slurm`` and ``ssh``
+are ipyparallel's own launchers, passed through unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ipyparallel.cluster.launcher import LocalEngineLauncher
+from traitlets import Integer
+
+LAUNCHERS = ("local", "mpi", "slurm", "ssh")
+# ipyparallel's own engine launcher names (its `ipyparallel.engine_launchers` entry points).
+_IPP_NAMES = {"mpi": "mpi", "slurm": "slurm", "ssh": "ssh"}
+
+
+class ForkingEngineSetLauncher(LocalEngineLauncher):
+    """Launch a set of local engines as forks of one torch-loaded process.
+
+    The set is one OS process to ipyparallel (the fork server); stopping or signalling it
+    reaches every engine because the fork server forwards SIGTERM and SIGINT.
+    """
+
+    name = "dtlab-forkserver"
+    n = Integer(1).tag(to_dict=True)
+
+    def find_args(self):
+        return [
+            sys.executable,
+            "-m",
+            "dtlab.control.forkserver",
+            "--num-engines",
+            str(self.n),
+            "--",
+            *self.cluster_args,
+            *self.engine_args,
+        ]
+
+    def start(self, n):
+        self.n = n
+        return super().start()
+
+
+def engine_launcher_class(name: str):
+    """The class or ipyparallel name to pass as ``Cluster(engine_launcher_class=...)``."""
+    if name == "local":
+        return ForkingEngineSetLauncher
+    if name in _IPP_NAMES:
+        return _IPP_NAMES[name]
+    raise ValueError(f"unknown launcher {name!r}; choose one of {', '.join(LAUNCHERS)}")

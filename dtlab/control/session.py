@@ -1,0 +1,227 @@
+"""A live set of ranks, and the calls the notebook makes on them. Everything is keyed by rank.
+
+Each call is the same three steps: submit one request per rank (to the engine the rank
+map names), wait with :func:`dtlab.control.calls.gather`, return ``{rank: value}``.
+Launching, reuse and the process group live in :mod:`dtlab.control.lifecycle`.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from dtlab.analysis.consistency import Inconsistency, find_inconsistencies
+from dtlab.analysis.ranks import label_ranks, parse_rank_spec
+from dtlab.control.calls import gather
+from dtlab.control.cluster import EngineCluster
+from dtlab.control.config import LaunchConfig
+from dtlab.control.errors import DtlabError, RankError
+from dtlab.control.rankmap import RankMap
+from dtlab.records import CellOutput, EngineFacts, RankInfo, RemoteFailure
+
+Ranks = Iterable[int] | str | None
+OUTPUT_WAIT_S = 2.0  # engine output travels apart from the reply; let it catch up
+
+
+class Session:
+    """N torch.distributed ranks living in ipyparallel engines.
+
+    Use ``run``/``execute``/``pull``/``push`` to work on the ranks and ``shutdown`` (or a
+    ``with`` block) to stop every process it started.
+    """
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        engines: EngineCluster,
+        rank_map: RankMap,
+        facts: Mapping[int, EngineFacts],
+    ):
+        self.config = config
+        self.engines = engines
+        self.rank_map = rank_map
+        self.facts = dict(facts)  # by engine id
+        self.infos: dict[int, RankInfo] = {}  # by rank, filled when the ranks join
+        self.closed = False
+
+    # --- what it is -------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.rank_map.world_size
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.world_size))
+
+    @property
+    def backend(self) -> str:
+        return self.infos[0].backend if self.infos else "none"
+
+    def inconsistencies(self) -> list[Inconsistency]:
+        return find_inconsistencies(self.infos)
+
+    def pids(self) -> list[int]:
+        """Every local process of this session: controller, launchers, engines, nannies."""
+        return self.engines.local_pids()
+
+    def select(self, ranks: Ranks) -> list[int]:
+        """``None`` / ``"all"`` / ``"0-3"`` / ``[0, 3]`` -> validated list of ranks."""
+        if ranks is None:
+            return list(self.ranks)
+        if isinstance(ranks, str):
+            return list(parse_rank_spec(ranks, self.world_size))
+        chosen = sorted(set(ranks))
+        bad = [r for r in chosen if not 0 <= r < self.world_size]
+        if bad:
+            raise ValueError(
+                f"{label_ranks(bad)} not in this session: valid ranks are 0-{self.world_size - 1}"
+            )
+        return chosen
+
+    # --- calls on ranks ---------------------------------------------------------------
+    def _client(self):
+        if self.closed or self.engines.client is None:
+            raise DtlabError("this session is shut down; run %dt_launch N to start a new one")
+        return self.engines.client
+
+    def _check_registered(self, ranks: list[int], what: str) -> None:
+        registered = set(self._client().ids)
+        dead = [r for r in ranks if self.rank_map.engine_ids[r] not in registered]
+        if dead:
+            failures = {
+                r: RemoteFailure(
+                    "EngineError", f"engine {self.rank_map.engine_ids[r]} is no longer registered"
+                )
+                for r in dead
+            }
+            raise RankError(what, failures)
+
+    def _interrupt(self, ranks: list[int]) -> None:
+        self._client().send_signal(
+            signal.SIGINT, targets=self.rank_map.engines(ranks), block=True
+        )
+
+    def submit(
+        self,
+        request: Callable[[Any], Any],
+        ranks: Ranks = None,
+        *,
+        what: str,
+        timeout: float | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> dict[int, Any]:
+        """Send ``request(view, rank)`` to each rank's engine and gather the results."""
+        chosen = self.select(ranks)
+        self._check_registered(chosen, what)
+        client = self._client()
+
+        def send(batch: list[int]):
+            return {r: request(client[self.rank_map.engine_ids[r]], r) for r in batch}
+
+        return gather(
+            send, chosen, what=what, timeout=timeout, interrupt=self._interrupt, progress=progress
+        )
+
+    def run(
+        self, fn: Callable, *args, ranks: Ranks = None, timeout: float | None = None, **kwargs
+    ) -> dict[int, Any]:
+        """``fn(*args, **kwargs)`` on each rank -> ``{rank: result}``."""
+        name = getattr(fn, "__name__", "function")
+        return self.submit(
+            lambda view, r: view.apply_async(fn, *args, **kwargs),
+            ranks,
+            what=f"{name}()",
+            timeout=timeout,
+        )
+
+    def run_each(
+        self, fn: Callable, args_by_rank: Mapping[int, tuple], *, what: str, timeout=None, progress=None
+    ) -> dict[int, Any]:
+        """``fn(*args_by_rank[r])`` on each rank r named in ``args_by_rank``."""
+        return self.submit(
+            lambda view, r: view.apply_async(fn, *args_by_rank[r]),
+            list(args_by_rank),
+            what=what,
+            timeout=timeout,
+            progress=progress,
+        )
+
+    def execute(
+        self, code: str, *, ranks: Ranks = None, timeout: float | None = None
+    ) -> dict[int, CellOutput]:
+        """Run notebook code in each rank's namespace -> its output per rank.
+
+        Raises RankError (with ``.outputs``, everything the ranks printed) when ranks fail.
+        """
+        results: dict[int, Any] = {}
+
+        def request(view, r):
+            results[r] = view.execute(code, silent=False, block=False)
+            return results[r]
+
+        try:
+            self.submit(request, ranks, what="cell", timeout=timeout)
+        except RankError as e:
+            e.outputs = _cell_outputs(results, e.failures)
+            raise
+        return _cell_outputs(results, {})
+
+    def push(self, values: Mapping[str, Any], ranks: Ranks = None, timeout: float | None = None) -> None:
+        """Bind ``values`` (name -> object) in each rank's namespace."""
+        self.submit(lambda view, r: view.push(dict(values), block=False), ranks, what="push", timeout=timeout)
+
+    def pull(self, name: str, ranks: Ranks = None, timeout: float | None = None) -> dict[int, Any]:
+        """The value bound to ``name`` on each rank."""
+        return self.submit(lambda view, r: view.pull(name, block=False), ranks, what=f"pull {name}", timeout=timeout)
+
+    def status(self) -> dict[int, str]:
+        """``{rank: "idle" | "busy" | "dead"}``, asked of the controller (ranks may be busy)."""
+        client = self._client()
+        registered = set(client.ids)
+        queues = client.queue_status() if registered else {}
+        states = {}
+        for rank, eid in enumerate(self.rank_map.engine_ids):
+            if eid not in registered:
+                states[rank] = "dead"
+            else:
+                q = queues.get(eid, {})
+                states[rank] = "busy" if q.get("queue", 0) or q.get("tasks", 0) else "idle"
+        return states
+
+    # --- lifetime ---------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop every engine, nanny and the controller; leaves no process behind."""
+        from dtlab.control import lifecycle
+
+        if not self.closed:
+            self.closed = True
+            self.engines.stop()
+        lifecycle.forget(self)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "shut down" if self.closed else f"{self.backend}, {self.config.launcher} launcher"
+        return f"<dtlab Session: {self.world_size} ranks, {state}>"
+
+
+def _cell_outputs(results: Mapping[int, Any], failures: Mapping[int, RemoteFailure]) -> dict[int, CellOutput]:
+    outputs = {}
+    for rank, ar in sorted(results.items()):
+        if not ar.done():  # still running after a failure elsewhere: nothing final to show
+            outputs[rank] = CellOutput(ar.stdout or "", ar.stderr or "")
+            continue
+        ar.wait_for_output(OUTPUT_WAIT_S)
+        result = None
+        if ar.exception() is None:
+            data = (ar.result().execute_result or {}).get("data", {})
+            result = data.get("text/plain")
+        displays = [o.get("data", {}).get("text/plain", "") for o in (ar.outputs or [])]
+        stdout = (ar.stdout or "") + "".join(d + "\n" for d in displays if d)
+        outputs[rank] = CellOutput(stdout, ar.stderr or "", result, failures.get(rank))
+    return outputs

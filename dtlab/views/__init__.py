@@ -1,0 +1,1 @@
+"""What a person sees: tables, progress, magics. The only layer that imports IPython."""

@@ -1,0 +1,169 @@
+"""IPython magics: thin adapters from what a user types to control/ and back to views/.
+
+    %load_ext dtlab
+    %dt_launch 8                 # 8 ranks; the session is bound to `dt`
+    %%dt --ranks 0-3             # run a cell on some ranks, outputs collated by rank
+    %dt_pull loss                # {rank: value}
+    %dt_push lr                  # notebook variable -> every rank
+    %dt_status                   # idle / busy / dead per rank
+    %dt_shutdown                 # stop everything
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+
+from dtlab.control import lifecycle
+from dtlab.control.config import BACKENDS, LaunchConfig, parse_env
+from dtlab.control.errors import NoSessionError, RankError
+from dtlab.control.launchers import LAUNCHERS
+from dtlab.views.cells import collate_cell
+from dtlab.views.progress import auto_progress
+from dtlab.views.tables import rank_table, status_table
+
+
+def _session():
+    try:
+        return lifecycle.current()
+    except NoSessionError as e:
+        raise UsageError(str(e)) from None
+
+
+def show_cell(outputs) -> None:
+    stdout, stderr, results = collate_cell(outputs)
+    if stdout:
+        sys.stdout.write(stdout)
+    if stderr:
+        sys.stderr.write(stderr)
+    if results:
+        sys.stdout.write(results)
+    sys.stdout.flush()
+
+
+def launch_summary(session, seconds: float) -> str:
+    return (
+        f"{session.world_size} ranks ready ({session.backend}, {session.config.launcher} "
+        f"launcher) in {seconds:.1f} s; the session is `dt`"
+    )
+
+
+@magics_class
+class DtlabMagics(Magics):
+    @line_magic
+    @magic_arguments()
+    @argument("num_ranks", type=int, help="number of ranks (one ipyparallel engine each)")
+    @argument("--backend", default="auto",
+              help=f"one of {', '.join(BACKENDS)}; auto picks nccl when every rank has a GPU")
+    @argument("--launcher", default="local",
+              help=f"ipyparallel engine launcher: one of {', '.join(LAUNCHERS)}")
+    @argument("--timeout", type=float, default=120.0,
+              help="seconds for engines to register and ranks to join (default 120)")
+    @argument("--threads", type=int, default=None,
+              help="torch threads per rank (default: the host's cores / ranks on it)")
+    @argument("--env", nargs="+", action="extend", default=[], metavar="KEY=VAL",
+              help="environment variables for every rank, e.g. --env NCCL_DEBUG=INFO")
+    @argument("--port", type=int, default=0,
+              help="rendezvous port on rank 0's host (default: any free port)")
+    @argument("--pg-timeout", type=float, default=600.0,
+              help="process-group timeout in seconds: frees ranks stuck in a collective")
+    @argument("--restart", action="store_true",
+              help="start fresh engines even if a live session with N ranks exists")
+    def dt_launch(self, line):
+        """Start N ranks (or reuse the live ones) and show the rank table."""
+        args = parse_argstring(self.dt_launch, line)
+        try:
+            config = LaunchConfig(
+                num_ranks=args.num_ranks, backend=args.backend, launcher=args.launcher,
+                timeout_s=args.timeout, threads=args.threads, env=parse_env(args.env),
+                port=args.port, pg_timeout_s=args.pg_timeout,
+            )
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        start = time.monotonic()
+        session = lifecycle.launch(config, auto_progress(), restart=args.restart)
+        self.shell.user_ns["dt"] = session
+        print(launch_summary(session, time.monotonic() - start))
+        display(rank_table(session.infos, session.inconsistencies()))
+
+    @line_cell_magic
+    @magic_arguments()
+    @argument("--ranks", default=None,
+              help="ranks to run on: all (default), even, odd, 0,3 or 0-3")
+    @argument("--timeout", type=float, default=None,
+              help="seconds before unfinished ranks are interrupted and named in an error")
+    def dt(self, line, cell=None):
+        """Run code on the ranks: `%dt code` on all, or `%%dt [--ranks R] [--timeout S]`."""
+        if cell is None:
+            code, ranks, timeout = line, None, None
+        else:
+            args = parse_argstring(self.dt, line)
+            code, ranks, timeout = cell, args.ranks, args.timeout
+        session = _session()
+        try:
+            outputs = session.execute(code, ranks=ranks, timeout=timeout)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        except RankError as e:
+            show_cell(getattr(e, "outputs", {}))
+            raise
+        show_cell(outputs)
+
+    @line_magic
+    @magic_arguments()
+    @argument("name", help="variable to read on the ranks")
+    @argument("--ranks", default=None, help="ranks to read from (default all)")
+    def dt_pull(self, line):
+        """`%dt_pull NAME` -> {rank: value of NAME on that rank}."""
+        args = parse_argstring(self.dt_pull, line)
+        try:
+            return _session().pull(args.name, ranks=args.ranks)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+    @line_magic
+    @magic_arguments()
+    @argument("names", nargs="+", help="notebook variables to send to the ranks")
+    @argument("--ranks", default=None, help="ranks to send to (default all)")
+    def dt_push(self, line):
+        """`%dt_push NAME [NAME ...]`: bind notebook variables on the ranks."""
+        args = parse_argstring(self.dt_push, line)
+        missing = [n for n in args.names if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"no notebook variable named {', '.join(missing)}; define it first")
+        try:
+            _session().push({n: self.shell.user_ns[n] for n in args.names}, ranks=args.ranks)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+    @line_magic
+    def dt_status(self, line):
+        """Each rank: idle, busy or dead."""
+        session = _session()
+        display(status_table(session.status(), session.infos,
+                             f"{session.world_size} ranks, {session.backend}"))
+
+    @line_magic
+    def dt_shutdown(self, line):
+        """Stop every rank, engine and the controller."""
+        try:
+            session = lifecycle.current()
+        except NoSessionError:
+            print("no live dtlab session; nothing to stop")
+            return
+        start = time.monotonic()
+        session.shutdown()
+        print(f"stopped {session.world_size} ranks in {time.monotonic() - start:.2f} s")
+
+
+def register(ipython) -> None:
+    ipython.register_magics(DtlabMagics)
+    from dtlab.control.session import Session
+
+    html = ipython.display_formatter.formatters["text/html"]
+    html.for_type(Session, lambda s: rank_table(s.infos, s.inconsistencies(), repr(s))._repr_html_())

@@ -1,0 +1,84 @@
+"""Plain tables with a text and an HTML face (what ``display`` shows in a notebook)."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from dtlab.analysis.consistency import Inconsistency
+from dtlab.records import RankInfo
+
+
+@dataclass(frozen=True)
+class Table:
+    title: str
+    headers: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    notes: tuple[str, ...] = field(default_factory=tuple)  # shown under the table
+    warnings: tuple[str, ...] = field(default_factory=tuple)  # shown under it, flagged
+
+    def __str__(self) -> str:
+        widths = [max(len(h), *(len(row[i]) for row in self.rows)) for i, h in enumerate(self.headers)]
+        lines = [self.title] if self.title else []
+        lines.append("  ".join(h.ljust(w) for h, w in zip(self.headers, widths)).rstrip())
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in self.rows]
+        lines += [f"WARNING: {w}" for w in self.warnings]
+        lines += list(self.notes)
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        esc = html.escape
+        head = "".join(f"<th>{esc(h)}</th>" for h in self.headers)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in self.rows
+        )
+        warn = "".join(
+            f'<li style="color:#b45309">&#9888; {esc(w)}</li>' for w in self.warnings
+        )
+        notes = "".join(f"<li>{esc(n)}</li>" for n in self.notes)
+        listing = f"<ul style='margin:4px 0'>{warn}{notes}</ul>" if warn or notes else ""
+        title = f"<b>{esc(self.title)}</b>" if self.title else ""
+        return (
+            f'<div class="dtlab-table">{title}<table><thead><tr>{head}</tr></thead>'
+            f"<tbody>{body}</tbody></table>{listing}</div>"
+        )
+
+
+def _v(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def rank_table(
+    infos: Mapping[int, RankInfo], inconsistencies: Sequence[Inconsistency], title: str = ""
+) -> Table:
+    headers = ("rank", "host", "pid", "device", "backend", "threads", "torch", "CUDA", "NCCL")
+    rows = tuple(
+        (
+            str(r), i.host, str(i.pid), i.device, i.backend, str(i.num_threads),
+            i.torch_version, _v(i.cuda_version), _v(i.nccl_version),
+        )
+        for r, i in sorted(infos.items())
+    )
+    warnings = tuple(inc.describe() for inc in inconsistencies)
+    notes = () if warnings else (
+        "all ranks agree on python/torch/CUDA/NCCL versions, threads and "
+        "NCCL_*/GLOO_*/TORCH_*/CUDA_*/OMP_* variables",
+    )
+    return Table(title, headers, rows, notes, warnings)
+
+
+def status_table(
+    states: Mapping[int, str], infos: Mapping[int, RankInfo], title: str = ""
+) -> Table:
+    headers = ("rank", "state", "host", "pid", "device")
+    rows = tuple(
+        (str(r), s, infos[r].host if r in infos else "-", str(infos[r].pid) if r in infos else "-",
+         infos[r].device if r in infos else "-")
+        for r, s in sorted(states.items())
+    )
+    return Table(title, headers, rows)
+

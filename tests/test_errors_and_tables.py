@@ -1,0 +1,65 @@
+from dtlab.control.errors import RankError, RankTimeoutError
+from dtlab.records import RankInfo, RemoteFailure
+from dtlab.views.tables import rank_table, status_table
+from dtlab.analysis.consistency import find_inconsistencies
+
+
+def test_rank_error_groups_identical_errors_and_tracebacks():
+    tb = "Traceback...\nZeroDivisionError: division by zero"
+    failures = {r: RemoteFailure("ZeroDivisionError", "division by zero", tb) for r in (1, 3)}
+    failures[5] = RemoteFailure("KeyError", "'x'", "Traceback...\nKeyError: 'x'")
+    e = RankError("cell", failures, finished=[0, 2, 4, 6, 7])
+    text = str(e)
+    assert text.splitlines()[0] == "cell failed on ranks 1,3,5"
+    assert "ranks 1,3 raised ZeroDivisionError: division by zero" in text
+    assert "rank 5 raised KeyError: 'x'" in text
+    assert text.count("--- traceback on ranks 1,3 ---") == 1
+    assert "ranks 0,2,4,6-7 finished without error" in text
+    assert e._render_traceback_()[0].startswith("RankError: cell failed")
+
+
+def test_dead_engine_reads_as_died():
+    e = RankError("step", {7: RemoteFailure("EngineError", "Engine 7 died")}, running=[0])
+    assert e.dead_ranks == (7,)
+    assert "rank 7 died: the engine process exited" in str(e)
+    assert "rank 0 still running" in str(e)
+    assert "restart the cluster" in str(e)
+
+
+def test_timeout_error_separates_stopped_from_stuck():
+    e = RankTimeoutError("cell", "timed out after 2 s", stopped=[1], stuck=[0, 2, 3],
+                         failures={1: RemoteFailure("KeyboardInterrupt", "")}, finished=[])
+    text = str(e)
+    assert text.startswith("cell: ranks 0-3 did not finish (timed out after 2 s)")
+    assert "rank 1 stopped on SIGINT" in text
+    assert "ranks 0,2-3 still busy after SIGINT" in text
+    assert "KeyboardInterrupt" not in text
+
+
+def _info(rank, torch_version="2.13.0+cpu"):
+    return RankInfo(rank=rank, world_size=2, local_rank=rank, local_world_size=2, host="h",
+                    pid=10 + rank, device="cpu", backend="gloo", num_threads=1,
+                    python_version="3.11", torch_version=torch_version, cuda_version=None,
+                    nccl_version=None, allreduce_sum=1, env={})
+
+
+def test_rank_table_text_and_html_flag_inconsistencies():
+    infos = {0: _info(0), 1: _info(1, "2.12.0")}
+    table = rank_table(infos, find_inconsistencies(infos))
+    text = str(table)
+    assert text.splitlines()[0].split() == ["rank", "host", "pid", "device", "backend",
+                                            "threads", "torch", "CUDA", "NCCL"]
+    assert "WARNING: torch_version differs: rank 0 = '2.13.0+cpu'; rank 1 = '2.12.0'" in text
+    html = table._repr_html_()
+    assert html.count("<tr>") == 3 and "&#9888;" in html and "2.12.0" in html
+
+
+def test_rank_table_says_when_all_agree():
+    infos = {0: _info(0), 1: _info(1)}
+    assert "all ranks agree" in str(rank_table(infos, []))
+
+
+def test_status_table_lists_dead_rank_without_info():
+    table = status_table({0: "idle", 1: "dead"}, {0: _info(0)})
+    assert [row[:2] for row in table.rows] == [("0", "idle"), ("1", "dead")]
+    assert table.rows[1][2] == "-"
