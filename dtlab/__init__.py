@@ -50,9 +50,16 @@ def launch(
     from dtlab.views.progress import auto_progress
 
     config = LaunchConfig(
-        num_ranks=num_ranks, backend=backend, launcher=launcher, timeout_s=timeout,
-        threads=threads, env=dict(env or {}), port=port, pg_timeout_s=pg_timeout,
-        profile=profile, launcher_config=dict(launcher_config or {}),
+        num_ranks=num_ranks,
+        backend=backend,
+        launcher=launcher,
+        timeout_s=timeout,
+        threads=threads,
+        env=dict(env or {}),
+        port=port,
+        pg_timeout_s=pg_timeout,
+        profile=profile,
+        launcher_config=dict(launcher_config or {}),
     )
     return lifecycle.launch(config, progress or auto_progress(), restart=restart)
 

@@ -8,8 +8,14 @@ from dtlab.control.config import LaunchConfig, parse_env
     [
         ({"num_ranks": 0}, "must be a whole number >= 1, got 0"),
         ({"num_ranks": -2}, "got -2"),
-        ({"num_ranks": 2, "backend": "mpi"}, "unknown backend 'mpi'; choose one of auto, gloo, nccl"),
-        ({"num_ranks": 2, "launcher": "k8s"}, "unknown launcher 'k8s'; choose one of local, mpi, slurm, ssh"),
+        (
+            {"num_ranks": 2, "backend": "mpi"},
+            "unknown backend 'mpi'; choose one of auto, gloo, nccl",
+        ),
+        (
+            {"num_ranks": 2, "launcher": "k8s"},
+            "unknown launcher 'k8s'; choose one of local, mpi, slurm, ssh",
+        ),
         ({"num_ranks": 2, "timeout_s": 0}, "--timeout must be > 0"),
         ({"num_ranks": 2, "threads": 0}, "--threads must be >= 1"),
         ({"num_ranks": 2, "port": 70000}, "--port must be 0"),
@@ -29,7 +35,10 @@ def test_group_settings_change_with_env_not_with_timeout():
 
 def test_parse_env():
     assert parse_env(["NCCL_DEBUG=INFO", "X=a=b", "EMPTY="]) == {
-        "NCCL_DEBUG": "INFO", "X": "a=b", "EMPTY": ""}
+        "NCCL_DEBUG": "INFO",
+        "X": "a=b",
+        "EMPTY": "",
+    }
 
 
 @pytest.mark.parametrize("item", ["NOVALUE", "=1", "1A=2", "A-B=1"])

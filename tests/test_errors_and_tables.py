@@ -1,7 +1,7 @@
+from dtlab.analysis.consistency import find_inconsistencies
 from dtlab.control.errors import RankError, RankTimeoutError
 from dtlab.records import RankInfo, RemoteFailure
 from dtlab.views.tables import rank_table, status_table
-from dtlab.analysis.consistency import find_inconsistencies
 
 
 def test_rank_error_groups_identical_errors_and_tracebacks():
@@ -27,8 +27,14 @@ def test_dead_engine_reads_as_died():
 
 
 def test_timeout_error_separates_stopped_from_stuck():
-    e = RankTimeoutError("cell", "timed out after 2 s", stopped=[1], stuck=[0, 2, 3],
-                         failures={1: RemoteFailure("KeyboardInterrupt", "")}, finished=[])
+    e = RankTimeoutError(
+        "cell",
+        "timed out after 2 s",
+        stopped=[1],
+        stuck=[0, 2, 3],
+        failures={1: RemoteFailure("KeyboardInterrupt", "")},
+        finished=[],
+    )
     text = str(e)
     assert text.startswith("cell: ranks 0-3 did not finish (timed out after 2 s)")
     assert "rank 1 stopped on SIGINT" in text
@@ -37,18 +43,40 @@ def test_timeout_error_separates_stopped_from_stuck():
 
 
 def _info(rank, torch_version="2.13.0+cpu"):
-    return RankInfo(rank=rank, world_size=2, local_rank=rank, local_world_size=2, host="h",
-                    pid=10 + rank, device="cpu", backend="gloo", num_threads=1,
-                    python_version="3.11", torch_version=torch_version, cuda_version=None,
-                    nccl_version=None, allreduce_sum=1, env={})
+    return RankInfo(
+        rank=rank,
+        world_size=2,
+        local_rank=rank,
+        local_world_size=2,
+        host="h",
+        pid=10 + rank,
+        device="cpu",
+        backend="gloo",
+        num_threads=1,
+        python_version="3.11",
+        torch_version=torch_version,
+        cuda_version=None,
+        nccl_version=None,
+        allreduce_sum=1,
+        env={},
+    )
 
 
 def test_rank_table_text_and_html_flag_inconsistencies():
     infos = {0: _info(0), 1: _info(1, "2.12.0")}
     table = rank_table(infos, find_inconsistencies(infos))
     text = str(table)
-    assert text.splitlines()[0].split() == ["rank", "host", "pid", "device", "backend",
-                                            "threads", "torch", "CUDA", "NCCL"]
+    assert text.splitlines()[0].split() == [
+        "rank",
+        "host",
+        "pid",
+        "device",
+        "backend",
+        "threads",
+        "torch",
+        "CUDA",
+        "NCCL",
+    ]
     assert "WARNING: torch_version differs: rank 0 = '2.13.0+cpu'; rank 1 = '2.12.0'" in text
     html = table._repr_html_()
     assert html.count("<tr>") == 3 and "&#9888;" in html and "2.12.0" in html

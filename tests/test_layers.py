@@ -11,8 +11,9 @@ NOTEBOOK_LIBS = ["IPython", "ipywidgets", "plotly", "ipyparallel", "zmq", "ipyke
 
 def modules_after(import_line: str) -> set[str]:
     code = f"import sys\n{import_line}\nprint('\\n'.join(sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
     return {m.split(".")[0] for m in out.stdout.split()}
 
 

@@ -11,8 +11,14 @@ from dtlab.records import EngineFacts
 
 
 def facts(host="h", pid=1, cpus=2, gpus=0, index=None, local=None):
-    return EngineFacts(host=host, pid=pid, num_cpus=cpus, num_cuda_devices=gpus,
-                       launch_index=index, local_index=local)
+    return EngineFacts(
+        host=host,
+        pid=pid,
+        num_cpus=cpus,
+        num_cuda_devices=gpus,
+        launch_index=index,
+        local_index=local,
+    )
 
 
 def test_ranks_follow_launch_index_not_engine_id():
@@ -71,8 +77,15 @@ def test_threads_never_oversubscribe_a_host():
 def test_plans_carry_everything_a_rank_needs():
     by_engine = {10 + i: facts(host="n1" if i < 2 else "n2", index=i, cpus=8) for i in range(4)}
     m = assign_ranks(by_engine)
-    plans = make_plans(m, by_engine, backend="gloo", port=29500, threads=None, timeout_s=60.0,
-                       env={"NCCL_DEBUG": "INFO"})
+    plans = make_plans(
+        m,
+        by_engine,
+        backend="gloo",
+        port=29500,
+        threads=None,
+        timeout_s=60.0,
+        env={"NCCL_DEBUG": "INFO"},
+    )
     assert [p.rank for p in plans.values()] == [0, 1, 2, 3]
     assert {p.master_addr for p in plans.values()} == {"n1"}
     assert [p.local_rank for p in plans.values()] == [0, 1, 0, 1]

@@ -11,9 +11,18 @@ from dtlab.records import RankPlan
 
 
 def plan(rank, world_size, port, **kw):
-    return RankPlan(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size,
-                    master_addr="127.0.0.1", master_port=port, backend="gloo", num_threads=1,
-                    timeout_s=30.0, **kw)
+    return RankPlan(
+        rank=rank,
+        world_size=world_size,
+        local_rank=rank,
+        local_world_size=world_size,
+        master_addr="127.0.0.1",
+        master_port=port,
+        backend="gloo",
+        num_threads=1,
+        timeout_s=30.0,
+        **kw,
+    )
 
 
 @pytest.mark.timeout(60)

@@ -105,11 +105,14 @@ def gather(
         _stop(state, interrupt, what, reason)
     if state.aborted:
         state.failures.update(
-            {r: RemoteFailure("TaskAborted", "the engine dropped the request") for r in state.aborted}
+            {
+                r: RemoteFailure("TaskAborted", "the engine dropped the request")
+                for r in state.aborted
+            }
         )
     if state.failures:
         raise RankError(what, state.failures, finished=state.values, running=state.pending)
-    return state.values
+    return dict(sorted(state.values.items()))
 
 
 def _stop(state: _Round, interrupt, what: str, reason: str) -> None:

@@ -37,7 +37,9 @@ Progress = Callable[[str, int, int], None]
 def _local_threads(config: LaunchConfig) -> int:
     from dtlab.control.rankmap import threads_per_rank
 
-    return threads_per_rank(config.threads, len(psutil.Process().cpu_affinity() or [0]), config.num_ranks)
+    return threads_per_rank(
+        config.threads, len(psutil.Process().cpu_affinity() or [0]), config.num_ranks
+    )
 
 
 def make_cluster(config: LaunchConfig) -> ipp.Cluster:
@@ -116,20 +118,28 @@ class EngineCluster:
         progress("engines registered", n, n)
 
     def _check_alive(self) -> None:
+        """Fail fast when the controller or an engine launcher process has exited.
+
+        Asks the OS, not ``launcher.state``: the launchers' stop callbacks run on the event
+        loop of ipyparallel's sync wrappers, which is not running between calls.
+        """
         launchers = [("controller", self.cluster.controller)] + [
             ("engine launcher", es) for es in self.cluster.engines.values()
         ]
         for name, launcher in launchers:
-            if launcher is not None and launcher.state == "after":
+            process = getattr(launcher, "process", None)
+            if process is not None and not running([process.pid]):
                 raise LaunchError(
-                    f"the {name} exited while engines were registering "
-                    f"({launcher.stop_data}); nothing was left running. Its output:\n"
-                    f"{self.output_tail()}"
+                    f"the {name} exited while engines were registering; nothing was left "
+                    f"running. The end of its output:\n{self.output_tail([launcher])}"
                 )
 
-    def output_tail(self, lines: int = 30) -> str:
+    def output_tail(self, launchers=None, lines: int = 15) -> str:
+        """The last lines each launcher's process wrote (engines first)."""
+        if launchers is None:
+            launchers = [*self.cluster.engines.values(), self.cluster.controller]
         parts = []
-        for launcher in [self.cluster.controller, *self.cluster.engines.values()]:
+        for launcher in launchers:
             if launcher is not None:
                 text = launcher.get_output() or ""
                 parts.extend(text.splitlines()[-lines:])

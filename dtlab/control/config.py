@@ -45,7 +45,9 @@ class LaunchConfig:
         if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
             raise ValueError(f"number of ranks must be a whole number >= 1, got {self.num_ranks!r}")
         if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+            raise ValueError(
+                f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}"
+            )
         if self.launcher not in LAUNCHERS:
             raise ValueError(
                 f"unknown launcher {self.launcher!r}; choose one of {', '.join(LAUNCHERS)}"
@@ -61,4 +63,10 @@ class LaunchConfig:
 
     def group_settings(self) -> tuple:
         """What the process group is built from; a change means rebuilding it."""
-        return (self.backend, self.threads, tuple(sorted(self.env.items())), self.port, self.pg_timeout_s)
+        return (
+            self.backend,
+            self.threads,
+            tuple(sorted(self.env.items())),
+            self.port,
+            self.pg_timeout_s,
+        )

@@ -15,8 +15,10 @@ class DtlabError(Exception):
     """Base of dtlab's errors."""
 
     def _render_traceback_(self) -> list[str]:
-        return [f"{type(self).__name__}: {line}" if i == 0 else line
-                for i, line in enumerate(str(self).splitlines())]
+        return [
+            f"{type(self).__name__}: {line}" if i == 0 else line
+            for i, line in enumerate(str(self).splitlines())
+        ]
 
 
 class LaunchError(DtlabError):

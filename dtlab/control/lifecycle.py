@@ -89,7 +89,9 @@ def _describe_engines(engines: EngineCluster, deadline: float):
     ids = list(client.ids)
     ars = {eid: client[eid].apply_async(identity.describe_engine) for eid in ids}
     try:
-        return {eid: ar.get(timeout=max(0.1, deadline - time.monotonic())) for eid, ar in ars.items()}
+        return {
+            eid: ar.get(timeout=max(0.1, deadline - time.monotonic())) for eid, ar in ars.items()
+        }
     except TimeoutError:
         raise LaunchError("engines did not describe themselves in time; raise --timeout") from None
     except Exception as e:
@@ -132,22 +134,35 @@ def join(session: Session, config: LaunchConfig, progress: Progress, deadline: f
     progress("ranks initialised", 0, session.world_size)
     port = _launch_step(
         lambda: session.run(
-            rendezvous.open_store, config.port, session.world_size, config.pg_timeout_s,
-            ranks=[0], timeout=remaining(),
+            rendezvous.open_store,
+            config.port,
+            session.world_size,
+            config.pg_timeout_s,
+            ranks=[0],
+            timeout=remaining(),
         )[0]
     )
     plans = make_plans(
-        rank_map, session.facts, backend=backend, port=port, threads=config.threads,
-        timeout_s=config.pg_timeout_s, env=config.env,
+        rank_map,
+        session.facts,
+        backend=backend,
+        port=port,
+        threads=config.threads,
+        timeout_s=config.pg_timeout_s,
+        env=config.env,
     )
     infos = _launch_step(
         lambda: session.run_each(
-            rendezvous.join, {r: (plan,) for r, plan in plans.items()},
-            what="initialising ranks", timeout=remaining(),
+            rendezvous.join,
+            {r: (plan,) for r, plan in plans.items()},
+            what="initialising ranks",
+            timeout=remaining(),
             progress=lambda k, n: progress("ranks initialised", k, n),
         )
     )
-    wrong = {r: i.allreduce_sum for r, i in infos.items() if i.allreduce_sum != _expected_sum(len(plans))}
+    wrong = {
+        r: i.allreduce_sum for r, i in infos.items() if i.allreduce_sum != _expected_sum(len(plans))
+    }
     if wrong:
         raise LaunchError(
             f"all_reduce of the rank ids gave {wrong} instead of {_expected_sum(len(plans))}: "
@@ -155,10 +170,13 @@ def join(session: Session, config: LaunchConfig, progress: Progress, deadline: f
         )
     session.infos = dict(sorted(infos.items()))
     session.config = config
-    _launch_step(lambda: session.submit(
-        lambda view, r: view.execute(_NAMESPACE_CODE, silent=True, block=False),
-        what="setting up rank namespaces", timeout=remaining(),
-    ))
+    _launch_step(
+        lambda: session.submit(
+            lambda view, r: view.execute(_NAMESPACE_CODE, silent=True, block=False),
+            what="setting up rank namespaces",
+            timeout=remaining(),
+        )
+    )
 
 
 def _launch_step(step):

@@ -98,9 +98,7 @@ class Session:
             raise RankError(what, failures)
 
     def _interrupt(self, ranks: list[int]) -> None:
-        self._client().send_signal(
-            signal.SIGINT, targets=self.rank_map.engines(ranks), block=True
-        )
+        self._client().send_signal(signal.SIGINT, targets=self.rank_map.engines(ranks), block=True)
 
     def submit(
         self,
@@ -136,7 +134,13 @@ class Session:
         )
 
     def run_each(
-        self, fn: Callable, args_by_rank: Mapping[int, tuple], *, what: str, timeout=None, progress=None
+        self,
+        fn: Callable,
+        args_by_rank: Mapping[int, tuple],
+        *,
+        what: str,
+        timeout=None,
+        progress=None,
     ) -> dict[int, Any]:
         """``fn(*args_by_rank[r])`` on each rank r named in ``args_by_rank``."""
         return self.submit(
@@ -167,13 +171,25 @@ class Session:
             raise
         return _cell_outputs(results, {})
 
-    def push(self, values: Mapping[str, Any], ranks: Ranks = None, timeout: float | None = None) -> None:
+    def push(
+        self, values: Mapping[str, Any], ranks: Ranks = None, timeout: float | None = None
+    ) -> None:
         """Bind ``values`` (name -> object) in each rank's namespace."""
-        self.submit(lambda view, r: view.push(dict(values), block=False), ranks, what="push", timeout=timeout)
+        self.submit(
+            lambda view, r: view.push(dict(values), block=False),
+            ranks,
+            what="push",
+            timeout=timeout,
+        )
 
     def pull(self, name: str, ranks: Ranks = None, timeout: float | None = None) -> dict[int, Any]:
         """The value bound to ``name`` on each rank."""
-        return self.submit(lambda view, r: view.pull(name, block=False), ranks, what=f"pull {name}", timeout=timeout)
+        return self.submit(
+            lambda view, r: view.pull(name, block=False),
+            ranks,
+            what=f"pull {name}",
+            timeout=timeout,
+        )
 
     def status(self) -> dict[int, str]:
         """``{rank: "idle" | "busy" | "dead"}``, asked of the controller (ranks may be busy)."""
@@ -210,7 +226,9 @@ class Session:
         return f"<dtlab Session: {self.world_size} ranks, {state}>"
 
 
-def _cell_outputs(results: Mapping[int, Any], failures: Mapping[int, RemoteFailure]) -> dict[int, CellOutput]:
+def _cell_outputs(
+    results: Mapping[int, Any], failures: Mapping[int, RemoteFailure]
+) -> dict[int, CellOutput]:
     outputs = {}
     for rank, ar in sorted(results.items()):
         if not ar.done():  # still running after a failure elsewhere: nothing final to show

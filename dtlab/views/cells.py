@@ -9,7 +9,9 @@ from dtlab.analysis.ranks import label_ranks
 from dtlab.records import CellOutput
 
 
-def collate(by_rank: Mapping[int, str], label: Callable[[tuple[int, ...]], str] = label_ranks) -> str:
+def collate(
+    by_rank: Mapping[int, str], label: Callable[[tuple[int, ...]], str] = label_ranks
+) -> str:
     """``{0: "hi\\n", 1: "hi\\n"}`` -> ``"ranks 0-1: hi\\n"``; multi-line text goes under
     its label. Ranks that printed nothing are left out."""
     blocks = []

@@ -1,12 +1,12 @@
 """IPython magics: thin adapters from what a user types to control/ and back to views/.
 
-    %load_ext dtlab
-    %dt_launch 8                 # 8 ranks; the session is bound to `dt`
-    %%dt --ranks 0-3             # run a cell on some ranks, outputs collated by rank
-    %dt_pull loss                # {rank: value}
-    %dt_push lr                  # notebook variable -> every rank
-    %dt_status                   # idle / busy / dead per rank
-    %dt_shutdown                 # stop everything
+%load_ext dtlab
+%dt_launch 8                 # 8 ranks; the session is bound to `dt`
+%%dt --ranks 0-3             # run a cell on some ranks, outputs collated by rank
+%dt_pull loss                # {rank: value}
+%dt_push lr                  # notebook variable -> every rank
+%dt_status                   # idle / busy / dead per rank
+%dt_shutdown                 # stop everything
 """
 
 from __future__ import annotations
@@ -58,30 +58,66 @@ class DtlabMagics(Magics):
     @line_magic
     @magic_arguments()
     @argument("num_ranks", type=int, help="number of ranks (one ipyparallel engine each)")
-    @argument("--backend", default="auto",
-              help=f"one of {', '.join(BACKENDS)}; auto picks nccl when every rank has a GPU")
-    @argument("--launcher", default="local",
-              help=f"ipyparallel engine launcher: one of {', '.join(LAUNCHERS)}")
-    @argument("--timeout", type=float, default=120.0,
-              help="seconds for engines to register and ranks to join (default 120)")
-    @argument("--threads", type=int, default=None,
-              help="torch threads per rank (default: the host's cores / ranks on it)")
-    @argument("--env", nargs="+", action="extend", default=[], metavar="KEY=VAL",
-              help="environment variables for every rank, e.g. --env NCCL_DEBUG=INFO")
-    @argument("--port", type=int, default=0,
-              help="rendezvous port on rank 0's host (default: any free port)")
-    @argument("--pg-timeout", type=float, default=600.0,
-              help="process-group timeout in seconds: frees ranks stuck in a collective")
-    @argument("--restart", action="store_true",
-              help="start fresh engines even if a live session with N ranks exists")
+    @argument(
+        "--backend",
+        default="auto",
+        help=f"one of {', '.join(BACKENDS)}; auto picks nccl when every rank has a GPU",
+    )
+    @argument(
+        "--launcher",
+        default="local",
+        help=f"ipyparallel engine launcher: one of {', '.join(LAUNCHERS)}",
+    )
+    @argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds for engines to register and ranks to join (default 120)",
+    )
+    @argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per rank (default: the host's cores / ranks on it)",
+    )
+    @argument(
+        "--env",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VAL",
+        help="environment variables for every rank, e.g. --env NCCL_DEBUG=INFO",
+    )
+    @argument(
+        "--port",
+        type=int,
+        default=0,
+        help="rendezvous port on rank 0's host (default: any free port)",
+    )
+    @argument(
+        "--pg-timeout",
+        type=float,
+        default=600.0,
+        help="process-group timeout in seconds: frees ranks stuck in a collective",
+    )
+    @argument(
+        "--restart",
+        action="store_true",
+        help="start fresh engines even if a live session with N ranks exists",
+    )
     def dt_launch(self, line):
         """Start N ranks (or reuse the live ones) and show the rank table."""
         args = parse_argstring(self.dt_launch, line)
         try:
             config = LaunchConfig(
-                num_ranks=args.num_ranks, backend=args.backend, launcher=args.launcher,
-                timeout_s=args.timeout, threads=args.threads, env=parse_env(args.env),
-                port=args.port, pg_timeout_s=args.pg_timeout,
+                num_ranks=args.num_ranks,
+                backend=args.backend,
+                launcher=args.launcher,
+                timeout_s=args.timeout,
+                threads=args.threads,
+                env=parse_env(args.env),
+                port=args.port,
+                pg_timeout_s=args.pg_timeout,
             )
         except ValueError as e:
             raise UsageError(str(e)) from None
@@ -93,10 +129,13 @@ class DtlabMagics(Magics):
 
     @line_cell_magic
     @magic_arguments()
-    @argument("--ranks", default=None,
-              help="ranks to run on: all (default), even, odd, 0,3 or 0-3")
-    @argument("--timeout", type=float, default=None,
-              help="seconds before unfinished ranks are interrupted and named in an error")
+    @argument("--ranks", default=None, help="ranks to run on: all (default), even, odd, 0,3 or 0-3")
+    @argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds before unfinished ranks are interrupted and named in an error",
+    )
     def dt(self, line, cell=None):
         """Run code on the ranks: `%dt code` on all, or `%%dt [--ranks R] [--timeout S]`."""
         if cell is None:
@@ -145,8 +184,11 @@ class DtlabMagics(Magics):
     def dt_status(self, line):
         """Each rank: idle, busy or dead."""
         session = _session()
-        display(status_table(session.status(), session.infos,
-                             f"{session.world_size} ranks, {session.backend}"))
+        display(
+            status_table(
+                session.status(), session.infos, f"{session.world_size} ranks, {session.backend}"
+            )
+        )
 
     @line_magic
     def dt_shutdown(self, line):
@@ -166,4 +208,6 @@ def register(ipython) -> None:
     from dtlab.control.session import Session
 
     html = ipython.display_formatter.formatters["text/html"]
-    html.for_type(Session, lambda s: rank_table(s.infos, s.inconsistencies(), repr(s))._repr_html_())
+    html.for_type(
+        Session, lambda s: rank_table(s.infos, s.inconsistencies(), repr(s))._repr_html_()
+    )

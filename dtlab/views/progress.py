@@ -27,7 +27,9 @@ class TextProgress:
         now = time.monotonic()
         if done == total or now - self.last_print >= QUIET_S:
             self.last_print = now
-            print(f"{phase} {done}/{total} ({now - self.start:.1f} s)", file=self.stream, flush=True)
+            print(
+                f"{phase} {done}/{total} ({now - self.start:.1f} s)", file=self.stream, flush=True
+            )
 
 
 def in_notebook_kernel() -> bool:

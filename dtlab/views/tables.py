@@ -19,10 +19,15 @@ class Table:
     warnings: tuple[str, ...] = field(default_factory=tuple)  # shown under it, flagged
 
     def __str__(self) -> str:
-        widths = [max(len(h), *(len(row[i]) for row in self.rows)) for i, h in enumerate(self.headers)]
+        widths = [
+            max([len(h), *(len(row[i]) for row in self.rows)]) for i, h in enumerate(self.headers)
+        ]
+
+        def line(cells) -> str:
+            return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
         lines = [self.title] if self.title else []
-        lines.append("  ".join(h.ljust(w) for h, w in zip(self.headers, widths)).rstrip())
-        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in self.rows]
+        lines += [line(self.headers), *(line(row) for row in self.rows)]
         lines += [f"WARNING: {w}" for w in self.warnings]
         lines += list(self.notes)
         return "\n".join(lines)
@@ -36,9 +41,7 @@ class Table:
         body = "".join(
             "<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in self.rows
         )
-        warn = "".join(
-            f'<li style="color:#b45309">&#9888; {esc(w)}</li>' for w in self.warnings
-        )
+        warn = "".join(f'<li style="color:#b45309">&#9888; {esc(w)}</li>' for w in self.warnings)
         notes = "".join(f"<li>{esc(n)}</li>" for n in self.notes)
         listing = f"<ul style='margin:4px 0'>{warn}{notes}</ul>" if warn or notes else ""
         title = f"<b>{esc(self.title)}</b>" if self.title else ""
@@ -58,15 +61,26 @@ def rank_table(
     headers = ("rank", "host", "pid", "device", "backend", "threads", "torch", "CUDA", "NCCL")
     rows = tuple(
         (
-            str(r), i.host, str(i.pid), i.device, i.backend, str(i.num_threads),
-            i.torch_version, _v(i.cuda_version), _v(i.nccl_version),
+            str(r),
+            i.host,
+            str(i.pid),
+            i.device,
+            i.backend,
+            str(i.num_threads),
+            i.torch_version,
+            _v(i.cuda_version),
+            _v(i.nccl_version),
         )
         for r, i in sorted(infos.items())
     )
     warnings = tuple(inc.describe() for inc in inconsistencies)
-    notes = () if warnings else (
-        "all ranks agree on python/torch/CUDA/NCCL versions, threads and "
-        "NCCL_*/GLOO_*/TORCH_*/CUDA_*/OMP_* variables",
+    notes = (
+        ()
+        if warnings
+        else (
+            "all ranks agree on python/torch/CUDA/NCCL versions, threads and "
+            "NCCL_*/GLOO_*/TORCH_*/CUDA_*/OMP_* variables",
+        )
     )
     return Table(title, headers, rows, notes, warnings)
 
@@ -76,9 +90,13 @@ def status_table(
 ) -> Table:
     headers = ("rank", "state", "host", "pid", "device")
     rows = tuple(
-        (str(r), s, infos[r].host if r in infos else "-", str(infos[r].pid) if r in infos else "-",
-         infos[r].device if r in infos else "-")
+        (
+            str(r),
+            s,
+            infos[r].host if r in infos else "-",
+            str(infos[r].pid) if r in infos else "-",
+            infos[r].device if r in infos else "-",
+        )
         for r, s in sorted(states.items())
     )
     return Table(title, headers, rows)
-

@@ -19,8 +19,9 @@ class WidgetProgress:
 
     def __call__(self, phase: str, done: int, total: int) -> None:
         if phase not in self.rows:
-            bar = widgets.IntProgress(min=0, max=max(total, 1), description=phase,
-                                      style={"description_width": "initial"})
+            bar = widgets.IntProgress(
+                min=0, max=max(total, 1), description=phase, style={"description_width": "initial"}
+            )
             label = widgets.Label()
             self.rows[phase] = (bar, label)
             self.box.children = (*self.box.children, widgets.HBox([bar, label]))

@@ -1,0 +1,61 @@
+"""Runbook notebooks executed top to bottom by a real kernel, as a user would run them."""
+
+from ast import literal_eval
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from dtlab.control.cluster import running
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+
+def execute(name: str):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    NotebookClient(
+        nb,
+        timeout=120,
+        kernel_name="python3",
+        interrupt_on_timeout=True,
+        resources={"metadata": {"path": str(NOTEBOOKS)}},
+    ).execute()
+    return nb
+
+
+def text_of(cell) -> str:
+    parts = []
+    for out in cell.get("outputs", []):
+        if out["output_type"] == "stream":
+            parts.append(out["text"])
+        elif "data" in out and "text/plain" in out["data"]:
+            parts.append(out["data"]["text/plain"])
+    return "".join(parts)
+
+
+def test_quickstart_runs_top_to_bottom():
+    nb = execute("01_quickstart.ipynb")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    errors = [o for c in code for o in c.get("outputs", []) if o["output_type"] == "error"]
+    assert errors == []
+    by_source = {c.source.splitlines()[0]: text_of(c) for c in code}
+    all_reduce = next(text_of(c) for c in code if "dist.all_reduce" in c.source)
+    launch = by_source["%dt_launch 8"]
+    assert "8 ranks ready (gloo, local launcher)" in launch
+    assert "all ranks agree" in launch
+    assert all_reduce == "ranks 0-7: all_reduce of the rank ids = 28\n"
+    assert by_source["%%dt --ranks 0-3"].splitlines() == [
+        f"rank {r}: rank {r} of 8 on cpu" for r in range(4)
+    ]
+    assert literal_eval(by_source["squares = %dt_pull x"]) == {r: r * r for r in range(8)}
+    assert "Out[rank 7]: 3.5" in by_source["scale = 0.5"]
+    threads = literal_eval(by_source["dt.run(lambda: (rank, torch.get_num_threads()))"])
+    assert threads == {r: (r, 1) for r in range(8)}
+    status = by_source["%dt_status"].splitlines()
+    assert [line.split()[1] for line in status[2:]] == ["idle"] * 8
+    assert by_source["%dt_shutdown"].startswith("stopped 8 ranks in ")
+    pids = [int(line.split()[3]) for line in status[2:]]
+    assert running(pids) == []

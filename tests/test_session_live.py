@@ -1,0 +1,161 @@
+"""A live 2-rank cluster driven through the Python API (dtlab.launch / Session)."""
+
+import os
+import signal
+import threading
+import time
+
+import ipyparallel as ipp
+import pytest
+
+import dtlab
+from dtlab.control.cluster import running
+from dtlab.control.errors import RankError, RankTimeoutError
+from tests.conftest import quiet
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
+
+
+@ipp.interactive  # resolved in the rank's namespace, like a function defined in a notebook
+def environ():
+    import os
+
+    return dict(os.environ)
+
+
+def test_two_ranks_form_a_group_proved_by_all_reduce(live2):
+    dt = live2
+    assert dt.world_size == 2 and dt.backend == "gloo"
+    assert {r: i.allreduce_sum for r, i in dt.infos.items()} == {0: 1, 1: 1}
+    # the group works from user code too
+    out = dt.execute("t = torch.tensor([rank + 1.0]); dist.all_reduce(t); t.item()")
+    assert {r: o.result for r, o in out.items()} == {0: "3.0", 1: "3.0"}
+
+
+def test_each_engine_is_the_rank_the_map_says(live2):
+    dt = live2
+    for rank, engine_id in enumerate(dt.rank_map.engine_ids):
+        assert dt.engines.client[engine_id].pull("rank", block=True) == rank
+    assert dt.pull("rank") == {0: 0, 1: 1}
+    env = dt.run(environ)
+    for rank in dt.ranks:
+        assert env[rank]["RANK"] == str(rank) and env[rank]["LOCAL_RANK"] == str(rank)
+        assert env[rank]["WORLD_SIZE"] == "2" and env[rank]["LOCAL_WORLD_SIZE"] == "2"
+        assert env[rank]["MASTER_ADDR"] == "127.0.0.1"
+        assert int(env[rank]["MASTER_PORT"]) > 0
+        assert env[rank]["DTLAB_ENGINE_INDEX"] == str(rank)  # fork order decides ranks
+        assert env[rank]["OMP_NUM_THREADS"] == "1"  # 2 cores / 2 ranks
+    assert len({env[r]["MASTER_PORT"] for r in dt.ranks}) == 1
+
+
+def test_run_push_pull_and_rank_subsets(live2):
+    dt = live2
+    dt.push({"base": 10})
+
+    @ipp.interactive
+    def scaled():
+        return base * (rank + 1)  # noqa: F821 - names of the rank's namespace
+
+    assert dt.run(scaled) == {0: 10, 1: 20}
+    assert dt.run(scaled, ranks="1") == {1: 20}
+    dt.push({"base": 1}, ranks=[0])
+    assert dt.pull("base") == {0: 1, 1: 10}
+    with pytest.raises(ValueError, match="rank 2 in '2' does not exist"):
+        dt.pull("base", ranks="2")
+
+
+def test_errors_on_several_ranks_become_one(live2):
+    with pytest.raises(RankError) as e:
+        live2.execute("print('before', rank)\nif rank == 1:\n    1 / 0\n")
+    err = e.value
+    assert set(err.failures) == {1} and err.finished == (0,)
+    assert err.failures[1].ename == "ZeroDivisionError"
+    assert "rank 1 raised ZeroDivisionError" in str(err)
+    assert "ZeroDivisionError" in err.failures[1].traceback
+    assert err.outputs[0].stdout == "before 0\n" and err.outputs[1].stdout == "before 1\n"
+
+
+def test_timeout_interrupts_a_hung_rank_and_names_it(live2):
+    start = time.monotonic()
+    with pytest.raises(RankTimeoutError) as e:
+        live2.execute("import time\nif rank == 1:\n    time.sleep(600)\n", timeout=2)
+    assert time.monotonic() - start < 10
+    assert e.value.stopped == (1,) and e.value.stuck == () and e.value.finished == (0,)
+    assert "rank 1 did not finish (timed out after 2 s)" in str(e.value)
+    # the interrupted rank is usable again at once
+    assert live2.run(os.getpid, ranks=[1])[1] == live2.infos[1].pid
+
+
+def test_rank_blocked_in_a_collective_is_reported_stuck(cluster_cleanup):
+    dt = dtlab.launch(2, progress=quiet)
+    with pytest.raises(RankTimeoutError) as e:
+        dt.execute(
+            "import time\nif rank == 1:\n    time.sleep(600)\nelse:\n    dist.barrier()", timeout=2
+        )
+    assert e.value.stopped == (1,) and e.value.stuck == (0,)
+    assert "probably blocked in a collective" in str(e.value)
+    assert dt.status()[0] == "busy"
+    old_pids = dt.pids()
+    fresh = dtlab.launch(2, progress=quiet)  # a busy session is replaced, not reused
+    assert fresh is not dt and dt.closed
+    assert running(old_pids) == []
+    assert set(fresh.run(os.getpid).values()) == {i.pid for i in fresh.infos.values()}
+
+
+def test_ctrl_c_interrupts_the_ranks(live2):
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(RankTimeoutError) as e:
+            live2.execute("import time\ntime.sleep(600)")
+    finally:
+        timer.cancel()
+    assert e.value.reason == "interrupted" and e.value.stopped == (0, 1)
+    assert live2.status() == {0: "idle", 1: "idle"}
+
+
+def test_dead_rank_is_named_quickly(cluster_cleanup):
+    dt = dtlab.launch(2, progress=quiet)
+    victim = dt.infos[1].pid
+    threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(RankError) as e:
+        dt.execute("import time\ntime.sleep(30)", timeout=25)
+    assert time.monotonic() - start < 10
+    assert e.value.dead_ranks == (1,)
+    assert "rank 1 died" in str(e.value)
+    assert dt.status()[1] == "dead"
+    with pytest.raises(RankError, match="rank 1 died"):
+        dt.run(os.getpid)  # later calls name the dead rank instead of hanging
+    assert dtlab.launch(2, progress=quiet) is not dt  # relaunch replaces the broken session
+
+
+def test_relaunch_reuses_live_ranks_and_rebuilds_changed_group(live2):
+    dt = live2
+    pids = dt.run(os.getpid)
+    assert dtlab.launch(2, progress=quiet) is dt
+    again = dtlab.launch(2, threads=2, env={"GLOO_SOCKET_TIMEOUT_MS": "60000"}, progress=quiet)
+    assert again is dt and dt.run(os.getpid) == pids  # same engines
+    assert {i.num_threads for i in dt.infos.values()} == {2}
+    assert dt.infos[0].env["GLOO_SOCKET_TIMEOUT_MS"] == "60000"
+    dtlab.launch(2, progress=quiet)  # back to defaults for later tests
+    assert {i.num_threads for i in dt.infos.values()} == {1}
+
+
+def test_different_size_restarts_and_shutdown_leaves_nothing(cluster_cleanup):
+    two = dtlab.launch(2, progress=quiet)
+    two_pids = two.pids()
+    three = dtlab.launch(3, progress=quiet)
+    assert three is not two and two.closed and running(two_pids) == []
+    assert {i.allreduce_sum for i in three.infos.values()} == {3}
+    pids = three.pids()
+    rank_pids = {i.pid for i in three.infos.values()}
+    assert rank_pids <= set(pids)
+    # controller + fork server + 3 engines + 3 nannies at least
+    assert len(pids) >= 8
+    three.shutdown()
+    assert running(pids) == []
+    with pytest.raises(Exception, match="shut down"):
+        three.run(os.getpid)
+    with pytest.raises(Exception, match="no live dtlab session"):
+        dtlab.session()
