@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -37,11 +38,17 @@ PRELOAD = (
     "ipyparallel.engine.app",
     "ipyparallel.engine.nanny",
     "ipykernel.ipkernel",
+    # what each engine would otherwise import after the fork, 8 times over
+    "ipykernel.debugger",
+    "IPython.extensions.storemagic",
+    "IPython.core.completerlib",
+    "IPython.core.oinspect",
+    "sqlite3",
     "dtlab.agent.identity",
     "dtlab.agent.rendezvous",
 )
 _PR_SET_PDEATHSIG = 1
-PARENT_POLL_S = 0.05  # reap and parent-check period; also bounds shutdown latency
+PARENT_POLL_S = 0.5  # how often to check that the launching kernel is still alive
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -151,8 +158,12 @@ def serve(num_engines: int, engine_argv: list[str]) -> int:
     # Nannies outlive their engine by a moment; as subreaper we reap them, so when this
     # process exits every engine and nanny it made is gone (not left as a zombie of init).
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # as ipengine sets it
     for name in PRELOAD:
         importlib.import_module(name)
+    # Keep the collector off the preloaded objects: a collection in a child would write to
+    # every object it visits, copying the shared pages into each engine (Python's gc docs).
+    gc.freeze()
     children: dict[int, int] = {}
     stopping: list[int] = []
     forward = _forward(children, stopping)
@@ -166,6 +177,8 @@ def serve(num_engines: int, engine_argv: list[str]) -> int:
     print(f"dtlab fork server {os.getpid()}: engines {sorted(children)}", flush=True)
     exit_code = 0
     parent = os.getppid()
+    # sleep until a child exits (SIGCHLD) or PARENT_POLL_S passes, instead of spinning
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
     while True:  # until no descendant is left: engines, and the nannies reparented to us
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -178,7 +191,7 @@ def serve(num_engines: int, engine_argv: list[str]) -> int:
                 print("dtlab fork server: launching process exited; stopping engines", flush=True)
                 forward(signal.SIGTERM, None)
                 _stop_orphaned_controller()
-            time.sleep(PARENT_POLL_S)
+            signal.sigtimedwait({signal.SIGCHLD}, PARENT_POLL_S)
             continue
         if pid not in children:
             continue

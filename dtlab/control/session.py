@@ -8,6 +8,7 @@ Launching, reuse and the process group live in :mod:`dtlab.control.lifecycle`.
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -22,6 +23,8 @@ from dtlab.records import CellOutput, EngineFacts, RankInfo, RemoteFailure
 
 Ranks = Iterable[int] | str | None
 OUTPUT_WAIT_S = 2.0  # engine output travels apart from the reply; let it catch up
+STATUS_SETTLE_TRIES = 4
+STATUS_SETTLE_S = 0.05
 
 
 class Session:
@@ -192,7 +195,19 @@ class Session:
         )
 
     def status(self) -> dict[int, str]:
-        """``{rank: "idle" | "busy" | "dead"}``, asked of the controller (ranks may be busy)."""
+        """``{rank: "idle" | "busy" | "dead"}``, asked of the controller (ranks may be busy).
+
+        The controller learns that a request finished a moment after the notebook does, so
+        a rank that looks busy is asked about again a few times before it is called busy.
+        """
+        for _ in range(STATUS_SETTLE_TRIES):
+            states = self._status_once()
+            if "busy" not in states.values():
+                break
+            time.sleep(STATUS_SETTLE_S)
+        return states
+
+    def _status_once(self) -> dict[int, str]:
         client = self._client()
         registered = set(client.ids)
         queues = client.queue_status() if registered else {}
