@@ -10,7 +10,7 @@ import pytest
 
 import dtlab
 from dtlab.control.cluster import running
-from dtlab.control.errors import RankError, RankTimeoutError
+from dtlab.control.errors import DtlabError, RankError, RankTimeoutError
 from tests.conftest import quiet
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
@@ -159,3 +159,19 @@ def test_different_size_restarts_and_shutdown_leaves_nothing(cluster_cleanup):
         three.run(os.getpid)
     with pytest.raises(Exception, match="no live dtlab session"):
         dtlab.session()
+
+
+def test_dead_controller_is_an_error_not_a_hang(cluster_cleanup):
+    dt = dtlab.launch(2, restart=True, progress=quiet)
+    controller = dt.engines.cluster.controller.process.pid
+    threading.Timer(1.0, os.kill, (controller, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(DtlabError, match="controller has exited"):
+        dt.execute("import time\ntime.sleep(60)")  # no timeout: only the check can end it
+    assert time.monotonic() - start < 10
+    with pytest.raises(DtlabError, match=r"controller has exited.*%dt_launch 2 --restart"):
+        dt.status()
+    old = dt.pids()
+    fresh = dtlab.launch(2, progress=quiet)
+    assert fresh is not dt and running(old) == []
+    assert fresh.pull("rank") == {0: 0, 1: 1}

@@ -24,6 +24,7 @@ from dtlab.control.errors import RankError, RankTimeoutError
 from dtlab.records import RemoteFailure
 
 POLL_S = 0.05
+CHECK_EVERY_S = 0.5  # how often ``check`` (is the cluster still there?) runs while waiting
 FAILURE_GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks
 INTERRUPT_GRACE_S = 2.0  # after SIGINT, how long to wait before calling a rank stuck
 
@@ -76,15 +77,24 @@ def gather(
     timeout: float | None = None,
     interrupt: Callable[[list[int]], None] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    check: Callable[[], None] | None = None,
 ) -> dict[int, object]:
-    """Run ``submit(ranks)`` and wait as described in the module docstring."""
+    """Run ``submit(ranks)`` and wait as described in the module docstring.
+
+    ``check`` is called every CHECK_EVERY_S while waiting and may raise to give up (the
+    controller died: no reply will ever come).
+    """
     state = _Round(submit(ranks))
     deadline = None if timeout is None else time.monotonic() + timeout
     first_failure = None
     reason = None
+    last_check = time.monotonic()
     try:
         while state.pending:
             now = time.monotonic()
+            if check is not None and now - last_check >= CHECK_EVERY_S:
+                last_check = now
+                check()
             if deadline is not None and now >= deadline:
                 reason = f"timed out after {timeout:g} s"
                 break

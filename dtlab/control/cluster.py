@@ -24,6 +24,7 @@ import psutil
 from dtlab.control.config import LaunchConfig
 from dtlab.control.errors import LaunchError
 from dtlab.control.launchers import engine_launcher_class
+from dtlab.control.rankmap import threads_per_rank
 
 # Registration waits for a heartbeat tick: 3 s by default, ~1.5 s at 250 ms (FACTS.md).
 HEARTBEAT_MS = 250
@@ -35,8 +36,6 @@ Progress = Callable[[str, int, int], None]
 
 
 def _local_threads(config: LaunchConfig) -> int:
-    from dtlab.control.rankmap import threads_per_rank
-
     return threads_per_rank(
         config.threads, len(psutil.Process().cpu_affinity() or [0]), config.num_ranks
     )
@@ -78,6 +77,9 @@ class EngineCluster:
         self.config = config
         self.cluster = make_cluster(config)
         self.client: ipp.Client | None = None
+        # processes seen so far: a controller killed outright orphans its schedulers,
+        # which can then no longer be found as its descendants
+        self._seen: dict[int, psutil.Process] = {}
 
     @property
     def cluster_id(self) -> str:
@@ -116,6 +118,7 @@ class EngineCluster:
                 )
             time.sleep(0.02)
         progress("engines registered", n, n)
+        self.local_processes()  # remember the controller's and launchers' processes
 
     def _check_alive(self) -> None:
         """Fail fast when the controller or an engine launcher process has exited.
@@ -134,6 +137,11 @@ class EngineCluster:
                     f"running. The end of its output:\n{self.output_tail([launcher])}"
                 )
 
+    def controller_exited(self) -> bool:
+        """True when the (always local) controller process is gone: nothing would answer."""
+        process = getattr(self.cluster.controller, "process", None)
+        return process is not None and not running([process.pid])
+
     def output_tail(self, launchers=None, lines: int = 15) -> str:
         """The last lines each launcher's process wrote (engines first)."""
         if launchers is None:
@@ -145,23 +153,27 @@ class EngineCluster:
                 parts.extend(text.splitlines()[-lines:])
         return "\n".join(parts) or "(no output)"
 
-    def local_pids(self) -> list[int]:
-        """Controller, engine launchers and all their descendants running on this host."""
+    def local_processes(self) -> list[psutil.Process]:
+        """Controller, engine launchers and all their descendants on this host, including
+        those seen earlier that still run (psutil.Process objects notice a reused pid)."""
         roots = [self.cluster.controller, *self.cluster.engines.values()]
-        pids = []
         for launcher in roots:
             pid = getattr(launcher, "pid", -1) if launcher is not None else -1
             if pid > 0:
                 try:
                     proc = psutil.Process(pid)
-                    pids += [pid] + [p.pid for p in proc.children(recursive=True)]
+                    for p in [proc, *proc.children(recursive=True)]:
+                        self._seen.setdefault(p.pid, p)
                 except psutil.NoSuchProcess:
                     pass
-        return pids
+        return [p for p in self._seen.values() if _alive(p)]
+
+    def local_pids(self) -> list[int]:
+        return sorted(p.pid for p in self.local_processes())
 
     def stop(self) -> None:
         """Stop engines, then the controller; SIGKILL whatever is left. Idempotent."""
-        pids = self.local_pids()
+        procs = self.local_processes()
         if self.client is not None:
             self.client.close()
             self.client = None
@@ -170,32 +182,40 @@ class EngineCluster:
                 step()
             except Exception:  # a launcher that already died: its processes are reaped below
                 pass
-        _reap(pids)
+        _reap(procs)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    """Running, and not a zombie (a zombie has finished running)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def running(pids: list[int]) -> list[int]:
-    """The pids that are still running processes (a zombie has finished running)."""
+    """The pids that are still running processes."""
     alive = []
     for pid in pids:
         try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            if _alive(psutil.Process(pid)):
                 alive.append(pid)
         except psutil.NoSuchProcess:
             pass
     return alive
 
 
-def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout
-    while (alive := running(pids)) and time.monotonic() < deadline:
+    while (alive := [p for p in procs if _alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.01)
     return alive
 
 
-def _reap(pids: list[int]) -> None:
-    for pid in _wait_gone(pids, STOP_GRACE_S):
+def _reap(procs: list[psutil.Process]) -> None:
+    for proc in _wait_gone(procs, STOP_GRACE_S):
         try:
-            psutil.Process(pid).send_signal(signal.SIGKILL)
+            proc.send_signal(signal.SIGKILL)  # psutil refuses if the pid was reused
         except psutil.NoSuchProcess:
             pass
-    _wait_gone(pids, STOP_GRACE_S)
+    _wait_gone(procs, STOP_GRACE_S)

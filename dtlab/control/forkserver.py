@@ -27,7 +27,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 ENGINE_INDEX_ENV = "DTLAB_ENGINE_INDEX"
 PRELOAD = (

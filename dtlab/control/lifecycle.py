@@ -42,6 +42,10 @@ def current() -> Session:
     return _current
 
 
+def current_or_none() -> Session | None:
+    return None if _current is None or _current.closed else _current
+
+
 def forget(session: Session) -> None:
     global _current
     if _current is session:
@@ -67,7 +71,10 @@ def _reusable(session: Session, config: LaunchConfig) -> bool:
         config.launcher,
         config.profile,
     )
-    return same and set(session.status().values()) == {"idle"}
+    try:
+        return same and set(session.status().values()) == {"idle"}
+    except DtlabError:  # e.g. the controller died: nothing of it can be reused
+        return False
 
 
 def start(config: LaunchConfig, progress: Progress) -> Session:

@@ -7,6 +7,7 @@ Launching, reuse and the process group live in :mod:`dtlab.control.lifecycle`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -23,6 +24,7 @@ from dtlab.records import CellOutput, EngineFacts, RankInfo, RemoteFailure
 
 Ranks = Iterable[int] | str | None
 OUTPUT_WAIT_S = 2.0  # engine output travels apart from the reply; let it catch up
+INTERRUPT_REPLY_S = 2.0
 STATUS_SETTLE_TRIES = 4
 STATUS_SETTLE_S = 0.05
 
@@ -86,7 +88,16 @@ class Session:
     def _client(self):
         if self.closed or self.engines.client is None:
             raise DtlabError("this session is shut down; run %dt_launch N to start a new one")
+        self._check_controller()
         return self.engines.client
+
+    def _check_controller(self) -> None:
+        """Raise instead of waiting for replies that a dead controller will never route."""
+        if self.engines.controller_exited():
+            raise DtlabError(
+                "the ipyparallel controller has exited, so no rank can be reached; "
+                f"run %dt_launch {self.world_size} --restart"
+            )
 
     def _check_registered(self, ranks: list[int], what: str) -> None:
         registered = set(self._client().ids)
@@ -101,7 +112,10 @@ class Session:
             raise RankError(what, failures)
 
     def _interrupt(self, ranks: list[int]) -> None:
-        self._client().send_signal(signal.SIGINT, targets=self.rank_map.engines(ranks), block=True)
+        engines = self.rank_map.engines(ranks)
+        reply = self._client().send_signal(signal.SIGINT, targets=engines, block=False)
+        # the nannies confirm; never wait on them forever
+        concurrent.futures.wait([reply], timeout=INTERRUPT_REPLY_S)
 
     def submit(
         self,
@@ -121,7 +135,13 @@ class Session:
             return {r: request(client[self.rank_map.engine_ids[r]], r) for r in batch}
 
         return gather(
-            send, chosen, what=what, timeout=timeout, interrupt=self._interrupt, progress=progress
+            send,
+            chosen,
+            what=what,
+            timeout=timeout,
+            interrupt=self._interrupt,
+            progress=progress,
+            check=self._check_controller,
         )
 
     def run(

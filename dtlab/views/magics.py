@@ -46,11 +46,11 @@ def show_cell(outputs) -> None:
     sys.stdout.flush()
 
 
-def launch_summary(session, seconds: float) -> str:
-    return (
-        f"{session.world_size} ranks ready ({session.backend}, {session.config.launcher} "
-        f"launcher) in {seconds:.1f} s; the session is `dt`"
-    )
+def launch_summary(session, seconds: float, reused: bool = False) -> str:
+    how = f"{session.backend}, {session.config.launcher} launcher"
+    if reused:
+        how += ", live engines reused"
+    return f"{session.world_size} ranks ready ({how}) in {seconds:.1f} s; the session is `dt`"
 
 
 @magics_class
@@ -122,9 +122,10 @@ class DtlabMagics(Magics):
         except ValueError as e:
             raise UsageError(str(e)) from None
         start = time.monotonic()
+        previous = lifecycle.current_or_none()
         session = lifecycle.launch(config, auto_progress(), restart=args.restart)
         self.shell.user_ns["dt"] = session
-        print(launch_summary(session, time.monotonic() - start))
+        print(launch_summary(session, time.monotonic() - start, reused=session is previous))
         display(rank_table(session.infos, session.inconsistencies()))
 
     @line_cell_magic
