@@ -1,28 +1,5 @@
-from dataclasses import replace
-
 from dtlab.analysis.consistency import find_inconsistencies
-from dtlab.records import RankInfo
-
-
-def info(rank, **changes):
-    base = RankInfo(
-        rank=rank,
-        world_size=4,
-        local_rank=rank,
-        local_world_size=4,
-        host="h",
-        pid=100 + rank,
-        device="cpu",
-        backend="gloo",
-        num_threads=1,
-        python_version="3.11.7",
-        torch_version="2.13.0+cpu",
-        cuda_version=None,
-        nccl_version=None,
-        allreduce_sum=6,
-        env={"OMP_NUM_THREADS": "1"},
-    )
-    return replace(base, **changes)
+from tests.fakes import rank_info as info
 
 
 def test_identical_ranks_have_no_inconsistency():

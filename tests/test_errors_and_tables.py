@@ -1,7 +1,8 @@
 from dtlab.analysis.consistency import find_inconsistencies
 from dtlab.control.errors import RankError, RankTimeoutError
-from dtlab.records import RankInfo, RemoteFailure
+from dtlab.records import RemoteFailure
 from dtlab.views.tables import rank_table, status_table
+from tests.fakes import rank_info as _info
 
 
 def test_rank_error_groups_identical_errors_and_tracebacks():
@@ -42,28 +43,8 @@ def test_timeout_error_separates_stopped_from_stuck():
     assert "KeyboardInterrupt" not in text
 
 
-def _info(rank, torch_version="2.13.0+cpu"):
-    return RankInfo(
-        rank=rank,
-        world_size=2,
-        local_rank=rank,
-        local_world_size=2,
-        host="h",
-        pid=10 + rank,
-        device="cpu",
-        backend="gloo",
-        num_threads=1,
-        python_version="3.11",
-        torch_version=torch_version,
-        cuda_version=None,
-        nccl_version=None,
-        allreduce_sum=1,
-        env={},
-    )
-
-
 def test_rank_table_text_and_html_flag_inconsistencies():
-    infos = {0: _info(0), 1: _info(1, "2.12.0")}
+    infos = {0: _info(0), 1: _info(1, torch_version="2.12.0")}
     table = rank_table(infos, find_inconsistencies(infos))
     text = str(table)
     assert text.splitlines()[0].split() == [

@@ -55,3 +55,7 @@ def test_format_ranks(ranks, text):
 def test_label_ranks_singular_and_plural():
     assert label_ranks([3]) == "rank 3"
     assert label_ranks([0, 1, 2, 3, 4, 5, 6, 7]) == "ranks 0-7"
+
+
+def test_label_of_no_ranks():
+    assert label_ranks([]) == "no rank"

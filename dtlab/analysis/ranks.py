@@ -57,6 +57,8 @@ def format_ranks(ranks: Iterable[int]) -> str:
 
 
 def label_ranks(ranks: Iterable[int]) -> str:
-    """``"rank 3"`` or ``"ranks 0-3,5"``."""
+    """``"rank 3"`` or ``"ranks 0-3,5"`` (``"no rank"`` for none)."""
     ordered = sorted(set(ranks))
+    if not ordered:
+        return "no rank"
     return f"rank {ordered[0]}" if len(ordered) == 1 else f"ranks {format_ranks(ordered)}"
