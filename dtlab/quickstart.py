@@ -12,8 +12,7 @@ import time
 
 import dtlab
 from dtlab.views.cells import collate_cell
-from dtlab.views.magics import launch_summary
-from dtlab.views.tables import rank_table, status_table
+from dtlab.views.tables import launch_summary, rank_table, status_table
 
 CELL = """\
 t = torch.tensor([float(rank)])

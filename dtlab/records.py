@@ -14,7 +14,7 @@ class EngineFacts:
     """What an engine says about itself before it has a rank (collected on each engine).
 
     ``launch_index`` is the position the launcher gave the process (fork index, MPI rank,
-    SLURM_PROCID) when it gave one; ``local_index`` the node-local position likewise.
+    SLURM_PROCID) when it gave one.
     """
 
     host: str
@@ -22,7 +22,7 @@ class EngineFacts:
     num_cpus: int
     num_cuda_devices: int
     launch_index: int | None = None
-    local_index: int | None = None
+    cuda_visible_devices: str | None = None
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class RankPlan:
     master_addr: str
     master_port: int
     backend: str  # "gloo" or "nccl"
+    cuda_device: int | None  # index of this rank's GPU as the process sees them (nccl only)
     num_threads: int
     timeout_s: float
     env: dict[str, str] = field(default_factory=dict)

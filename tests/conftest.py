@@ -7,16 +7,41 @@ whatever session is left is shut down at the end, checked by pid.
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import psutil
 import pytest
 
 import dtlab
 from dtlab.control import lifecycle
 from dtlab.control.cluster import running
+from dtlab.control.rankmap import threads_per_rank
 
 
 def quiet(phase, done, total):
     pass
+
+
+def default_threads(ranks_on_host: int) -> int:
+    """The thread count a default launch gives each rank on this machine."""
+    return threads_per_rank(None, len(os.sched_getaffinity(0)), ranks_on_host)
+
+
+def signal_when_exists(path, pid: int, sig: int, timeout: float = 60) -> threading.Thread:
+    """Send ``sig`` to ``pid`` once ``path`` exists (a rank writes it when it is busy)."""
+
+    def wait_then_signal():
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if os.path.exists(path):
+            os.kill(pid, sig)
+
+    thread = threading.Thread(target=wait_then_signal, daemon=True)
+    thread.start()
+    return thread
 
 
 def child_pids() -> set[int]:

@@ -27,10 +27,18 @@ def test_bad_launch_options_say_what_and_how(kwargs, fragment):
     assert fragment in str(e.value)
 
 
-def test_group_settings_change_with_env_not_with_timeout():
+def test_what_needs_new_engines_and_what_a_new_group():
     a = LaunchConfig(num_ranks=2)
+    assert a.engine_settings() == LaunchConfig(num_ranks=2, threads=3).engine_settings()
+    assert a.engine_settings() != LaunchConfig(num_ranks=2, env={"A": "1"}).engine_settings()
+    assert a.engine_settings() != LaunchConfig(num_ranks=3).engine_settings()
     assert a.group_settings() == LaunchConfig(num_ranks=2, timeout_s=5).group_settings()
-    assert a.group_settings() != LaunchConfig(num_ranks=2, env={"A": "1"}).group_settings()
+    assert a.group_settings() != LaunchConfig(num_ranks=2, threads=3).group_settings()
+
+
+def test_omp_num_threads_env_must_be_a_count():
+    with pytest.raises(ValueError, match="OMP_NUM_THREADS must be a whole number >= 1"):
+        LaunchConfig(num_ranks=2, env={"OMP_NUM_THREADS": "many"})
 
 
 def test_parse_env():

@@ -19,22 +19,32 @@ def test_rank_error_groups_identical_errors_and_tracebacks():
     assert e._render_traceback_()[0].startswith("RankError: cell failed")
 
 
-def test_dead_engine_reads_as_died():
-    e = RankError("step", {7: RemoteFailure("EngineError", "Engine 7 died")}, running=[0])
-    assert e.dead_ranks == (7,)
-    assert "rank 7 died: the engine process exited" in str(e)
-    assert "rank 0 still running" in str(e)
-    assert "restart the cluster" in str(e)
+def test_dead_engine_reads_as_died_and_stragglers_are_named():
+    e = RankError(
+        "step",
+        {
+            7: RemoteFailure("EngineError", "Engine 7 died"),
+            0: RemoteFailure("KeyboardInterrupt", ""),
+        },
+        stopped=[0],
+        stuck=[1],
+    )
+    assert e.dead_ranks == (7,) and set(e.failures) == {7}  # our SIGINT is not rank 0's fault
+    text = str(e)
+    assert text.splitlines()[0] == "step failed on rank 7"
+    assert "rank 7 died: the engine process exited" in text
+    assert "rank 0 stopped on SIGINT" in text
+    assert "rank 1 still busy after SIGINT: probably blocked in a collective" in text
+    assert "restart the cluster" in text
 
 
 def test_timeout_error_separates_stopped_from_stuck():
     e = RankTimeoutError(
         "cell",
         "timed out after 2 s",
+        {1: RemoteFailure("KeyboardInterrupt", "")},
         stopped=[1],
         stuck=[0, 2, 3],
-        failures={1: RemoteFailure("KeyboardInterrupt", "")},
-        finished=[],
     )
     text = str(e)
     assert text.startswith("cell: ranks 0-3 did not finish (timed out after 2 s)")

@@ -2,18 +2,21 @@
 kernel that dies under its ranks."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 import dtlab
-from dtlab.control.cluster import running
+from dtlab.control.cluster import EngineCluster, running
+from dtlab.control.config import LaunchConfig
 from dtlab.control.errors import LaunchError
-from tests.conftest import quiet
+from tests.conftest import default_threads, quiet
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
@@ -22,7 +25,7 @@ def test_eight_ranks_all_reduce_and_threads(no_leftovers):
     dt = dtlab.launch(8, progress=quiet)
     assert sorted(dt.infos) == list(range(8))
     assert {i.allreduce_sum for i in dt.infos.values()} == {28}
-    assert {i.num_threads for i in dt.infos.values()} == {1}  # 2 cores shared by 8 ranks
+    assert {i.num_threads for i in dt.infos.values()} == {default_threads(8)}
     assert [i.local_rank for i in dt.infos.values()] == list(range(8))
     assert len({i.pid for i in dt.infos.values()}) == 8
     out = dt.execute("t = torch.ones(3) * rank\ndist.all_reduce(t)\nprint(t.tolist())")
@@ -66,7 +69,8 @@ def test_engines_that_never_register_fail_clean(no_leftovers):
     with pytest.raises(LaunchError) as e:
         dtlab.launch(2, timeout=0.5, restart=True, progress=quiet)
     assert time.monotonic() - start < 15
-    assert "only 0 of 2 engines registered within 0.5 s" in str(e.value)
+    assert re.search(r"only [01] of 2 engines registered within 0.5 s", str(e.value))
+    assert "everything this launch started was stopped" in str(e.value)
     assert "Raise --timeout" in str(e.value)
 
 
@@ -100,3 +104,19 @@ def test_dead_notebook_kernel_takes_its_ranks_along(tmp_path):
     for pid in left:  # never leave them behind, even when the test fails
         os.kill(pid, signal.SIGKILL)
     assert left == []
+
+
+def test_an_engine_lost_while_registering_is_noticed(no_leftovers):
+    engines = EngineCluster(LaunchConfig(num_ranks=2))
+    try:
+        engines.start(quiet)
+        forkserver = psutil.Process(next(iter(engines.cluster.engines.values())).pid)
+        assert engines._engines_lost() == 0
+        victim = forkserver.children()[0]
+        victim.kill()
+        victim.wait(10)
+        assert engines._engines_lost() == 1
+        with pytest.raises(LaunchError, match="1 engine process\\(es\\) exited before registering"):
+            engines._check_alive()
+    finally:
+        engines.stop()

@@ -4,26 +4,50 @@ from ast import literal_eval
 from pathlib import Path
 
 import nbformat
+import psutil
 import pytest
 from nbclient import NotebookClient
 
 from dtlab.control.cluster import running
+from tests.conftest import default_threads
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
-def execute(name: str):
+def execute(name: str, before_last_cell=None):
+    """Run every cell in a real kernel. ``before_last_cell()`` runs just before the last
+    cell and returns pids; returns the notebook, those pids, and those still running after
+    the last cell while the kernel is still up."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    NotebookClient(
+    client = NotebookClient(
         nb,
         timeout=120,
         kernel_name="python3",
         interrupt_on_timeout=True,
         resources={"metadata": {"path": str(NOTEBOOKS)}},
-    ).execute()
-    return nb
+    )
+    seen = None
+    with client.setup_kernel():
+        for index, cell in enumerate(nb.cells):
+            if index == len(nb.cells) - 1 and before_last_cell:
+                seen = before_last_cell()
+            client.execute_cell(cell, index)
+        left = running(sorted(seen)) if seen else []  # the kernel is still up here
+    return nb, seen, left
+
+
+def descendants() -> set[int]:
+    """Processes below this one, except the notebook kernel itself."""
+    found = set()
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "ipykernel" not in " ".join(proc.cmdline()):
+                found.add(proc.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def text_of(cell) -> str:
@@ -37,7 +61,10 @@ def text_of(cell) -> str:
 
 
 def test_quickstart_runs_top_to_bottom():
-    nb = execute("01_quickstart.ipynb")
+    before = descendants()
+    # the last cell is %dt_shutdown: everything the notebook started must be gone after it
+    nb, seen, left = execute("01_quickstart.ipynb", lambda: descendants() - before)
+    assert len(seen) >= 18  # controller, fork server, 8 engines, 8 nannies
     code = [c for c in nb.cells if c.cell_type == "code"]
     errors = [o for c in code for o in c.get("outputs", []) if o["output_type"] == "error"]
     assert errors == []
@@ -53,9 +80,8 @@ def test_quickstart_runs_top_to_bottom():
     assert literal_eval(by_source["squares = %dt_pull x"]) == {r: r * r for r in range(8)}
     assert "Out[rank 7]: 3.5" in by_source["scale = 0.5"]
     threads = literal_eval(by_source["dt.run(lambda: (rank, torch.get_num_threads()))"])
-    assert threads == {r: (r, 1) for r in range(8)}
+    assert threads == {r: (r, default_threads(8)) for r in range(8)}
     status = by_source["%dt_status"].splitlines()
     assert [line.split()[1] for line in status[2:]] == ["idle"] * 8
     assert by_source["%dt_shutdown"].startswith("stopped 8 ranks in ")
-    pids = [int(line.split()[3]) for line in status[2:]]
-    assert running(pids) == []
+    assert left == []

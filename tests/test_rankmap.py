@@ -3,6 +3,7 @@ import pytest
 from dtlab.control.rankmap import (
     assign_ranks,
     choose_backend,
+    cuda_device,
     make_plans,
     master_addr,
     threads_per_rank,
@@ -10,14 +11,14 @@ from dtlab.control.rankmap import (
 from dtlab.records import EngineFacts
 
 
-def facts(host="h", pid=1, cpus=2, gpus=0, index=None, local=None):
+def facts(host="h", pid=1, cpus=2, gpus=0, index=None, visible=None):
     return EngineFacts(
         host=host,
         pid=pid,
         num_cpus=cpus,
         num_cuda_devices=gpus,
         launch_index=index,
-        local_index=local,
+        cuda_visible_devices=visible,
     )
 
 
@@ -26,7 +27,6 @@ def test_ranks_follow_launch_index_not_engine_id():
     by_engine = {0: facts(index=2, pid=12), 1: facts(index=0, pid=10), 2: facts(index=1, pid=11)}
     rank_map = assign_ranks(by_engine)
     assert rank_map.engine_ids == (1, 2, 0)
-    assert rank_map.rank_of(0) == 2
     assert rank_map.engines([0, 2]) == [1, 0]
 
 
@@ -91,3 +91,23 @@ def test_plans_carry_everything_a_rank_needs():
     assert [p.local_rank for p in plans.values()] == [0, 1, 0, 1]
     assert {p.num_threads for p in plans.values()} == {4}
     assert plans[3].env == {"NCCL_DEBUG": "INFO"} and plans[3].master_port == 29500
+
+
+def test_gpu_per_rank_by_local_rank_or_by_own_visible_device():
+    shared = {i: facts(index=i, gpus=4) for i in range(4)}  # every rank sees 4 GPUs
+    m = assign_ranks(shared)
+    assert [cuda_device(r, m, shared) for r in range(4)] == [0, 1, 2, 3]
+    own = {i: facts(index=i, gpus=1, visible=str(i)) for i in range(4)}  # --gpus-per-task=1
+    m = assign_ranks(own)
+    assert [cuda_device(r, m, own) for r in range(4)] == [0, 0, 0, 0]
+    assert choose_backend("auto", m, own) == "nccl"
+    same = {i: facts(index=i, gpus=1, visible="0") for i in range(2)}  # two ranks, one GPU
+    assert choose_backend("auto", assign_ranks(same), same) == "gloo"
+
+
+def test_omp_num_threads_in_env_sets_threads_unless_given():
+    by_engine = {i: facts(index=i, cpus=8) for i in range(2)}
+    m = assign_ranks(by_engine)
+    common = dict(backend="gloo", port=1, timeout_s=1.0, env={"OMP_NUM_THREADS": "3"})
+    assert {p.num_threads for p in make_plans(m, by_engine, threads=None, **common).values()} == {3}
+    assert {p.num_threads for p in make_plans(m, by_engine, threads=2, **common).values()} == {2}

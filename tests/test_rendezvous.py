@@ -2,6 +2,8 @@
 two-process gloo world."""
 
 import multiprocessing as mp
+import os
+import queue as queues
 import socket
 
 import pytest
@@ -19,18 +21,25 @@ def plan(rank, world_size, port, **kw):
         master_addr="127.0.0.1",
         master_port=port,
         backend="gloo",
+        cuda_device=None,
         num_threads=1,
         timeout_s=30.0,
         **kw,
     )
 
 
-@pytest.mark.timeout(60)
-def test_one_rank_group_joins_checks_and_leaves(monkeypatch):
-    import os
+@pytest.fixture
+def own_environ():
+    """join() writes RANK, MASTER_PORT... into os.environ: give it back as it was, so later
+    tests (and the clusters they start) do not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
-    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT", "NCCL_DEBUG", "OMP_NUM_THREADS"):
-        monkeypatch.delenv(name, raising=False)
+
+@pytest.mark.timeout(60)
+def test_one_rank_group_joins_checks_and_leaves(own_environ):
     port = rendezvous.open_store(0, 1, 30.0)
     assert port > 0
     try:
@@ -77,8 +86,15 @@ def test_two_process_gloo_world():
     procs = [ctx.Process(target=_rank_main, args=(r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
+    results = []
     try:
-        results = sorted(queue.get(timeout=60) for _ in procs)
+        while len(results) < len(procs):
+            try:
+                results.append(queue.get(timeout=0.5))
+            except queues.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                assert not failed, f"a rank process failed with exit code {failed}"
+        results.sort()
     finally:
         for p in procs:
             p.join(timeout=20)

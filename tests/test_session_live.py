@@ -2,6 +2,7 @@
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -10,8 +11,8 @@ import pytest
 
 import dtlab
 from dtlab.control.cluster import running
-from dtlab.control.errors import DtlabError, RankError, RankTimeoutError
-from tests.conftest import quiet
+from dtlab.control.errors import DtlabError, LaunchError, RankError, RankTimeoutError
+from tests.conftest import default_threads, quiet, signal_when_exists
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
@@ -44,7 +45,7 @@ def test_each_engine_is_the_rank_the_map_says(live2):
         assert env[rank]["MASTER_ADDR"] == "127.0.0.1"
         assert int(env[rank]["MASTER_PORT"]) > 0
         assert env[rank]["DTLAB_ENGINE_INDEX"] == str(rank)  # fork order decides ranks
-        assert env[rank]["OMP_NUM_THREADS"] == "1"  # 2 cores / 2 ranks
+        assert env[rank]["OMP_NUM_THREADS"] == str(default_threads(2))  # cores / ranks
     assert len({env[r]["MASTER_PORT"] for r in dt.ranks}) == 1
 
 
@@ -95,6 +96,10 @@ def test_rank_blocked_in_a_collective_is_reported_stuck(cluster_cleanup):
     assert e.value.stopped == (1,) and e.value.stuck == (0,)
     assert "probably blocked in a collective" in str(e.value)
     assert dt.status()[0] == "busy"
+    # a new request would queue behind the stuck barrier: refused, naming the rank
+    with pytest.raises(DtlabError, match="rank 0 still busy with an earlier call"):
+        dt.execute("dist.barrier()")
+    assert dt.run(os.getpid, ranks=[1]) == {1: dt.infos[1].pid}  # the free rank still works
     old_pids = dt.pids()
     fresh = dtlab.launch(2, progress=quiet)  # a busy session is replaced, not reused
     assert fresh is not dt and dt.closed
@@ -102,14 +107,12 @@ def test_rank_blocked_in_a_collective_is_reported_stuck(cluster_cleanup):
     assert set(fresh.run(os.getpid).values()) == {i.pid for i in fresh.infos.values()}
 
 
-def test_ctrl_c_interrupts_the_ranks(live2):
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    try:
-        with pytest.raises(RankTimeoutError) as e:
-            live2.execute("import time\ntime.sleep(600)")
-    finally:
-        timer.cancel()
+def test_ctrl_c_interrupts_the_ranks(live2, tmp_path):
+    busy = tmp_path / "busy"
+    # Ctrl-C in the notebook is SIGINT to the kernel, sent once the ranks are sleeping
+    signal_when_exists(busy, os.getpid(), signal.SIGINT)
+    with pytest.raises(RankTimeoutError) as e:
+        live2.execute(f"import time\nopen({str(busy)!r}, 'w').close()\ntime.sleep(600)")
     assert e.value.reason == "interrupted" and e.value.stopped == (0, 1)
     assert live2.status() == {0: "idle", 1: "idle"}
 
@@ -134,12 +137,45 @@ def test_relaunch_reuses_live_ranks_and_rebuilds_changed_group(live2):
     dt = live2
     pids = dt.run(os.getpid)
     assert dtlab.launch(2, progress=quiet) is dt
-    again = dtlab.launch(2, threads=2, env={"GLOO_SOCKET_TIMEOUT_MS": "60000"}, progress=quiet)
-    assert again is dt and dt.run(os.getpid) == pids  # same engines
+    assert dtlab.launch(2, backend="gloo", progress=quiet) is dt  # what auto chose anyway
+    again = dtlab.launch(2, threads=2, pg_timeout=300, progress=quiet)
+    assert again is dt and dt.run(os.getpid) == pids  # same engines, new group
     assert {i.num_threads for i in dt.infos.values()} == {2}
-    assert dt.infos[0].env["GLOO_SOCKET_TIMEOUT_MS"] == "60000"
+    assert dt.execute("torch.get_num_threads()")[1].result == "2"
     dtlab.launch(2, progress=quiet)  # back to defaults for later tests
-    assert {i.num_threads for i in dt.infos.values()} == {1}
+    assert {i.num_threads for i in dt.infos.values()} == {default_threads(2)}
+
+
+def test_relaunch_with_new_environment_starts_new_engines(live2):
+    pids = live2.run(os.getpid)
+    fresh = dtlab.launch(2, env={"GLOO_SOCKET_TIMEOUT_MS": "60000"}, progress=quiet)
+    assert fresh is not live2 and set(fresh.run(os.getpid).values()).isdisjoint(pids.values())
+    assert fresh.infos[0].env["GLOO_SOCKET_TIMEOUT_MS"] == "60000"
+    assert dtlab.launch(2, progress=quiet).run(environ)[0].get("GLOO_SOCKET_TIMEOUT_MS") is None
+
+
+def test_bad_relaunch_leaves_the_live_ranks_alone(live2):
+    live2.push({"kept": 42})
+    with pytest.raises(LaunchError, match="--backend nccl needs one CUDA device per rank"):
+        dtlab.launch(2, backend="nccl", progress=quiet)
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        with pytest.raises(LaunchError, match=f"port {s.getsockname()[1]} is already in use"):
+            dtlab.launch(2, port=s.getsockname()[1], progress=quiet)
+    assert dtlab.session() is live2 and live2.pull("kept") == {0: 42, 1: 42}
+    assert {i.allreduce_sum for i in live2.infos.values()} == {1}
+    out = live2.execute("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()")  # group intact
+    assert {o.result for o in out.values()} == {"2.0"}
+
+
+def test_a_failure_interrupts_the_ranks_still_running(live2):
+    start = time.monotonic()
+    with pytest.raises(RankError) as e:
+        live2.execute("import time\nif rank == 1:\n    raise ValueError('bad')\ntime.sleep(600)")
+    assert time.monotonic() - start < 10
+    assert set(e.value.failures) == {1} and e.value.stopped == (0,) and e.value.stuck == ()
+    assert live2.status() == {0: "idle", 1: "idle"}
 
 
 def test_different_size_restarts_and_shutdown_leaves_nothing(cluster_cleanup):

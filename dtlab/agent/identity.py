@@ -10,7 +10,7 @@ import os
 import platform
 import socket
 
-from dtlab.records import EngineFacts, RankInfo
+from dtlab.records import EngineFacts, RankInfo, RankPlan
 
 # Variables that change what torch.distributed, CUDA and the CPU thread pools do; when
 # they differ across ranks the job misbehaves in ways that look like "metaphysics".
@@ -25,12 +25,6 @@ _LAUNCH_INDEX_VARS = (
     "PMIX_RANK",
     "PMI_RANK",
     "SLURM_PROCID",
-)
-_LOCAL_INDEX_VARS = (
-    "DTLAB_ENGINE_INDEX",
-    "OMPI_COMM_WORLD_LOCAL_RANK",
-    "MPI_LOCALRANKID",
-    "SLURM_LOCALID",
 )
 
 
@@ -60,7 +54,7 @@ def describe_engine() -> EngineFacts:
         # device_count does not create a CUDA context, so it is safe before the rank exists
         num_cuda_devices=torch.cuda.device_count() if torch.cuda.is_available() else 0,
         launch_index=_first_int(_LAUNCH_INDEX_VARS),
-        local_index=_first_int(_LOCAL_INDEX_VARS),
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
 
 
@@ -80,24 +74,19 @@ def _nccl_version() -> str | None:
         return None
 
 
-def describe_rank(allreduce_sum: int) -> RankInfo:
+def describe_rank(plan: RankPlan, device: str, allreduce_sum: int) -> RankInfo:
     """This rank's self-description; call after the process group is up."""
     import torch
-    import torch.distributed as dist
 
-    rank = dist.get_rank()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    backend = str(dist.get_backend())
-    on_gpu = "nccl" in backend and torch.cuda.is_available()
     return RankInfo(
-        rank=rank,
-        world_size=dist.get_world_size(),
-        local_rank=local_rank,
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        rank=plan.rank,
+        world_size=plan.world_size,
+        local_rank=plan.local_rank,
+        local_world_size=plan.local_world_size,
         host=socket.gethostname(),
         pid=os.getpid(),
-        device=f"cuda:{torch.cuda.current_device()}" if on_gpu else "cpu",
-        backend="nccl" if "nccl" in backend else backend,
+        device=device,
+        backend=plan.backend,
         num_threads=torch.get_num_threads(),
         python_version=platform.python_version(),
         torch_version=str(torch.__version__),  # a TorchVersion would make the notebook import torch

@@ -22,10 +22,23 @@ _state: dict = {}  # this process's rank: {"store": TCPStore, "plan": RankPlan, 
 
 
 def open_store(port: int, world_size: int, timeout_s: float) -> int:
-    """Listen for the rendezvous on this engine (rank 0); return the port (0 = any free)."""
+    """Listen for the rendezvous on this engine (rank 0); return the port (0 = any free).
+
+    The new store listens before the old group is left, so a port that is taken leaves the
+    live group as it was.
+    """
+    old = _state.get("store")
+    if old is not None and port and old.port == port:
+        leave()  # the old store holds this very port
+    store = _listen(port, world_size, timeout_s)
+    leave()
+    _state["store"] = store
+    return store.port
+
+
+def _listen(port: int, world_size: int, timeout_s: float):
     import torch.distributed as dist
 
-    leave()
     try:
         store = dist.TCPStore(
             socket.gethostname(),
@@ -42,8 +55,7 @@ def open_store(port: int, world_size: int, timeout_s: float) -> int:
                 "rank 0); pick another with --port, or leave --port out to use a free one"
             ) from None
         raise
-    _state["store"] = store
-    return store.port
+    return store
 
 
 def _export_env(plan: RankPlan) -> None:
@@ -77,8 +89,8 @@ def join(plan: RankPlan) -> RankInfo:
             plan.master_addr, plan.master_port, plan.world_size, is_master=False, timeout=timeout
         )
     if plan.backend == "nccl":
-        torch.cuda.set_device(plan.local_rank)
-        device = torch.device("cuda", plan.local_rank)
+        torch.cuda.set_device(plan.cuda_device)
+        device = torch.device("cuda", plan.cuda_device)
         # gloo beside NCCL so CPU tensors (and dtlab's own small collectives) work too
         dist.init_process_group(
             "cpu:gloo,cuda:nccl",
@@ -94,7 +106,7 @@ def join(plan: RankPlan) -> RankInfo:
             "gloo", store=store, rank=plan.rank, world_size=plan.world_size, timeout=timeout
         )
     _state.update(store=store, plan=plan, device=device)
-    return describe_rank(check_group())
+    return describe_rank(plan, str(device), check_group())
 
 
 def check_group() -> int:

@@ -7,9 +7,9 @@ One request per rank is in flight (an ipyparallel AsyncResult each). ``gather`` 
   when the slowest rank finishes (a rank waiting in a collective for a failed peer would
   otherwise hold the cell until the process-group timeout);
 - a dead engine arrives from ipyparallel's nanny within ~0.05 s as ``EngineError``;
-- on timeout or Ctrl-C the unfinished ranks get SIGINT, and the error says which stopped
-  and which are still busy (a rank blocked in a gloo collective ignores SIGINT);
-- a request the engine aborted right after an interrupt is sent once more.
+- on failure, timeout or Ctrl-C the unfinished ranks get SIGINT, and the error says which
+  stopped and which are still busy (a rank blocked in a gloo collective ignores SIGINT);
+- a request the engine aborted (right after an interrupt, FACTS.md) is sent once more.
 """
 
 from __future__ import annotations
@@ -40,24 +40,33 @@ def to_failure(exc: BaseException) -> RemoteFailure:
 class _Round:
     """The state of one gather: what finished, what failed, what is still out."""
 
-    def __init__(self, pending: Mapping[int, object]):
-        self.pending = dict(pending)
+    def __init__(self, submit: Submit):
+        self.submit = submit
+        self.pending: dict[int, object] = {}
         self.values: dict[int, object] = {}
         self.failures: dict[int, RemoteFailure] = {}
-        self.aborted: list[int] = []
+        self.resent: set[int] = set()
+        self.resend_aborted = True
+
+    def send(self, ranks: list[int]) -> None:
+        self.pending.update(self.submit(ranks))
 
     def collect(self) -> None:
+        aborted = []
         for rank, ar in list(self.pending.items()):
             if not ar.done():
                 continue
-            del self.pending[rank]
             exc = ar.exception()
-            if isinstance(exc, TaskAborted):
-                self.aborted.append(rank)
+            if isinstance(exc, TaskAborted) and self.resend_aborted and rank not in self.resent:
+                aborted.append(rank)
             elif exc is not None:
                 self.failures[rank] = to_failure(exc)
             else:
                 self.values[rank] = ar.result()
+            del self.pending[rank]
+        if aborted:  # at once: the other ranks may be waiting for these in a collective
+            self.resent.update(aborted)
+            self.send(aborted)
 
     def wait(self, timeout: float) -> None:
         if self.pending and timeout > 0:
@@ -84,12 +93,13 @@ def gather(
     ``check`` is called every CHECK_EVERY_S while waiting and may raise to give up (the
     controller died: no reply will ever come).
     """
-    state = _Round(submit(ranks))
+    state = _Round(submit)
     deadline = None if timeout is None else time.monotonic() + timeout
     first_failure = None
     reason = None
     last_check = time.monotonic()
     try:
+        state.send(ranks)
         while state.pending:
             now = time.monotonic()
             if check is not None and now - last_check >= CHECK_EVERY_S:
@@ -98,50 +108,39 @@ def gather(
             if deadline is not None and now >= deadline:
                 reason = f"timed out after {timeout:g} s"
                 break
-            step = POLL_S if deadline is None else min(POLL_S, deadline - now)
-            state.wait(step)
+            state.wait(POLL_S if deadline is None else min(POLL_S, deadline - now))
             if progress:
                 progress(len(ranks) - len(state.pending), len(ranks))
             if state.failures and first_failure is None:
                 first_failure = time.monotonic()
             if first_failure is not None and time.monotonic() - first_failure > FAILURE_GRACE_S:
                 break
-            if state.aborted and not state.pending:
-                retry, state.aborted = state.aborted, []
-                state.pending.update(submit(retry))
     except KeyboardInterrupt:
         reason = "interrupted"
+    unfinished = list(state.pending)
+    stuck = _interrupt(state, interrupt)
+    ranks_after = dict(
+        finished=[r for r in state.values if r not in unfinished],
+        stopped=[r for r in unfinished if r not in stuck],
+        stuck=stuck,
+    )
     if reason is not None:
-        _stop(state, interrupt, what, reason)
-    if state.aborted:
-        state.failures.update(
-            {
-                r: RemoteFailure("TaskAborted", "the engine dropped the request")
-                for r in state.aborted
-            }
-        )
+        raise RankTimeoutError(what, reason, state.failures, **ranks_after)
     if state.failures:
-        raise RankError(what, state.failures, finished=state.values, running=state.pending)
+        raise RankError(what, state.failures, **ranks_after)
     return dict(sorted(state.values.items()))
 
 
-def _stop(state: _Round, interrupt, what: str, reason: str) -> None:
-    """Interrupt what is still out, wait a little, then raise a RankTimeoutError."""
-    unfinished = list(state.pending)
-    if interrupt is not None and unfinished:
-        try:
-            interrupt(unfinished)
-        except Exception:  # a dead engine cannot be signalled; it is reported as stuck
-            pass
-        deadline = time.monotonic() + INTERRUPT_GRACE_S
-        while state.pending and time.monotonic() < deadline:
-            state.wait(POLL_S)
-    stopped = [r for r in unfinished if r not in state.pending]
-    raise RankTimeoutError(
-        what,
-        reason,
-        stopped=stopped,
-        stuck=list(state.pending),
-        failures=state.failures,
-        finished=[r for r in state.values if r not in unfinished],
-    )
+def _interrupt(state: _Round, interrupt) -> list[int]:
+    """SIGINT what is still out, wait a little; return the ranks that did not stop."""
+    if not state.pending or interrupt is None:
+        return list(state.pending)
+    state.resend_aborted = False
+    try:
+        interrupt(list(state.pending))
+    except Exception:  # a dead engine cannot be signalled; it is reported as stuck
+        pass
+    deadline = time.monotonic() + INTERRUPT_GRACE_S
+    while state.pending and time.monotonic() < deadline:
+        state.wait(POLL_S)
+    return sorted(state.pending)

@@ -13,6 +13,8 @@ controller, then makes sure no process it started is left (by pid).
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import secrets
 import signal
 import time
@@ -22,15 +24,18 @@ import ipyparallel as ipp
 import psutil
 
 from dtlab.control.config import LaunchConfig
-from dtlab.control.errors import LaunchError
+from dtlab.control.errors import DtlabError, LaunchError
 from dtlab.control.launchers import engine_launcher_class
 from dtlab.control.rankmap import threads_per_rank
 
 # Registration waits for a heartbeat tick: 3 s by default, ~1.5 s at 250 ms (FACTS.md).
 HEARTBEAT_MS = 250
-# ...and 20 missed beats (5 s) before the hub drops an engine that is merely slow.
-HEARTBEAT_MISSES = 20
+# The nanny reports a local engine's death at once; the heartbeat is for a lost host, and
+# 120 missed beats (30 s) keep a merely slow engine on a loaded machine from being dropped.
+HEARTBEAT_MISSES = 120
 STOP_GRACE_S = 3.0
+QUERY_TIMEOUT_S = 10.0
+CHECK_EVERY_S = 0.5
 
 Progress = Callable[[str, int, int], None]
 
@@ -80,6 +85,7 @@ class EngineCluster:
         # processes seen so far: a controller killed outright orphans its schedulers,
         # which can then no longer be found as its descendants
         self._seen: dict[int, psutil.Process] = {}
+        self._most_engines: dict[int, int] = {}  # fork server pid -> most engines seen alive
 
     @property
     def cluster_id(self) -> str:
@@ -88,6 +94,9 @@ class EngineCluster:
     def start(self, progress: Progress) -> None:
         try:
             self._start(progress)
+        except LaunchError as e:
+            self.stop()
+            raise LaunchError(f"{e}\n(everything this launch started was stopped)") from None
         except BaseException:
             self.stop()
             raise
@@ -104,16 +113,19 @@ class EngineCluster:
         deadline = time.monotonic() + self.config.timeout_s
         self.client = self.cluster.connect_client_sync()
         seen = -1
+        checked = time.monotonic()
         while len(self.client.ids) < n:
             if len(self.client.ids) != seen:
                 seen = len(self.client.ids)
                 progress("engines registered", seen, n)
-            self._check_alive()
+            if time.monotonic() - checked > CHECK_EVERY_S:
+                checked = time.monotonic()
+                self._check_alive()
             if time.monotonic() > deadline:
                 raise LaunchError(
                     f"only {len(self.client.ids)} of {n} engines registered within "
-                    f"{self.config.timeout_s:g} s ({self.config.launcher} launcher); "
-                    "nothing was left running. Raise --timeout if the engines are just slow "
+                    f"{self.config.timeout_s:g} s ({self.config.launcher} launcher). "
+                    "Raise --timeout if the engines are just slow "
                     f"(a batch queue), else read the launcher output:\n{self.output_tail()}"
                 )
             time.sleep(0.02)
@@ -121,7 +133,8 @@ class EngineCluster:
         self.local_processes()  # remember the controller's and launchers' processes
 
     def _check_alive(self) -> None:
-        """Fail fast when the controller or an engine launcher process has exited.
+        """Fail fast when the controller or an engine launcher process has exited, or (local
+        launcher) an engine died before registering.
 
         Asks the OS, not ``launcher.state``: the launchers' stop callbacks run on the event
         loop of ipyparallel's sync wrappers, which is not running between calls.
@@ -133,9 +146,52 @@ class EngineCluster:
             process = getattr(launcher, "process", None)
             if process is not None and not running([process.pid]):
                 raise LaunchError(
-                    f"the {name} exited while engines were registering; nothing was left "
-                    f"running. The end of its output:\n{self.output_tail([launcher])}"
+                    f"the {name} exited while engines were registering. "
+                    f"The end of its output:\n{self.output_tail([launcher])}"
                 )
+        lost = self._engines_lost()
+        if lost:
+            raise LaunchError(
+                f"{lost} engine process(es) exited before registering. "
+                f"The end of the launcher's output:\n{self.output_tail()}"
+            )
+
+    def _engines_lost(self) -> int:
+        """Local launcher: how many forked engines have died. The fork server's children
+        are its engines, and the nannies of engines that died (which lead their own
+        session, so they are told apart by that)."""
+        if self.config.launcher != "local":
+            return 0
+        lost = 0
+        for engine_set in self.cluster.engines.values():
+            try:
+                children = psutil.Process(engine_set.pid).children()
+            except psutil.NoSuchProcess:
+                continue
+            alive = sum(1 for c in children if _alive(c) and not _session_leader(c.pid))
+            most = self._most_engines[engine_set.pid] = max(
+                alive, self._most_engines.get(engine_set.pid, 0)
+            )
+            lost += most - alive
+        return lost
+
+    def queue_status(self, timeout: float = QUERY_TIMEOUT_S) -> dict:
+        """``Client.queue_status()`` with a time limit; ipyparallel 9 waits without one,
+        which would hang the notebook on a stalled controller."""
+        client = self.client
+        future = client._send(
+            client._query_stream, "queue_request", content={"targets": None, "verbose": False}
+        )
+        done, _ = concurrent.futures.wait([future], timeout=timeout)
+        if not done:
+            raise DtlabError(
+                f"the ipyparallel controller did not answer within {timeout:g} s; "
+                f"run %dt_launch {self.config.num_ranks} --restart"
+            )
+        content = dict(future.result()["content"])
+        if content.pop("status") != "ok":
+            raise client._unwrap_exception(content)
+        return ipp.util.int_keys(content)
 
     def controller_exited(self) -> bool:
         """True when the (always local) controller process is gone: nothing would answer."""
@@ -183,6 +239,13 @@ class EngineCluster:
             except Exception:  # a launcher that already died: its processes are reaped below
                 pass
         _reap(procs)
+
+
+def _session_leader(pid: int) -> bool:
+    try:
+        return os.getsid(pid) == pid
+    except OSError:
+        return False
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -60,13 +61,17 @@ class LaunchConfig:
             raise ValueError(f"--port must be 0 (any free port) or 1-65535, got {self.port!r}")
         if not self.pg_timeout_s > 0:
             raise ValueError(f"process-group timeout must be > 0 s, got {self.pg_timeout_s!r}")
+        omp = self.env.get("OMP_NUM_THREADS", "1")
+        if not (omp.isdigit() and int(omp) >= 1):
+            raise ValueError(f"--env OMP_NUM_THREADS must be a whole number >= 1, got {omp!r}")
+
+    def engine_settings(self) -> str:
+        """What the engine processes are started with; a change means new engines (the
+        environment is read when torch and OpenMP start, too late to change later)."""
+        fixed = (self.num_ranks, self.launcher, self.profile, self.env, self.launcher_config)
+        return json.dumps(fixed, sort_keys=True, default=str)
 
     def group_settings(self) -> tuple:
-        """What the process group is built from; a change means rebuilding it."""
-        return (
-            self.backend,
-            self.threads,
-            tuple(sorted(self.env.items())),
-            self.port,
-            self.pg_timeout_s,
-        )
+        """What the process group is built from besides the backend; a change means
+        rebuilding the group on the same engines."""
+        return (self.threads, self.port, self.pg_timeout_s)

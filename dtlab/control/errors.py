@@ -10,31 +10,30 @@ from dtlab.analysis.grouping import group_by_value
 from dtlab.analysis.ranks import label_ranks
 from dtlab.records import RemoteFailure
 
+STUCK_HINT = (
+    "still busy after SIGINT: probably blocked in a collective, which SIGINT cannot break; "
+    "it is freed when the process-group timeout expires, or run %dt_launch N --restart"
+)
+
 
 class DtlabError(Exception):
     """Base of dtlab's errors."""
 
     def _render_traceback_(self) -> list[str]:
-        return [
-            f"{type(self).__name__}: {line}" if i == 0 else line
-            for i, line in enumerate(str(self).splitlines())
-        ]
+        lines = str(self).splitlines()
+        return [f"{type(self).__name__}: {lines[0]}", *lines[1:]]
 
 
 class LaunchError(DtlabError):
-    """The cluster or the process group could not be brought up; nothing was left running."""
+    """The cluster or the process group could not be brought up."""
 
 
 class NoSessionError(DtlabError):
     """No live ranks to talk to."""
 
 
-def _died(failure: RemoteFailure) -> bool:
-    return failure.ename == "EngineError"
-
-
 def describe_failures(failures: Mapping[int, RemoteFailure]) -> list[str]:
-    """One block per distinct error, naming the ranks that raised it."""
+    """One line per distinct error naming the ranks that raised it, then the tracebacks."""
     lines = []
     by_error = group_by_value({r: (f.ename, f.evalue) for r, f in failures.items()})
     for ranks, (ename, evalue) in by_error:
@@ -50,71 +49,62 @@ def describe_failures(failures: Mapping[int, RemoteFailure]) -> list[str]:
 
 
 class RankError(DtlabError):
-    """Code raised on some ranks (or their engines died); one error for all of them."""
+    """Code raised on some ranks, or their engines died: one error for all of them.
+
+    Ranks still running a second after the first failure were sent SIGINT: ``stopped``
+    obeyed, ``stuck`` did not (and will not take new work until they are free).
+    """
 
     def __init__(
         self,
         what: str,
         failures: Mapping[int, RemoteFailure],
+        *,
         finished: Iterable[int] = (),
-        running: Iterable[int] = (),
+        stopped: Iterable[int] = (),
+        stuck: Iterable[int] = (),
     ):
         self.what = what
-        self.failures = dict(failures)
         self.finished = tuple(sorted(finished))
-        self.running = tuple(sorted(running))
+        self.stopped = tuple(sorted(stopped))
+        self.stuck = tuple(sorted(stuck))
+        # a KeyboardInterrupt on a rank we interrupted is our doing, not the rank's failure
+        self.failures = {
+            r: f
+            for r, f in failures.items()
+            if not (r in self.stopped and f.ename == "KeyboardInterrupt")
+        }
         super().__init__(self._message())
 
     @property
     def dead_ranks(self) -> tuple[int, ...]:
-        return tuple(sorted(r for r, f in self.failures.items() if _died(f)))
+        return tuple(sorted(r for r, f in self.failures.items() if f.ename == "EngineError"))
 
-    def _message(self) -> str:
-        lines = [f"{self.what} failed on {label_ranks(self.failures)}"]
-        lines += describe_failures(self.failures)
+    def _aftermath(self) -> list[str]:
+        lines = []
         if self.finished:
             lines.append(f"{label_ranks(self.finished)} finished without error")
-        if self.running:
-            lines.append(
-                f"{label_ranks(self.running)} still running (maybe waiting in a collective "
-                "for the failed ranks); %dt_status shows them, %dt_launch N --restart "
-                "replaces all engines"
-            )
-        if self.dead_ranks:
-            lines.append("dead ranks cannot be reused: run %dt_launch again to restart the cluster")
-        return "\n".join(lines)
-
-
-class RankTimeoutError(RankError):
-    """Some ranks did not finish in time (or the user interrupted); they were sent SIGINT."""
-
-    def __init__(
-        self,
-        what: str,
-        reason: str,
-        stopped: Iterable[int],
-        stuck: Iterable[int],
-        failures: Mapping[int, RemoteFailure] | None = None,
-        finished: Iterable[int] = (),
-    ):
-        self.reason = reason
-        self.stopped = tuple(sorted(stopped))
-        self.stuck = tuple(sorted(stuck))
-        super().__init__(what, failures or {}, finished=finished, running=self.stuck)
-
-    def _message(self) -> str:
-        unfinished = sorted(set(self.stopped) | set(self.stuck))
-        lines = [f"{self.what}: {label_ranks(unfinished)} did not finish ({self.reason})"]
         if self.stopped:
             lines.append(f"{label_ranks(self.stopped)} stopped on SIGINT")
         if self.stuck:
-            lines.append(
-                f"{label_ranks(self.stuck)} still busy after SIGINT: probably blocked in a "
-                "collective, which SIGINT cannot break; it returns when the process-group "
-                "timeout expires, or run %dt_launch N --restart to replace the engines"
-            )
-        if self.finished:
-            lines.append(f"{label_ranks(self.finished)} finished")
-        others = {r: f for r, f in self.failures.items() if f.ename != "KeyboardInterrupt"}
-        lines += describe_failures(others)
-        return "\n".join(lines)
+            lines.append(f"{label_ranks(self.stuck)} {STUCK_HINT}")
+        if self.dead_ranks:
+            lines.append("dead ranks cannot be reused: run %dt_launch again to restart the cluster")
+        return lines
+
+    def _message(self) -> str:
+        head = f"{self.what} failed on {label_ranks(self.failures)}"
+        return "\n".join([head, *describe_failures(self.failures), *self._aftermath()])
+
+
+class RankTimeoutError(RankError):
+    """Some ranks did not finish in time, or the user interrupted; they were sent SIGINT."""
+
+    def __init__(self, what: str, reason: str, failures=None, **ranks):
+        self.reason = reason
+        super().__init__(what, failures or {}, **ranks)
+
+    def _message(self) -> str:
+        unfinished = sorted(set(self.stopped) | set(self.stuck))
+        head = f"{self.what}: {label_ranks(unfinished)} did not finish ({self.reason})"
+        return "\n".join([head, *self._aftermath(), *describe_failures(self.failures)])

@@ -13,9 +13,8 @@ import sys
 from ipyparallel.cluster.launcher import LocalEngineLauncher
 from traitlets import Integer
 
+# "local" is ours; the others are ipyparallel's `ipyparallel.engine_launchers` entry points
 LAUNCHERS = ("local", "mpi", "slurm", "ssh")
-# ipyparallel's own engine launcher names (its `ipyparallel.engine_launchers` entry points).
-_IPP_NAMES = {"mpi": "mpi", "slurm": "slurm", "ssh": "ssh"}
 
 
 class ForkingEngineSetLauncher(LocalEngineLauncher):
@@ -46,9 +45,6 @@ class ForkingEngineSetLauncher(LocalEngineLauncher):
 
 
 def engine_launcher_class(name: str):
-    """The class or ipyparallel name to pass as ``Cluster(engine_launcher_class=...)``."""
-    if name == "local":
-        return ForkingEngineSetLauncher
-    if name in _IPP_NAMES:
-        return _IPP_NAMES[name]
-    raise ValueError(f"unknown launcher {name!r}; choose one of {', '.join(LAUNCHERS)}")
+    """The class or ipyparallel name to pass as ``Cluster(engine_launcher_class=...)``
+    (``name`` is one of LAUNCHERS, checked by LaunchConfig)."""
+    return ForkingEngineSetLauncher if name == "local" else name

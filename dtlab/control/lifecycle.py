@@ -1,30 +1,30 @@
 """Bring ranks up, reuse them, rebuild their process group, and track the live session.
 
 ``launch(config, progress)`` stages:
-1. reuse: a live session with the same N and launcher whose ranks are all idle is kept;
-   its group is re-checked with an all_reduce, or rebuilt when the settings changed;
-   any other session is shut down first;
+1. reuse: a live session whose engines were started the same way (N, launcher, env) and
+   are all idle is kept. Its group is re-checked with an all_reduce, or rebuilt in place
+   when the backend, threads, port or process-group timeout changed. A check that fails
+   means fresh engines; a bad new setting (nccl without GPUs, a taken port) raises and
+   leaves the live ranks as they were. Any other session is shut down first;
 2. ``EngineCluster.start``: N engines registered (progress k/N);
 3. ``describe_engine`` on each -> ``assign_ranks`` -> backend and per-rank plans;
 4. ``open_store`` on rank 0's engine, then ``join`` on every rank (progress k/N), whose
    all_reduce of the rank ids proves the group;
 5. every rank's namespace gets rank, world_size, local_rank, device, torch, dist.
-A failure anywhere stops what was started and raises LaunchError: nothing is left half-up.
+A fresh launch that fails anywhere stops what it started: nothing is left half-up.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from dtlab.agent import identity, rendezvous
-from dtlab.control.cluster import EngineCluster
+from dtlab.control.cluster import EngineCluster, Progress
 from dtlab.control.config import LaunchConfig
-from dtlab.control.errors import DtlabError, LaunchError, NoSessionError
+from dtlab.control.errors import DtlabError, LaunchError, NoSessionError, RankTimeoutError
 from dtlab.control.rankmap import assign_ranks, choose_backend, make_plans
 from dtlab.control.session import Session
 
-Progress = Callable[[str, int, int], None]
 CHECK_TIMEOUT_S = 10.0
 _NAMESPACE_CODE = (
     "from dtlab.agent.rendezvous import rank_namespace as _dtlab_ns\n"
@@ -55,10 +55,9 @@ def forget(session: Session) -> None:
 def launch(config: LaunchConfig, progress: Progress, *, restart: bool = False) -> Session:
     """A ready session of ``config.num_ranks`` ranks, reusing the live one when it can."""
     global _current
-    old = _current
-    if old is not None and not old.closed:
-        if not restart and _reusable(old, config):
-            reconfigure(old, config, progress)
+    old = current_or_none()
+    if old is not None:
+        if not restart and _reusable(old, config) and _regroup(old, config, progress):
             return old
         old.shutdown()
     _current = start(config, progress)
@@ -66,15 +65,46 @@ def launch(config: LaunchConfig, progress: Progress, *, restart: bool = False) -
 
 
 def _reusable(session: Session, config: LaunchConfig) -> bool:
-    same = (session.world_size, session.config.launcher, session.config.profile) == (
-        config.num_ranks,
-        config.launcher,
-        config.profile,
-    )
+    if session.config.engine_settings() != config.engine_settings():
+        return False
     try:
-        return same and set(session.status().values()) == {"idle"}
+        return set(session.status().values()) == {"idle"}
     except DtlabError:  # e.g. the controller died: nothing of it can be reused
         return False
+
+
+def _expected_sum(world_size: int) -> int:
+    return world_size * (world_size - 1) // 2
+
+
+def _backend(config: LaunchConfig, session: Session) -> str:
+    try:
+        return choose_backend(config.backend, session.rank_map, session.facts)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+
+
+def _regroup(session: Session, config: LaunchConfig, progress: Progress) -> bool:
+    """Keep the engines; True when their group is sound (checked or rebuilt), False when
+    the check failed and the engines should be replaced."""
+    backend = _backend(config, session)  # a bad choice raises before anything is touched
+    unchanged = config.group_settings() == session.config.group_settings()
+    if unchanged and backend == session.backend:
+        try:
+            sums = session.run(rendezvous.check_group, timeout=CHECK_TIMEOUT_S)
+        except RankTimeoutError as e:
+            if e.reason == "interrupted":
+                raise
+            return False
+        except DtlabError:
+            return False
+        if set(sums.values()) != {_expected_sum(session.world_size)}:
+            return False
+        progress("ranks initialised", session.world_size, session.world_size)
+        session.config = config
+        return True
+    join(session, config, progress, time.monotonic() + config.timeout_s, backend)
+    return True
 
 
 def start(config: LaunchConfig, progress: Progress) -> Session:
@@ -84,7 +114,7 @@ def start(config: LaunchConfig, progress: Progress) -> Session:
     try:
         facts = _describe_engines(engines, deadline)
         session = Session(config, engines, assign_ranks(facts), facts)
-        join(session, config, progress, deadline)
+        join(session, config, progress, deadline, _backend(config, session))
         return session
     except BaseException:
         engines.stop()
@@ -93,8 +123,7 @@ def start(config: LaunchConfig, progress: Progress) -> Session:
 
 def _describe_engines(engines: EngineCluster, deadline: float):
     client = engines.client
-    ids = list(client.ids)
-    ars = {eid: client[eid].apply_async(identity.describe_engine) for eid in ids}
+    ars = {eid: client[eid].apply_async(identity.describe_engine) for eid in client.ids}
     try:
         return {
             eid: ar.get(timeout=max(0.1, deadline - time.monotonic())) for eid, ar in ars.items()
@@ -105,35 +134,14 @@ def _describe_engines(engines: EngineCluster, deadline: float):
         raise LaunchError(f"an engine failed to describe itself: {e}") from None
 
 
-def reconfigure(session: Session, config: LaunchConfig, progress: Progress) -> None:
-    """Keep the engines; keep the group if it passes the check and nothing changed."""
-    if config.group_settings() == session.config.group_settings():
-        try:
-            sums = session.run(rendezvous.check_group, timeout=CHECK_TIMEOUT_S)
-            if set(sums.values()) == {_expected_sum(session.world_size)}:
-                progress("ranks initialised", session.world_size, session.world_size)
-                session.config = config
-                return
-        except DtlabError:
-            pass  # a broken group is rebuilt below
-    try:
-        join(session, config, progress, time.monotonic() + config.timeout_s)
-    except BaseException:
-        session.shutdown()
-        raise
+def join(
+    session: Session, config: LaunchConfig, progress: Progress, deadline: float, backend: str
+) -> None:
+    """Open the store on rank 0, make every engine its rank, prove it, fill namespaces.
 
-
-def _expected_sum(world_size: int) -> int:
-    return world_size * (world_size - 1) // 2
-
-
-def join(session: Session, config: LaunchConfig, progress: Progress, deadline: float) -> None:
-    """Open the store on rank 0, make every engine its rank, prove it, fill namespaces."""
-    rank_map = session.rank_map
-    try:
-        backend = choose_backend(config.backend, rank_map, session.facts)
-    except ValueError as e:
-        raise LaunchError(str(e)) from None
+    If the store cannot open (a taken --port), the ranks keep their old group; any later
+    failure leaves the session without a sound group, so it is shut down.
+    """
 
     def remaining() -> float:
         return max(0.1, deadline - time.monotonic())
@@ -141,49 +149,41 @@ def join(session: Session, config: LaunchConfig, progress: Progress, deadline: f
     progress("ranks initialised", 0, session.world_size)
     port = _launch_step(
         lambda: session.run(
-            rendezvous.open_store,
-            config.port,
-            session.world_size,
-            config.pg_timeout_s,
-            ranks=[0],
-            timeout=remaining(),
+            rendezvous.open_store, config.port, session.world_size, config.pg_timeout_s,
+            ranks=[0], timeout=remaining(),
         )[0]
-    )
-    plans = make_plans(
-        rank_map,
-        session.facts,
-        backend=backend,
-        port=port,
-        threads=config.threads,
-        timeout_s=config.pg_timeout_s,
-        env=config.env,
-    )
-    infos = _launch_step(
-        lambda: session.run_each(
-            rendezvous.join,
-            {r: (plan,) for r, plan in plans.items()},
-            what="initialising ranks",
-            timeout=remaining(),
-            progress=lambda k, n: progress("ranks initialised", k, n),
+    )  # fmt: skip
+    try:
+        plans = make_plans(
+            session.rank_map, session.facts, backend=backend, port=port, threads=config.threads,
+            timeout_s=config.pg_timeout_s, env=config.env,
+        )  # fmt: skip
+        infos = _launch_step(
+            lambda: session.run_each(
+                rendezvous.join, {r: (plan,) for r, plan in plans.items()},
+                what="initialising ranks", timeout=remaining(),
+                progress=lambda k, n: progress("ranks initialised", k, n),
+            )
+        )  # fmt: skip
+        expected = _expected_sum(session.world_size)
+        wrong = {r: i.allreduce_sum for r, i in infos.items() if i.allreduce_sum != expected}
+        if wrong:
+            raise LaunchError(
+                f"all_reduce of the rank ids gave {wrong} instead of {expected}: the process "
+                f"group is broken; run %dt_launch {session.world_size} --restart"
+            )
+        session.infos = dict(sorted(infos.items()))
+        session.config = config
+        _launch_step(
+            lambda: session.submit(
+                lambda view, r: view.execute(_NAMESPACE_CODE, silent=True, block=False),
+                what="setting up rank namespaces",
+                timeout=remaining(),
+            )
         )
-    )
-    wrong = {
-        r: i.allreduce_sum for r, i in infos.items() if i.allreduce_sum != _expected_sum(len(plans))
-    }
-    if wrong:
-        raise LaunchError(
-            f"all_reduce of the rank ids gave {wrong} instead of {_expected_sum(len(plans))}: "
-            "the process group is broken; run %dt_launch N --restart"
-        )
-    session.infos = dict(sorted(infos.items()))
-    session.config = config
-    _launch_step(
-        lambda: session.submit(
-            lambda view, r: view.execute(_NAMESPACE_CODE, silent=True, block=False),
-            what="setting up rank namespaces",
-            timeout=remaining(),
-        )
-    )
+    except BaseException:
+        session.shutdown()
+        raise
 
 
 def _launch_step(step):
@@ -191,4 +191,4 @@ def _launch_step(step):
     try:
         return step()
     except DtlabError as e:
-        raise LaunchError(f"launch failed, nothing was left running:\n{e}") from None
+        raise LaunchError(f"launch failed:\n{e}") from None

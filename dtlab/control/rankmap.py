@@ -32,9 +32,6 @@ class RankMap:
     def engines(self, ranks) -> list[int]:
         return [self.engine_ids[r] for r in ranks]
 
-    def rank_of(self, engine_id: int) -> int:
-        return self.engine_ids.index(engine_id)
-
 
 def _order_key(facts: Mapping[int, EngineFacts]):
     indexes = [f.launch_index for f in facts.values()]
@@ -56,13 +53,26 @@ def assign_ranks(facts: Mapping[int, EngineFacts]) -> RankMap:
     return RankMap(tuple(order), hosts, tuple(local_ranks), tuple(local_sizes))
 
 
+def cuda_device(rank: int, rank_map: RankMap, facts: Mapping[int, EngineFacts]) -> int | None:
+    """The GPU index rank ``rank`` should use as its process sees them, or None.
+
+    All of a host's GPUs visible to each rank: one each, by local rank. One GPU visible
+    to each process with its own CUDA_VISIBLE_DEVICES (Slurm --gpus-per-task): device 0.
+    """
+    own = facts[rank_map.engine_ids[rank]]
+    if own.num_cuda_devices >= rank_map.local_world_sizes[rank]:
+        return rank_map.local_ranks[rank]
+    on_host = [facts[e] for r, e in enumerate(rank_map.engine_ids)
+               if rank_map.hosts[r] == rank_map.hosts[rank]]  # fmt: skip
+    visible = [f.cuda_visible_devices for f in on_host]
+    if own.num_cuda_devices >= 1 and None not in visible and len(set(visible)) == len(visible):
+        return 0
+    return None
+
+
 def choose_backend(requested: str, rank_map: RankMap, facts: Mapping[int, EngineFacts]) -> str:
-    """``auto`` -> nccl when every rank has its own CUDA device, else gloo."""
-    short = [
-        r
-        for r, eid in enumerate(rank_map.engine_ids)
-        if facts[eid].num_cuda_devices <= rank_map.local_ranks[r]
-    ]
+    """``auto`` -> nccl when every rank has a GPU of its own, else gloo."""
+    short = [r for r in range(rank_map.world_size) if cuda_device(r, rank_map, facts) is None]
     if requested == "auto":
         return "gloo" if short else "nccl"
     if requested == "nccl" and short:
@@ -102,6 +112,8 @@ def make_plans(
     env: Mapping[str, str],
 ) -> dict[int, RankPlan]:
     addr = master_addr(rank_map)
+    if threads is None and "OMP_NUM_THREADS" in env:  # --env OMP_NUM_THREADS=K means K
+        threads = int(env["OMP_NUM_THREADS"])
     plans = {}
     for rank, eid in enumerate(rank_map.engine_ids):
         local_size = rank_map.local_world_sizes[rank]
@@ -113,6 +125,7 @@ def make_plans(
             master_addr=addr,
             master_port=port,
             backend=backend,
+            cuda_device=cuda_device(rank, rank_map, facts) if backend == "nccl" else None,
             num_threads=threads_per_rank(threads, facts[eid].num_cpus, local_size),
             timeout_s=timeout_s,
             env=dict(env),

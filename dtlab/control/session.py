@@ -49,6 +49,7 @@ class Session:
         self.facts = dict(facts)  # by engine id
         self.infos: dict[int, RankInfo] = {}  # by rank, filled when the ranks join
         self.closed = False
+        self._stuck: dict[int, Any] = {}  # rank -> request it did not finish, even on SIGINT
 
     # --- what it is -------------------------------------------------------------------
     @property
@@ -99,8 +100,10 @@ class Session:
                 f"run %dt_launch {self.world_size} --restart"
             )
 
-    def _check_registered(self, ranks: list[int], what: str) -> None:
-        registered = set(self._client().ids)
+    def _check_ready(self, client, ranks: list[int], what: str) -> None:
+        """Refuse ranks that are dead, or still stuck in an earlier call (a new request
+        would queue behind it, and its collectives could pair with the stale ones)."""
+        registered = set(client.ids)
         dead = [r for r in ranks if self.rank_map.engine_ids[r] not in registered]
         if dead:
             failures = {
@@ -110,6 +113,14 @@ class Session:
                 for r in dead
             }
             raise RankError(what, failures)
+        self._stuck = {r: ar for r, ar in self._stuck.items() if not ar.done()}
+        stuck = sorted(set(ranks) & set(self._stuck))
+        if stuck:
+            raise DtlabError(
+                f"{what}: {label_ranks(stuck)} still busy with an earlier call that did not "
+                "finish (blocked in a collective?); wait for the process-group timeout, "
+                f"or run %dt_launch {self.world_size} --restart"
+            )
 
     def _interrupt(self, ranks: list[int]) -> None:
         engines = self.rank_map.engines(ranks)
@@ -128,21 +139,27 @@ class Session:
     ) -> dict[int, Any]:
         """Send ``request(view, rank)`` to each rank's engine and gather the results."""
         chosen = self.select(ranks)
-        self._check_registered(chosen, what)
         client = self._client()
+        self._check_ready(client, chosen, what)
+        sent: dict[int, Any] = {}
 
         def send(batch: list[int]):
-            return {r: request(client[self.rank_map.engine_ids[r]], r) for r in batch}
+            sent.update({r: request(client[self.rank_map.engine_ids[r]], r) for r in batch})
+            return {r: sent[r] for r in batch}
 
-        return gather(
-            send,
-            chosen,
-            what=what,
-            timeout=timeout,
-            interrupt=self._interrupt,
-            progress=progress,
-            check=self._check_controller,
-        )
+        try:
+            return gather(
+                send,
+                chosen,
+                what=what,
+                timeout=timeout,
+                interrupt=self._interrupt,
+                progress=progress,
+                check=self._check_controller,
+            )
+        except RankError as e:
+            self._stuck.update({r: sent[r] for r in e.stuck})
+            raise
 
     def run(
         self, fn: Callable, *args, ranks: Ranks = None, timeout: float | None = None, **kwargs
@@ -230,7 +247,7 @@ class Session:
     def _status_once(self) -> dict[int, str]:
         client = self._client()
         registered = set(client.ids)
-        queues = client.queue_status() if registered else {}
+        queues = self.engines.queue_status() if registered else {}
         states = {}
         for rank, eid in enumerate(self.rank_map.engine_ids):
             if eid not in registered:
@@ -246,8 +263,8 @@ class Session:
         from dtlab.control import lifecycle
 
         if not self.closed:
+            self.engines.stop()  # if this is interrupted, a second shutdown() tries again
             self.closed = True
-            self.engines.stop()
         lifecycle.forget(self)
 
     def __enter__(self) -> Session:

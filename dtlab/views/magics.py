@@ -19,13 +19,13 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
+import dtlab
 from dtlab.control import lifecycle
-from dtlab.control.config import BACKENDS, LaunchConfig, parse_env
+from dtlab.control.config import BACKENDS, parse_env
 from dtlab.control.errors import NoSessionError, RankError
 from dtlab.control.launchers import LAUNCHERS
 from dtlab.views.cells import collate_cell
-from dtlab.views.progress import auto_progress
-from dtlab.views.tables import rank_table, status_table
+from dtlab.views.tables import launch_summary, rank_table, status_table
 
 
 def _session():
@@ -44,13 +44,6 @@ def show_cell(outputs) -> None:
     if results:
         sys.stdout.write(results)
     sys.stdout.flush()
-
-
-def launch_summary(session, seconds: float, reused: bool = False) -> str:
-    how = f"{session.backend}, {session.config.launcher} launcher"
-    if reused:
-        how += ", live engines reused"
-    return f"{session.world_size} ranks ready ({how}) in {seconds:.1f} s; the session is `dt`"
 
 
 @magics_class
@@ -108,22 +101,17 @@ class DtlabMagics(Magics):
     def dt_launch(self, line):
         """Start N ranks (or reuse the live ones) and show the rank table."""
         args = parse_argstring(self.dt_launch, line)
-        try:
-            config = LaunchConfig(
-                num_ranks=args.num_ranks,
-                backend=args.backend,
-                launcher=args.launcher,
-                timeout_s=args.timeout,
-                threads=args.threads,
-                env=parse_env(args.env),
-                port=args.port,
-                pg_timeout_s=args.pg_timeout,
-            )
-        except ValueError as e:
-            raise UsageError(str(e)) from None
         start = time.monotonic()
         previous = lifecycle.current_or_none()
-        session = lifecycle.launch(config, auto_progress(), restart=args.restart)
+        try:
+            env = parse_env(args.env)
+            session = dtlab.launch(
+                args.num_ranks, backend=args.backend, launcher=args.launcher,
+                timeout=args.timeout, threads=args.threads, env=env, port=args.port,
+                pg_timeout=args.pg_timeout, restart=args.restart,
+            )  # fmt: skip
+        except ValueError as e:  # raised by validation, before anything starts
+            raise UsageError(str(e)) from None
         self.shell.user_ns["dt"] = session
         print(launch_summary(session, time.monotonic() - start, reused=session is previous))
         display(rank_table(session.infos, session.inconsistencies()))

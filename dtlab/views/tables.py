@@ -100,3 +100,10 @@ def status_table(
         for r, s in sorted(states.items())
     )
     return Table(title, headers, rows)
+
+
+def launch_summary(session, seconds: float, reused: bool = False) -> str:
+    how = f"{session.backend}, {session.config.launcher} launcher"
+    if reused:
+        how += ", live engines reused"
+    return f"{session.world_size} ranks ready ({how}) in {seconds:.1f} s; the session is `dt`"
