@@ -12,8 +12,9 @@ Stages:
    if the notebook kernel that launched it dies, stop the engines and the controller;
    exit when no descendant is left.
 
-Engines die at once on SIGTERM and leave through ``os._exit``: a torch-loaded interpreter
-spends seconds in teardown (8.4 s for 8 stock engines here) that buys nothing.
+Engines die at once on SIGTERM (its default action) and otherwise leave through
+``os._exit``: a torch-loaded interpreter spends seconds in teardown (8.4 s for 8 stock
+engines here) that buys nothing.
 Nothing here may create threads, zmq contexts or CUDA state before forking.
 """
 
@@ -46,8 +47,8 @@ PRELOAD = (
     "dtlab.agent.identity",
     "dtlab.agent.rendezvous",
 )
-_PR_SET_PDEATHSIG = 1
 PARENT_POLL_S = 0.5  # how often to check that the launching kernel is still alive
+_PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
 
