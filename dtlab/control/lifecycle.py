@@ -37,9 +37,10 @@ _current: Session | None = None
 
 def current() -> Session:
     """The live session, or NoSessionError saying how to get one."""
-    if _current is None or _current.closed:
+    session = current_or_none()
+    if session is None:
         raise NoSessionError("no live dtlab session: run %dt_launch N (or dtlab.launch(N)) first")
-    return _current
+    return session
 
 
 def current_or_none() -> Session | None:
