@@ -71,6 +71,22 @@ def session() -> Session:
     return lifecycle.current()
 
 
+def attach(model, optimizer, data, loss_fn, **options):
+    """Rank side: hand this rank's training job to dtlab (call it on every rank, e.g. in a
+    ``%%dt`` cell). See :func:`dtlab.agent.job.attach` for the options."""
+    from dtlab.agent.job import attach as attach_on_rank
+
+    return attach_on_rank(model, optimizer, data, loss_fn, **options)
+
+
+def __getattr__(name: str):
+    if name == "Trace":  # lazily, so `import dtlab` stays cheap
+        from dtlab.trace import Trace
+
+        return Trace
+    raise AttributeError(f"module 'dtlab' has no attribute {name!r}")
+
+
 def load_ipython_extension(ipython) -> None:
     from dtlab.views.magics import register
 

@@ -80,3 +80,123 @@ class RemoteFailure:
     ename: str
     evalue: str
     traceback: str = ""
+
+
+# --- stepping: what a rank records each optimizer step -----------------------------------
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter of the attached model, in module order (``named_parameters``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """The attached job as one rank describes it (once, at ``dtlab.attach``)."""
+
+    rank: int
+    model: str  # class name of the model the user attached (inside DDP if wrapped)
+    wrapper: str | None  # "DistributedDataParallel", or None for a bare model
+    optimizer: str
+    scheduler: str | None
+    scaler: bool
+    params: tuple[ParamInfo, ...]
+    record: bool  # per-parameter statistics on by default?
+    capacity: int  # how many step records the rank keeps
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Bytes held at the end of a step. CUDA fields are None where there is no CUDA."""
+
+    rss: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    cuda_allocated: int | None = None
+    cuda_reserved: int | None = None
+    cuda_peak: int | None = None
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds spent in each phase of one step (backward includes DDP's gradient sync)."""
+
+    data: float
+    forward: float
+    backward: float
+    optimizer: float
+    record: float = 0.0  # dtlab's own per-step statistics
+
+    @property
+    def total(self) -> float:
+        return self.data + self.forward + self.backward + self.optimizer + self.record
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one rank measured in one optimizer step (``step`` counts from 1).
+
+    Per-parameter tuples follow ``JobInfo.params``; they are empty when recording is off.
+    Fingerprints are bitwise: equal fingerprints mean equal bits, with overwhelming odds.
+    """
+
+    step: int
+    time: float  # wall clock (epoch seconds) at the end of the step
+    loss: float
+    lr: float | None
+    scale: float | None  # GradScaler scale used for this step
+    skipped: bool  # optimizer step skipped (GradScaler found inf/nan)
+    times: StepTimes
+    memory: StepMemory
+    indices: tuple[int, ...] = ()  # sample indices this rank consumed
+    grad_norms: tuple[float, ...] = ()  # L2 norm per parameter (nan: no gradient)
+    grad_fingerprints: tuple[int, ...] = ()  # 0: no gradient
+    param_fingerprints: tuple[int, ...] = ()
+    nonfinite: tuple[int, ...] = ()  # non-finite gradient elements per parameter
+    missing_grads: tuple[int, ...] = ()  # indices of parameters with no gradient
+
+
+@dataclass(frozen=True)
+class Condition:
+    """When ``%dt_run --until`` stops; checked on every rank after every step.
+
+    ``kind`` is one of "step" (step >= value), "loss_above", "loss_below", "nonfinite"
+    (loss or any gradient not finite), "diverged" (ranks' fingerprints differ).
+    """
+
+    kind: str
+    value: float | None = None
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Something wrong that an analysis found: what, where, since when, why we think so."""
+
+    kind: str  # "divergence", "leak", "straggler", ...
+    ranks: tuple[int, ...]
+    summary: str
+    step: int | None = None
+    evidence: dict[str, object] = field(default_factory=dict)
+    fix: str = ""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How a ``%dt_step`` / ``%dt_run`` ended (made in control/ from the ranks' replies)."""
+
+    first_step: int  # the step the run started after
+    last_step: int  # every rank stopped after this step
+    stopped: str  # "steps" (all done), "until" (condition met), "pause" (asked to)
+    seconds: float
+    condition: Condition | None = None
+    hit_ranks: tuple[int, ...] = ()  # ranks where the condition held at the last step
+
+    @property
+    def num_steps(self) -> int:
+        return self.last_step - self.first_step

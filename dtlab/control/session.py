@@ -20,16 +20,18 @@ from dtlab.control.cluster import EngineCluster
 from dtlab.control.config import LaunchConfig
 from dtlab.control.errors import DtlabError, RankError
 from dtlab.control.rankmap import RankMap
+from dtlab.control.training import TrainingMixin
 from dtlab.records import CellOutput, EngineFacts, RankInfo, RemoteFailure
 
 Ranks = Iterable[int] | str | None
 OUTPUT_WAIT_S = 2.0  # engine output travels apart from the reply; let it catch up
 INTERRUPT_REPLY_S = 2.0
+INTERRUPT_GRACE_S = 2.0  # after SIGINT, how long to wait before calling a rank stuck
 STATUS_SETTLE_TRIES = 4
 STATUS_SETTLE_S = 0.05
 
 
-class Session:
+class Session(TrainingMixin):
     """N torch.distributed ranks living in ipyparallel engines.
 
     Use ``run``/``execute``/``pull``/``push`` to work on the ranks and ``shutdown`` (or a
@@ -50,6 +52,8 @@ class Session:
         self.infos: dict[int, RankInfo] = {}  # by rank, filled when the ranks join
         self.closed = False
         self._stuck: dict[int, Any] = {}  # rank -> request it did not finish, even on SIGINT
+        self.calls = 0  # ipyparallel requests so far (any of them may have re-attached a job)
+        self._stepper = None
 
     # --- what it is -------------------------------------------------------------------
     @property
@@ -89,10 +93,10 @@ class Session:
     def _client(self):
         if self.closed or self.engines.client is None:
             raise DtlabError("this session is shut down; run %dt_launch N to start a new one")
-        self._check_controller()
+        self.check_controller()
         return self.engines.client
 
-    def _check_controller(self) -> None:
+    def check_controller(self) -> None:
         """Raise instead of waiting for replies that a dead controller will never route."""
         if self.engines.controller_exited():
             raise DtlabError(
@@ -100,7 +104,7 @@ class Session:
                 f"run %dt_launch {self.world_size} --restart"
             )
 
-    def _check_ready(self, client, ranks: list[int], what: str) -> None:
+    def check_ready(self, client, ranks: list[int], what: str) -> None:
         """Refuse ranks that are dead, or still stuck in an earlier call (a new request
         would queue behind it, and its collectives could pair with the stale ones)."""
         registered = set(client.ids)
@@ -114,13 +118,33 @@ class Session:
             }
             raise RankError(what, failures)
         self._stuck = {r: ar for r, ar in self._stuck.items() if not ar.done()}
-        stuck = sorted(set(ranks) & set(self._stuck))
+        busy = set(self._stuck) | set(self._stepper.busy_ranks() if self._stepper else ())
+        stuck = sorted(set(ranks) & busy)
         if stuck:
             raise DtlabError(
                 f"{what}: {label_ranks(stuck)} still busy with an earlier call that did not "
                 "finish (blocked in a collective?); wait for the process-group timeout, "
                 f"or run %dt_launch {self.world_size} --restart"
             )
+
+    def dead_ranks(self, ranks: Iterable[int]) -> list[int]:
+        """The ranks among ``ranks`` whose engine is gone (its nanny told the controller)."""
+        registered = set(self._client().ids)
+        return [r for r in ranks if self.rank_map.engine_ids[r] not in registered]
+
+    def interrupt_and_wait(self, ranks: list[int], poll: Callable[[], list[int]]) -> list[int]:
+        """SIGINT ``ranks``, then call ``poll`` (-> ranks still busy) for a grace period;
+        returns the ranks that did not stop."""
+        if not ranks:
+            return []
+        try:
+            self._interrupt(ranks)
+        except Exception:  # a dead engine cannot be signalled; it is reported as stuck
+            pass
+        remaining, deadline = list(ranks), time.monotonic() + INTERRUPT_GRACE_S
+        while remaining and time.monotonic() < deadline:
+            remaining = poll()
+        return remaining
 
     def _interrupt(self, ranks: list[int]) -> None:
         engines = self.rank_map.engines(ranks)
@@ -140,7 +164,8 @@ class Session:
         """Send ``request(view, rank)`` to each rank's engine and gather the results."""
         chosen = self.select(ranks)
         client = self._client()
-        self._check_ready(client, chosen, what)
+        self.calls += 1
+        self.check_ready(client, chosen, what)
         sent: dict[int, Any] = {}
 
         def send(batch: list[int]):
@@ -155,7 +180,7 @@ class Session:
                 timeout=timeout,
                 interrupt=self._interrupt,
                 progress=progress,
-                check=self._check_controller,
+                check=self.check_controller,
             )
         except RankError as e:
             self._stuck.update({r: sent[r] for r in e.stuck})
@@ -262,6 +287,8 @@ class Session:
         """Stop every engine, nanny and the controller; leaves no process behind."""
         from dtlab.control import lifecycle
 
+        if self._stepper is not None:
+            self._stepper.close()
         if not self.closed:
             self.engines.stop()  # if this is interrupted, a second shutdown() tries again
             self.closed = True

@@ -193,7 +193,10 @@ class DtlabMagics(Magics):
 
 
 def register(ipython) -> None:
+    from dtlab.views.training_magics import TrainingMagics
+
     ipython.register_magics(DtlabMagics)
+    ipython.register_magics(TrainingMagics)
     from dtlab.control.session import Session
 
     html = ipython.display_formatter.formatters["text/html"]

@@ -48,3 +48,23 @@ def auto_progress():
 
         return WidgetProgress()
     return TextProgress()
+
+
+class DelayedProgress:
+    """Shows nothing for short work; after ``after_s`` hands over to ``auto_progress``."""
+
+    def __init__(self, after_s: float = 1.0):
+        self.start = time.monotonic()
+        self.after_s = after_s
+        self.reporter = None
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if self.reporter is None:
+            if time.monotonic() - self.start < self.after_s:
+                return
+            self.reporter = auto_progress()
+        self.reporter(phase, done, total)
+
+
+def delayed_progress(after_s: float = 1.0) -> DelayedProgress:
+    return DelayedProgress(after_s)

@@ -1,0 +1,44 @@
+"""Attach the built-in demo job (:mod:`dtlab.agent.demo_model`) on this rank."""
+
+from __future__ import annotations
+
+from dtlab.agent import job as jobs
+from dtlab.agent.demo_model import DemoConfig, DemoJob, build_demo
+from dtlab.records import JobInfo
+
+last: DemoJob | None = None  # this rank's demo job, for a closer look from a %%dt cell
+
+
+def attach_demo(*, ddp: bool = True, record: bool = True, lr: float = 3e-3, **config) -> JobInfo:
+    """Build the demo (same weights on every rank, data sharded by DistributedSampler) and
+    attach it. ``ddp`` wraps it in DistributedDataParallel when there is more than one rank."""
+    import torch.distributed as dist
+
+    global last
+    grouped = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if grouped else 0
+    world_size = dist.get_world_size() if grouped else 1
+    device = _device()
+    last = build_demo(
+        DemoConfig(**config),
+        rank=rank,
+        world_size=world_size,
+        ddp=ddp and world_size > 1,
+        lr=lr,
+        device=device,
+    )
+    return jobs.attach(
+        last.model,
+        last.optimizer,
+        last.data,
+        last.loss_fn,
+        scheduler=last.scheduler,
+        record=record,
+        on_epoch=last.sampler.set_epoch,
+    )
+
+
+def _device() -> str:
+    from dtlab.agent.rendezvous import _state
+
+    return str(_state.get("device", "cpu"))

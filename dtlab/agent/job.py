@@ -1,0 +1,243 @@
+"""The training job attached on this rank, and one optimizer step of it, measured.
+
+On every rank the user's code builds an ordinary model, optimizer, data and a loss
+function, then hands them over::
+
+    dtlab.attach(model, optimizer, loader, loss_fn, scheduler=sched, scaler=scaler)
+
+dtlab then owns the loop (so it can time each phase) and changes nothing in the model.
+One step, in order: next batch -> ``loss_fn(model, batch)`` (forward) -> backward (with
+DDP this includes the gradient all-reduce) -> [unscale] -> record gradients ->
+optimizer / scaler / scheduler step -> record parameters and memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from dtlab.agent import recorder
+from dtlab.records import JobInfo, ParamInfo, StepRecord, StepTimes
+
+DEFAULT_CAPACITY = 10_000  # step records kept on the rank (~1-2 KB each with recording on)
+
+_job: Job | None = None
+_attach_count = 0
+
+
+def attach(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Iterable,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    *,
+    scheduler: Any = None,
+    scaler: Any = None,
+    record: bool = True,
+    capacity: int = DEFAULT_CAPACITY,
+    indices: Callable[[Any], Iterable[int]] | None = None,
+    on_epoch: Callable[[int], None] | None = None,
+) -> JobInfo:
+    """Hand this rank's training job to dtlab (call it on every rank).
+
+    ``loss_fn(model, batch)`` runs the forward pass and returns the loss. ``indices(batch)``
+    says which samples a batch holds (default: ``batch["index"]`` when there is one).
+    ``on_epoch(epoch)`` is called when ``data`` is exhausted, before it is iterated again
+    (e.g. ``sampler.set_epoch``). ``record=False`` keeps only loss, LR, times and memory.
+    """
+    global _job, _attach_count
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if not callable(loss_fn):
+        raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> loss tensor")
+    if capacity < 1:
+        raise ValueError(f"capacity must be at least 1 step, got {capacity}")
+    _attach_count += 1
+    _job = Job(
+        model, optimizer, data, loss_fn, scheduler, scaler, record, capacity, indices, on_epoch
+    )
+    return _job.info
+
+
+def current() -> Job:
+    if _job is None:
+        raise RuntimeError(
+            "no job attached on this rank: call dtlab.attach(model, optimizer, data, loss_fn) "
+            "on every rank first (or %dt_demo for the built-in demo job)"
+        )
+    return _job
+
+
+def attach_count() -> int:
+    return _attach_count
+
+
+class Job:
+    """One rank's attached training job; ``step()`` runs and records one optimizer step."""
+
+    def __init__(
+        self,
+        model,
+        optimizer,
+        data,
+        loss_fn,
+        scheduler,
+        scaler,
+        record,
+        capacity,
+        indices,
+        on_epoch,
+    ):
+        self.model = model
+        self.module = getattr(model, "module", model)  # the user's model inside DDP
+        self.optimizer = optimizer
+        self.data = data
+        self.loss_fn = loss_fn
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.record = record
+        self.indices = indices or _default_indices
+        self.on_epoch = on_epoch
+        self.names, self.params = zip(*self.module.named_parameters(), strict=True)
+        self.device = self.params[0].device
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=capacity)
+        self.step_count = 0
+        self.epoch = 0
+        self._iterator = iter(data)
+        self.info = self._describe(capacity)
+
+    def _describe(self, capacity: int) -> JobInfo:
+        wrapper = type(self.model).__name__ if self.module is not self.model else None
+        return JobInfo(
+            rank=_rank(),
+            model=type(self.module).__name__,
+            wrapper=wrapper,
+            optimizer=type(self.optimizer).__name__,
+            scheduler=type(self.scheduler).__name__ if self.scheduler is not None else None,
+            scaler=self.scaler is not None,
+            params=tuple(
+                ParamInfo(n, tuple(p.shape), str(p.dtype), p.numel())
+                for n, p in zip(self.names, self.params, strict=True)
+            ),
+            record=self.record,
+            capacity=capacity,
+        )
+
+    def _next_batch(self):
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            self.epoch += 1
+            if self.on_epoch is not None:
+                self.on_epoch(self.epoch)
+            self._iterator = iter(self.data)
+            return next(self._iterator)
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":  # kernels run asynchronously; time them, not launches
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def step(self, record: bool | None = None) -> StepRecord:
+        """Run one optimizer step and return (and keep) what it measured."""
+        record = self.record if record is None else record
+        t0 = self._now()
+        batch = self._next_batch()
+        t1 = self._now()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model, batch)
+        t2 = self._now()
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        t3 = self._now()
+        lr = self.optimizer.param_groups[0].get("lr")
+        scale = float(self.scaler.get_scale()) if self.scaler is not None else None
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # record true gradients, not scaled ones
+        grads = self._grad_fields() if record else {}
+        t4 = self._now()
+        skipped = self._optimizer_step()
+        t5 = self._now()
+        params = self._param_fields() if record else {}
+        t6 = self._now()
+        self.step_count += 1
+        rec = StepRecord(
+            step=self.step_count,
+            time=time.time(),
+            loss=float(loss.detach()),
+            lr=float(lr) if lr is not None else None,
+            scale=scale,
+            skipped=skipped,
+            times=StepTimes(t1 - t0, t2 - t1, t3 - t2, t5 - t4, (t4 - t3) + (t6 - t5)),
+            memory=recorder.memory(self.params, self.optimizer, self.device),
+            indices=tuple(int(i) for i in self.indices(batch)),
+            **grads,
+            **params,
+        )
+        self.records.append(rec)
+        return rec
+
+    def _optimizer_step(self) -> bool:
+        if self.scaler is None:
+            self.optimizer.step()
+            skipped = False
+        else:
+            before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < before  # the scaler backs off when it skips
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return skipped
+
+    def _grad_fields(self) -> dict:
+        grads = [p.grad for p in self.params]
+        norms, nonfinite, missing = recorder.grad_stats(grads)
+        return {
+            "grad_norms": tuple(norms),
+            "grad_fingerprints": tuple(recorder.fingerprints(grads)),
+            "nonfinite": tuple(nonfinite),
+            "missing_grads": tuple(missing),
+        }
+
+    def _param_fields(self) -> dict:
+        return {"param_fingerprints": tuple(recorder.fingerprints(self.params))}
+
+    # --- looking closer -----------------------------------------------------------------
+    def tensor(self, name: str, what: str = "grad") -> torch.Tensor | None:
+        """A CPU copy of one parameter's gradient (``what="grad"``) or value (``"param"``)."""
+        if what not in ("grad", "param"):
+            raise ValueError(f"what must be 'grad' or 'param', got {what!r}")
+        try:
+            param = self.params[self.names.index(name)]
+        except ValueError:
+            close = [n for n in self.names if name in n][:5]
+            raise KeyError(
+                f"no parameter {name!r} in {type(self.module).__name__}"
+                + (f"; did you mean one of {close}?" if close else "")
+            ) from None
+        tensor = param.grad if what == "grad" else param
+        return None if tensor is None else tensor.detach().to("cpu", copy=True)
+
+    def records_since(self, step: int) -> list[StepRecord]:
+        return [r for r in self.records if r.step > step]
+
+
+def _default_indices(batch) -> Iterable[int]:
+    if isinstance(batch, Mapping) and "index" in batch:
+        index = batch["index"]
+        return index.tolist() if isinstance(index, torch.Tensor) else index
+    return ()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

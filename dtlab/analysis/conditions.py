@@ -1,0 +1,46 @@
+"""``%dt_run --until`` conditions: text -> :class:`dtlab.records.Condition`.
+
+    step>=200    loss>4.5    loss<0.1    nonfinite    diverged
+
+``nonfinite`` holds when a rank's loss or any gradient element is inf/nan; ``diverged``
+when the ranks' gradient or parameter fingerprints stop being all equal.
+"""
+
+from __future__ import annotations
+
+import re
+
+from dtlab.records import Condition
+
+_FORMS = "step>=N, loss>X, loss<X, nonfinite, diverged"
+_COMPARISON = re.compile(r"^(step|loss)\s*(>=|>|<)\s*([-+0-9.eE]+)$")
+_KINDS = {("step", ">="): "step", ("loss", ">"): "loss_above", ("loss", "<"): "loss_below"}
+
+
+def parse_condition(text: str) -> Condition:
+    """Parse one condition; ValueError names the text and the forms understood."""
+    cleaned = text.strip().lower().replace(" ", "")
+    if cleaned in ("nonfinite", "diverged"):
+        return Condition(cleaned)
+    match = _COMPARISON.match(cleaned)
+    kind = _KINDS.get((match.group(1), match.group(2))) if match else None
+    if kind is None:
+        raise ValueError(f"cannot read the condition {text!r}; write one of: {_FORMS}")
+    try:
+        value = float(match.group(3))
+    except ValueError:
+        raise ValueError(f"{match.group(3)!r} in {text!r} is not a number") from None
+    if kind == "step" and (value != int(value) or value < 1):
+        raise ValueError(f"step>=N needs a whole number of steps >= 1, got {match.group(3)}")
+    return Condition(kind, value)
+
+
+def describe_condition(cond: Condition) -> str:
+    """The condition as the user would write it."""
+    if cond.kind == "step":
+        return f"step>={int(cond.value)}"
+    if cond.kind == "loss_above":
+        return f"loss>{cond.value:g}"
+    if cond.kind == "loss_below":
+        return f"loss<{cond.value:g}"
+    return cond.kind

@@ -1,0 +1,72 @@
+"""The notebook end of the stepping channel: one ROUTER socket, ranks connect to it.
+
+The rank end and the message format are in :mod:`dtlab.agent.stepping`. Messages are
+JSON and carry a random session key: nothing received is unpickled or executed, and a
+message without the key is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import socket
+import time
+from collections.abc import Iterable
+
+import zmq
+
+
+class Channel:
+    """Send commands to ranks by rank number; receive their replies as dicts."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        """Listen on ``host`` ("*" for every interface, advertised by this host's name)."""
+        self.key = secrets.token_hex(16)
+        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown rank -> error, not a drop
+        port = self.socket.bind_to_random_port(f"tcp://{host}")
+        advertised = socket.gethostbyname(socket.gethostname()) if host == "*" else host
+        self.address = f"tcp://{advertised}:{port}"
+        self.connected: set[int] = set()
+
+    def send(self, ranks: Iterable[int], message: dict) -> list[int]:
+        """Send to each rank; returns the ranks it could not reach (not connected)."""
+        frame = json.dumps({"key": self.key, **message}).encode()
+        unreachable = []
+        for rank in ranks:
+            try:
+                self.socket.send_multipart([str(rank).encode(), frame], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                unreachable.append(rank)
+        return unreachable
+
+    def receive(self, timeout: float) -> list[dict]:
+        """Every reply that arrives within ``timeout`` s (returns early once one came)."""
+        replies = []
+        if not self.socket.poll(int(timeout * 1000), zmq.POLLIN):
+            return replies
+        while self.socket.poll(0, zmq.POLLIN):
+            _, frame = self.socket.recv_multipart()
+            try:
+                reply = json.loads(frame)
+            except ValueError:
+                continue
+            if isinstance(reply, dict) and reply.get("key") == self.key:
+                if reply.get("kind") == "hello":
+                    self.connected.add(int(reply["rank"]))
+                else:
+                    replies.append(reply)
+        return replies
+
+    def wait_connected(self, ranks: Iterable[int], timeout: float) -> set[int]:
+        """Wait for each rank's hello; returns the ranks that never said it."""
+        missing = set(ranks) - self.connected
+        deadline = time.monotonic() + timeout
+        while missing and time.monotonic() < deadline:
+            self.receive(0.05)
+            missing -= self.connected
+        return missing
+
+    def close(self) -> None:
+        self.socket.close()

@@ -1,0 +1,127 @@
+"""The attached training job, as the notebook drives it: ``dt.step``, ``dt.run_until``,
+``dt.trace``, ``dt.grads``, ``dt.findings``. Mixed into :class:`Session`.
+
+Each feature is collect (ranks record every step, see :mod:`dtlab.agent.job`) -> combine
+(pure functions in :mod:`dtlab.analysis`) -> present (views).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dtlab.analysis.conditions import parse_condition
+from dtlab.analysis.divergence import divergence_findings, find_divergence, tensor_diff
+from dtlab.analysis.trends import find_leaks, find_stragglers
+from dtlab.control.errors import DtlabError
+from dtlab.records import Condition, Finding, RunResult
+
+DEFAULT_MAX_STEPS = 100_000
+
+
+class TrainingMixin:
+    """Job control for a Session (needs ``run``, ``ranks``, ``select``)."""
+
+    @property
+    def stepper(self):
+        from dtlab.control.stepper import Stepper
+
+        if self._stepper is None:
+            self._stepper = Stepper(self)
+        return self._stepper
+
+    def step(
+        self,
+        num_steps: int = 1,
+        *,
+        record: bool | None = None,
+        timeout: float | None = None,
+        progress: Callable[[str, int, int], None] | None = None,
+    ) -> RunResult:
+        """Run ``num_steps`` optimizer steps on every rank; returns when all are done.
+
+        Ctrl-C pauses every rank after the same step (a second Ctrl-C sends SIGINT).
+        ``record`` overrides the job's per-parameter recording for these steps.
+        """
+        return self.stepper.run(num_steps, None, record=record, timeout=timeout, progress=progress)
+
+    def run_until(
+        self,
+        condition: str | Condition,
+        *,
+        max_steps: int = DEFAULT_MAX_STEPS,
+        record: bool | None = None,
+        timeout: float | None = None,
+        progress: Callable[[str, int, int], None] | None = None,
+    ) -> RunResult:
+        """Step until ``condition`` (e.g. ``"loss>5"``, ``"nonfinite"``, ``"diverged"``)
+        holds on any rank, or ``max_steps``; every rank pauses after the same step."""
+        cond = parse_condition(condition) if isinstance(condition, str) else condition
+        return self.stepper.run(max_steps, cond, record=record, timeout=timeout, progress=progress)
+
+    def pause(self) -> None:
+        """Ask a run in progress (the dashboard's) to stop at the next step boundary."""
+        self.stepper.pause()
+
+    @property
+    def trace(self):
+        """The step records of the attached job (a :class:`dtlab.Trace`), None before the
+        first step."""
+        return self._stepper.trace if self._stepper is not None else None
+
+    def _require_trace(self):
+        if self.trace is None or self.trace.last_step == 0:
+            raise DtlabError("no steps recorded yet: attach a job (%dt_demo) and run %dt_step")
+        return self.trace
+
+    # --- tensors, on request only ------------------------------------------------------
+    def grads(self, name: str, ranks=None, step: int | None = None) -> dict:
+        """``{rank: numpy array}``: the gradient of parameter ``name`` after the last step.
+
+        Ranks keep only the latest gradients, so ``step`` must be that step (or None).
+        """
+        return self._tensors(name, "grad", ranks, step)
+
+    def params(self, name: str, ranks=None, step: int | None = None) -> dict:
+        """``{rank: numpy array}``: the value of parameter ``name`` after the last step."""
+        return self._tensors(name, "param", ranks, step)
+
+    def _tensors(self, name: str, what: str, ranks, step: int | None) -> dict:
+        last = self.trace.last_step if self.trace is not None else 0
+        if step is not None and step != last:
+            raise ValueError(
+                f"ranks keep only the tensors of the latest step ({last}), not step {step}; "
+                f"use %dt_run --until step>={step} to stop there and look"
+            )
+        return self.stepper.tensors(name, what, self.select(ranks))
+
+    # --- findings ----------------------------------------------------------------------
+    def divergence(self, kind: str = "param"):
+        """The first (step, parameter) where ranks' fingerprints differ, or None."""
+        trace = self._require_trace()
+        return find_divergence(trace.records, trace.param_names, kind=kind)
+
+    def divergence_detail(self, kind: str = "param") -> dict:
+        """For the first divergence: ``{rank: TensorDiff}`` of each outlier rank's tensor
+        against the first majority rank, fetched now (the latest step, not the first bad
+        one)."""
+        found = self.divergence(kind)
+        if found is None:
+            return {}
+        reference = found.majority[0]
+        tensors = self._tensors(found.param, kind, [reference, *found.outliers], None)
+        return {r: tensor_diff(tensors[reference], tensors[r]) for r in found.outliers}
+
+    def findings(self) -> list[Finding]:
+        """Divergence, memory leaks and stragglers found in the records so far."""
+        trace = self._require_trace()
+        return [
+            *divergence_findings(trace.records, trace.param_names),
+            *find_leaks(trace.records),
+            *find_stragglers(trace.records),
+        ]
+
+    def dashboard(self):
+        """Step / Run / Pause controls with live per-rank figures (an ipywidgets panel)."""
+        from dtlab.views.widgets import Dashboard  # users hold `dt`; the panel is a view
+
+        return Dashboard(self)

@@ -1,0 +1,218 @@
+"""The step records of one attached job, by rank, in memory and in a run folder.
+
+A run folder (``runs/<timestamp>/`` by default, ``DTLAB_RUNS_DIR`` moves it) holds:
+
+- ``trace.json``: ``{"format": "dtlab-trace/1", "created": <epoch s>, "world_size": N,
+  "jobs": {"<rank>": JobInfo}, "meta": {...}}``
+- ``steps.jsonl``: one JSON object per line, ``{"rank": r, **StepRecord}``, appended as
+  steps finish (a run that crashed still leaves every step it finished).
+
+Records are the dataclasses of :mod:`dtlab.records` written with ``dataclasses.asdict``;
+``Trace.load(folder)`` reads a folder back, so another notebook can plot or compare it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from dtlab.records import JobInfo, ParamInfo, StepMemory, StepRecord, StepTimes
+
+FORMAT = "dtlab-trace/1"
+RUNS_DIR_ENV = "DTLAB_RUNS_DIR"
+
+
+def record_to_json(rank: int, record: StepRecord) -> dict:
+    return {"rank": rank, **dataclasses.asdict(record)}
+
+
+def record_from_json(data: Mapping) -> tuple[int, StepRecord]:
+    fields = dict(data)
+    rank = fields.pop("rank")
+    fields["times"] = StepTimes(**fields["times"])
+    fields["memory"] = StepMemory(**fields["memory"])
+    for name in ("indices", "grad_norms", "grad_fingerprints", "param_fingerprints"):
+        fields[name] = tuple(fields.get(name, ()))
+    for name in ("nonfinite", "missing_grads"):
+        fields[name] = tuple(fields.get(name, ()))
+    return rank, StepRecord(**fields)
+
+
+def job_from_json(data: Mapping) -> JobInfo:
+    fields = dict(data)
+    fields["params"] = tuple(
+        ParamInfo(p["name"], tuple(p["shape"]), p["dtype"], p["numel"]) for p in data["params"]
+    )
+    return JobInfo(**fields)
+
+
+def new_run_folder(root: str | os.PathLike | None = None) -> Path:
+    """``<root>/<YYYYmmdd-HHMMSS>[-k]/``, created; root defaults to $DTLAB_RUNS_DIR or runs."""
+    base = Path(root or os.environ.get(RUNS_DIR_ENV) or "runs")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for k in range(1000):
+        folder = base / (stamp if k == 0 else f"{stamp}-{k}")
+        try:
+            folder.mkdir(parents=True)
+            return folder
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free run folder name under {base}")
+
+
+class Trace:
+    """Step records keyed by rank: ``trace.records[rank]`` is a list in step order."""
+
+    def __init__(
+        self,
+        jobs: Mapping[int, JobInfo],
+        *,
+        folder: str | os.PathLike | None = None,
+        meta: Mapping | None = None,
+        created: float | None = None,
+    ):
+        self.jobs = dict(sorted(jobs.items()))
+        self.meta = dict(meta or {})
+        self.created = time.time() if created is None else created
+        self.records: dict[int, list[StepRecord]] = {rank: [] for rank in self.jobs}
+        self.folder = Path(folder) if folder is not None else None
+        self._steps_file = None
+        if self.folder is not None:
+            self._write_header()
+
+    # --- what it holds ------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return len(self.jobs)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(self.jobs)
+
+    @property
+    def params(self) -> tuple[ParamInfo, ...]:
+        return next(iter(self.jobs.values())).params if self.jobs else ()
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.params)
+
+    @property
+    def last_step(self) -> int:
+        """The last step every rank has recorded (0 before the first)."""
+        if not self.records:
+            return 0
+        return min((recs[-1].step if recs else 0) for recs in self.records.values())
+
+    def at(self, step: int) -> dict[int, StepRecord]:
+        """``{rank: record}`` of one step, for the ranks that recorded it."""
+        found = {}
+        for rank, recs in self.records.items():
+            for rec in reversed(recs):
+                if rec.step == step:
+                    found[rank] = rec
+                    break
+                if rec.step < step:
+                    break
+        return found
+
+    def __len__(self) -> int:
+        return sum(len(recs) for recs in self.records.values())
+
+    def __repr__(self) -> str:
+        where = f", {self.folder}" if self.folder else ""
+        return f"<dtlab Trace: {self.world_size} ranks, {self.last_step} steps{where}>"
+
+    # --- growing it ---------------------------------------------------------------------
+    def add(self, rank: int, records: Iterable[StepRecord]) -> None:
+        """Append a rank's new records (older or repeated steps are ignored)."""
+        mine = self.records.setdefault(rank, [])
+        new = [r for r in records if not mine or r.step > mine[-1].step]
+        mine.extend(new)
+        if self._steps_file is not None and new:
+            for rec in new:
+                self._steps_file.write(json.dumps(record_to_json(rank, rec)) + "\n")
+
+    def flush(self) -> None:
+        if self._steps_file is not None:
+            self._steps_file.flush()
+
+    def close(self) -> None:
+        if self._steps_file is not None:
+            self._steps_file.close()
+            self._steps_file = None
+
+    # --- as data ------------------------------------------------------------------------
+    def to_records(self) -> list[dict]:
+        """One plain dict per (rank, step), nested records flattened (``times.forward``)."""
+        rows = []
+        for rank, recs in self.records.items():
+            for rec in recs:
+                row = {"rank": rank}
+                for key, value in dataclasses.asdict(rec).items():
+                    if isinstance(value, dict):
+                        row.update({f"{key}.{k}": v for k, v in value.items()})
+                    else:
+                        row[key] = value
+                rows.append(row)
+        return rows
+
+    def to_dataframe(self):
+        """The records as a pandas DataFrame, one row per (rank, step)."""
+        import pandas as pd
+
+        return pd.DataFrame.from_records(self.to_records())
+
+    # --- files --------------------------------------------------------------------------
+    def _write_header(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        header = {
+            "format": FORMAT,
+            "created": self.created,
+            "world_size": self.world_size,
+            "jobs": {str(r): dataclasses.asdict(j) for r, j in self.jobs.items()},
+            "meta": self.meta,
+        }
+        (self.folder / "trace.json").write_text(json.dumps(header, indent=1))
+        self._steps_file = open(self.folder / "steps.jsonl", "a")  # noqa: SIM115 - kept open
+
+    def save(self, folder: str | os.PathLike) -> Path:
+        """Write the whole trace to ``folder`` (a copy; this trace keeps its own folder)."""
+        copy = Trace(self.jobs, folder=folder, meta=self.meta, created=self.created)
+        for rank, recs in self.records.items():
+            copy.add(rank, recs)
+        copy.close()
+        return Path(folder)
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike) -> Trace:
+        """Read a run folder written by dtlab; raises ValueError naming what is wrong."""
+        folder = Path(folder)
+        header_path = folder / "trace.json"
+        if not header_path.is_file():
+            raise ValueError(f"{folder} is not a dtlab run folder: it has no trace.json")
+        header = json.loads(header_path.read_text())
+        if header.get("format") != FORMAT:
+            raise ValueError(
+                f"{header_path}: format {header.get('format')!r}, this dtlab reads {FORMAT!r}"
+            )
+        jobs = {int(r): job_from_json(j) for r, j in header["jobs"].items()}
+        trace = cls(jobs, meta=header.get("meta"), created=header.get("created"))
+        trace.folder = folder
+        steps = folder / "steps.jsonl"
+        lines = steps.read_text().splitlines() if steps.is_file() else []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                rank, rec = record_from_json(json.loads(line))
+            except (ValueError, KeyError, TypeError) as e:
+                if number == len(lines):  # a run killed mid-write leaves half a last line
+                    break
+                raise ValueError(f"{steps}:{number}: not a step record ({e})") from e
+            trace.add(rank, [rec])
+        return trace

@@ -1,0 +1,290 @@
+"""Figures: pure functions of a Trace (or of analysis results) -> ``plotly`` Figure.
+
+Runs in the notebook kernel. Nothing here shows, writes or reads anything: ``widgets.py``
+wraps these figures in FigureWidgets and updates them, tests read ``fig.data`` and
+``fig.layout``.
+
+Conventions shared by every figure:
+
+- rank ``r`` has colour ``rank_color(r)`` everywhere and its legend entry is ``"rank r"``;
+- x is the step; each line is evenly downsampled to at most ``max_points`` points, first and
+  last step kept, so 8 ranks x many steps stays light in the browser;
+- an empty trace gives a figure of the same structure with empty traces, never an error.
+
+The dashboard is one figure with three panels (one figure, not three: each FigureWidget
+carries the plotly.js bundle). Its traces are in a fixed order, ``DASHBOARD_PANELS`` outer,
+ranks in rank order inner, so a live updater can assign ``fig.data[i].x/.y`` in place from
+``dashboard_series`` (see ``dashboard_trace_index``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.colors import qualitative, sequential
+from plotly.subplots import make_subplots
+
+from dtlab.records import StepMemory, StepRecord, StepTimes
+from dtlab.trace import Trace
+
+TEMPLATE = "plotly_white"
+MIB = 1024 * 1024
+_RANK_COLORS = qualitative.Plotly + qualitative.Dark24  # 34 distinct before wrapping
+_PHASE_COLORS = qualitative.Set2
+MEMORY_FIELDS = tuple(f.name for f in dataclasses.fields(StepMemory))
+PHASES = tuple(f.name for f in dataclasses.fields(StepTimes))  # data, forward, ..., record
+DASHBOARD_PANELS = ("loss", "grad_norm", "memory")
+_PANEL_TITLES = ("Loss", "Total gradient norm", "Memory (RSS)")
+_PANEL_UNITS = ("loss", "L2 norm", "MiB")
+
+
+def rank_color(rank: int) -> str:
+    """The colour of ``rank`` in every dtlab figure."""
+    return _RANK_COLORS[rank % len(_RANK_COLORS)]
+
+
+def downsample(xs: Sequence, ys: Sequence, max_points: int) -> tuple[list, list]:
+    """At most ``max_points`` evenly spaced points, the first and the last always kept."""
+    if max_points < 2:
+        raise ValueError(f"max_points must be at least 2, got {max_points}")
+    if len(xs) <= max_points:
+        return list(xs), list(ys)
+    keep = np.unique(np.linspace(0, len(xs) - 1, max_points).round().astype(int))
+    return [xs[i] for i in keep], [ys[i] for i in keep]
+
+
+def _ranks(trace: Trace) -> list[int]:
+    return sorted(trace.records)
+
+
+def _series(records: Iterable[StepRecord], value, max_points: int) -> tuple[list, list]:
+    """(steps, values) of ``value(record)``; records where it gives None are left out."""
+    points = [(rec.step, value(rec)) for rec in records]
+    points = [(step, v) for step, v in points if v is not None]
+    return downsample([s for s, _ in points], [v for _, v in points], max_points)
+
+
+def total_grad_norm(record: StepRecord) -> float | None:
+    """sqrt of the sum of squared per-parameter norms, nan (no gradient) ignored.
+
+    None when recording was off (no norms) or no parameter had a gradient.
+    """
+    # plain Python: a few values per record, called for every record on every live refresh
+    squares = [g * g for g in record.grad_norms if not math.isnan(g)]
+    return math.sqrt(math.fsum(squares)) if squares else None
+
+
+def _line(x, y, rank: int, *, suffix: str = "", dash: str | None = None, **kw) -> go.Scatter:
+    # SVG Scatter, not Scattergl: downsampled lines are light enough, and WebGL may be missing
+    # in a headless browser (--disable-gpu) and is capped at a few contexts per page.
+    return go.Scatter(
+        x=x,
+        y=y,
+        mode="lines",
+        name=f"rank {rank}{suffix}",
+        line={"color": rank_color(rank), "dash": dash},
+        **kw,
+    )
+
+
+def _layout(
+    fig: go.Figure, title: str, xaxis: str, yaxis: str, height: int, hovermode: str = "x unified"
+) -> go.Figure:
+    fig.update_layout(
+        title=title,
+        template=TEMPLATE,
+        height=height,
+        xaxis_title=xaxis,
+        yaxis_title=yaxis,
+        hovermode=hovermode,
+    )
+    return fig
+
+
+def _run_label(trace: Trace, default: str) -> str:
+    return trace.folder.name if trace.folder is not None else default
+
+
+def loss_figure(trace: Trace, other: Trace | None = None, *, max_points: int = 2000) -> go.Figure:
+    """Loss per rank; ``other`` (a second run) is overlaid dashed as ``"rank r (other)"``."""
+    fig = go.Figure()
+    for rank in _ranks(trace):
+        fig.add_trace(_line(*_series(trace.records[rank], _loss, max_points), rank))
+    title = "Loss per rank"
+    if other is not None:
+        for rank in _ranks(other):
+            x, y = _series(other.records[rank], _loss, max_points)
+            fig.add_trace(_line(x, y, rank, suffix=" (other)", dash="dash"))
+        this, that = _run_label(trace, "this run"), _run_label(other, "other run")
+        title = f"Loss per rank: {this} (solid) vs {that} (dashed)"
+    return _layout(fig, title, "step", "loss", 420)
+
+
+def _loss(rec: StepRecord) -> float:
+    return rec.loss
+
+
+def deviation_heatmap(
+    ranks: Sequence[int], matrix, names: Sequence[str], *, step: int
+) -> go.Figure:
+    """Rank x parameter gradient deviation from the rank majority at ``step``.
+
+    ``matrix[i][j]`` is rank ``ranks[i]``'s deviation on parameter ``names[j]``; 0 means
+    bitwise equal to the majority and is drawn white, anything above 0 visibly coloured.
+    """
+    z = np.asarray(matrix, dtype=float)
+    if z.size == 0 and len(ranks) * len(names) == 0:
+        z = np.zeros((len(ranks), len(names)))
+    if z.shape != (len(ranks), len(names)):
+        raise ValueError(
+            f"matrix has shape {z.shape}, expected (ranks, params) = ({len(ranks)}, {len(names)})"
+        )
+    finite = z[np.isfinite(z)]
+    zmax = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
+    # White only at exactly 0: the first non-zero value already starts on a visible colour,
+    # so a tiny deviation (one rank off by an ulp) does not hide among the equal cells.
+    reds = sequential.OrRd[2:]
+    colorscale = [[0.0, "white"], [1e-9, reds[0]]]
+    colorscale += [[(i + 1) / (len(reds) - 1), c] for i, c in enumerate(reds[1:])]
+    text = [[_deviation_text(v) for v in row] for row in z]
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=list(names),
+            y=[f"rank {r}" for r in ranks],
+            text=text,
+            zmin=0,
+            zmax=zmax,
+            colorscale=colorscale,
+            xgap=1,
+            ygap=1,
+            colorbar={"title": {"text": "deviation"}},
+            hovertemplate="%{y}<br>%{x}<br>%{text}<extra></extra>",
+        )
+    )
+    fig.update_yaxes(autorange="reversed")  # rank 0 on top, as in a table
+    height = min(900, 260 + 28 * len(ranks))  # long parameter names take room below
+    title = f"Gradient deviation from the rank majority at step {step}"
+    return _layout(fig, title, "parameter", "rank", height, hovermode="closest")
+
+
+def _deviation_text(value: float) -> str:
+    if math.isnan(value):
+        return "no gradient"
+    return "0 (bitwise equal to majority)" if value == 0 else f"deviation {value:.3g}"
+
+
+def memory_figure(trace: Trace, *, field: str = "rss", max_points: int = 2000) -> go.Figure:
+    """One ``StepMemory`` field per rank over steps, in MiB.
+
+    Steps where the field is None (CUDA fields without CUDA) are left out, and so is a rank
+    that recorded steps but never the field.
+    """
+    if field not in MEMORY_FIELDS:
+        raise ValueError(f"no memory field {field!r}; valid fields: {', '.join(MEMORY_FIELDS)}")
+    fig = go.Figure()
+    for rank in _ranks(trace):
+        x, y = _series(trace.records[rank], _memory_mib(field), max_points)
+        if x or not trace.records[rank]:
+            fig.add_trace(_line(x, y, rank))
+    return _layout(fig, f"Memory per rank: {field}", "step", f"{field} (MiB)", 420)
+
+
+def _memory_mib(field: str):
+    def value(rec: StepRecord) -> float | None:
+        nbytes = getattr(rec.memory, field)
+        return None if nbytes is None else nbytes / MIB
+
+    return value
+
+
+def time_breakdown_figure(trace: Trace, *, step: int | None = None) -> go.Figure:
+    """Stacked bars, one per rank, of where one step's time went (ms); one trace per phase.
+
+    ``step`` defaults to the last step every rank has recorded.
+    """
+    step = trace.last_step if step is None else step
+    found = trace.at(step)
+    ranks = sorted(found)
+    fig = go.Figure()
+    for i, phase in enumerate(PHASES):
+        fig.add_trace(
+            go.Bar(
+                x=[f"rank {r}" for r in ranks],
+                y=[getattr(found[r].times, phase) * 1000 for r in ranks],
+                name=phase,
+                marker_color=_PHASE_COLORS[i % len(_PHASE_COLORS)],
+                hovertemplate=f"%{{x}}<br>{phase}: %{{y:.3f}} ms<extra></extra>",
+            )
+        )
+    fig.update_layout(barmode="stack")
+    title = f"Time per phase at step {step}"
+    if not ranks:
+        title = f"Time per phase: no rank holds step {step}"
+    return _layout(fig, title, "rank", "time (ms)", 420, hovermode="closest")
+
+
+def grad_norm_spread_figure(
+    spread: Iterable[tuple[int, float]], *, max_points: int = 2000
+) -> go.Figure:
+    """Spread of the total gradient norm across ranks, from ``(step, spread)`` pairs."""
+    pairs = sorted(spread)
+    x, y = downsample([s for s, _ in pairs], [v for _, v in pairs], max_points)
+    fig = go.Figure(go.Scatter(x=x, y=y, mode="lines", name="spread"))
+    return _layout(fig, "Gradient norm spread across ranks", "step", "spread (L2 norm)", 380)
+
+
+def dashboard_series(trace: Trace, max_points: int = 2000) -> list[tuple[list, list]]:
+    """The (x, y) of every dashboard trace, in ``dashboard_figure``'s trace order."""
+    values = {
+        "loss": _loss,
+        "grad_norm": total_grad_norm,
+        "memory": _memory_mib("rss"),
+    }
+    return [
+        _series(trace.records[rank], values[panel], max_points)
+        for panel in DASHBOARD_PANELS
+        for rank in _ranks(trace)
+    ]
+
+
+def dashboard_trace_index(panel: str, rank_position: int, num_ranks: int) -> int:
+    """Index in ``fig.data`` of the dashboard trace of ``panel`` for the rank at
+    ``rank_position`` (its position in the sorted ranks)."""
+    if panel not in DASHBOARD_PANELS:
+        raise ValueError(f"no dashboard panel {panel!r}; panels: {', '.join(DASHBOARD_PANELS)}")
+    if not 0 <= rank_position < num_ranks:
+        raise ValueError(f"rank_position {rank_position} out of range for {num_ranks} ranks")
+    return DASHBOARD_PANELS.index(panel) * num_ranks + rank_position
+
+
+def dashboard_figure(trace: Trace, *, max_points: int = 2000) -> go.Figure:
+    """Loss, total gradient norm and RSS per rank: three rows sharing the step axis.
+
+    Traces: for each panel of ``DASHBOARD_PANELS`` in order, one per rank in rank order.
+    A rank's three traces share a legend group, so one click hides it in every panel.
+    """
+    ranks = _ranks(trace)
+    fig = make_subplots(
+        rows=len(DASHBOARD_PANELS),
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.07,
+        subplot_titles=_PANEL_TITLES,
+    )
+    series = iter(dashboard_series(trace, max_points))
+    for row, _panel in enumerate(DASHBOARD_PANELS, 1):
+        for rank in ranks:
+            x, y = next(series)
+            fig.add_trace(
+                _line(x, y, rank, legendgroup=f"rank {rank}", showlegend=row == 1), row=row, col=1
+            )
+    for row, unit in enumerate(_PANEL_UNITS, 1):
+        fig.update_yaxes(title_text=unit, row=row, col=1)
+    fig.update_xaxes(title_text="step", row=len(DASHBOARD_PANELS), col=1)
+    fig.update_layout(title="Training per rank", template=TEMPLATE, height=760, hovermode="x")
+    return fig

@@ -1,0 +1,50 @@
+"""Text and tables for the attached job: what a run did, what the analysis found."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from dtlab.analysis.conditions import describe_condition
+from dtlab.analysis.ranks import label_ranks
+from dtlab.records import Finding, JobInfo, RunResult
+from dtlab.views.tables import Table
+
+
+def job_summary(infos: Mapping[int, JobInfo]) -> str:
+    info = infos[min(infos)]
+    numel = sum(p.numel for p in info.params)
+    wrapped = f"{info.wrapper}({info.model})" if info.wrapper else info.model
+    extras = [x for x in (info.scheduler, "GradScaler" if info.scaler else None) if x]
+    record = "per-parameter recording on" if info.record else "recording off"
+    return (
+        f"attached on {label_ranks(infos)}: {wrapped}, {len(info.params)} parameters "
+        f"({numel:,} values), {info.optimizer}{''.join(', ' + x for x in extras)}; {record}"
+    )
+
+
+def run_summary(result: RunResult, trace) -> str:
+    """One line: how many steps, how fast, how it stopped, the loss spread at the end."""
+    n = result.num_steps
+    per_step = f" ({result.seconds / n * 1e3:.1f} ms/step)" if n else ""
+    line = f"steps {result.first_step + 1}-{result.last_step} in {result.seconds:.2f} s{per_step}"
+    if n == 1:
+        line = f"step {result.last_step} in {result.seconds * 1e3:.1f} ms"
+    if result.stopped == "until":
+        where = label_ranks(result.hit_ranks) if result.hit_ranks else "the ranks"
+        line += f"; stopped: {describe_condition(result.condition)} on {where}"
+    elif result.stopped == "pause":
+        line += "; paused (every rank stopped after the same step)"
+    losses = {r: rec.loss for r, rec in trace.at(result.last_step).items()} if trace else {}
+    if losses:
+        low, high = min(losses, key=losses.get), max(losses, key=losses.get)
+        line += f"; loss {losses[low]:.4g} (rank {low}) .. {losses[high]:.4g} (rank {high})"
+    return line
+
+
+def findings_table(findings: Sequence[Finding]) -> Table:
+    rows = tuple(
+        (f.kind, label_ranks(f.ranks), "-" if f.step is None else str(f.step), f.summary, f.fix)
+        for f in findings
+    )
+    notes = () if findings else ("no problem found in the records so far",)
+    return Table("findings", ("kind", "ranks", "since step", "what", "fix"), rows, notes)

@@ -1,0 +1,114 @@
+"""Magics for the attached job: %dt_demo, %dt_step, %dt_run, %dt_findings.
+
+%dt_demo                     # the built-in demo job on every rank
+%dt_step 10                  # 10 optimizer steps on every rank
+%dt_run --until nonfinite    # step until a condition holds on some rank, then pause all
+%dt_findings                 # divergence, leaks, stragglers in the records so far
+"""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+
+from dtlab import demo
+from dtlab.analysis.conditions import parse_condition
+from dtlab.control.training import DEFAULT_MAX_STEPS
+from dtlab.views.magics import _session
+from dtlab.views.progress import delayed_progress
+from dtlab.views.reports import findings_table, job_summary, run_summary
+
+
+def _config_items(pairs: list[str]) -> dict:
+    config = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--set takes KEY=VALUE (e.g. num_layers=6), got {pair!r}")
+        try:
+            config[key] = int(value)
+        except ValueError:
+            raise UsageError(f"--set {key}: {value!r} is not a whole number") from None
+    return config
+
+
+@magics_class
+class TrainingMagics(Magics):
+    @line_magic
+    @magic_arguments()
+    @argument("--no-ddp", action="store_true", help="leave the model bare (no DDP wrapper)")
+    @argument("--no-record", action="store_true", help="record only loss, LR, times, memory")
+    @argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    @argument(
+        "--set",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=N",
+        help="DemoConfig fields, e.g. --set num_layers=6 batch_size=4",
+    )
+    def dt_demo(self, line):
+        """Attach the built-in demo job (tiny DeepSeek-style MoE LM) on every rank."""
+        args = parse_argstring(self.dt_demo, line)
+        config = _config_items(args.set)
+        infos = demo.attach(
+            _session(), ddp=not args.no_ddp, record=not args.no_record, lr=args.lr, **config
+        )
+        print(job_summary(infos))
+
+    @line_magic
+    @magic_arguments()
+    @argument("num_steps", type=int, nargs="?", default=1, help="optimizer steps (default 1)")
+    @argument("--no-record", action="store_true", help="skip per-parameter stats for these steps")
+    @argument("--timeout", type=float, default=None, help="seconds before ranks are interrupted")
+    def dt_step(self, line):
+        """Run N optimizer steps on every rank; Ctrl-C pauses all after the same step."""
+        args = parse_argstring(self.dt_step, line)
+        if args.num_steps < 1:
+            raise UsageError(f"the number of steps must be at least 1, got {args.num_steps}")
+        session = _session()
+        result = session.step(
+            args.num_steps,
+            record=False if args.no_record else None,
+            timeout=args.timeout,
+            progress=delayed_progress(),
+        )
+        print(run_summary(result, session.trace))
+        return result
+
+    @line_magic
+    @magic_arguments()
+    @argument(
+        "--until",
+        required=True,
+        help="step>=N, loss>X, loss<X, nonfinite or diverged (on any rank)",
+    )
+    @argument(
+        "--max-steps",
+        type=int,
+        default=DEFAULT_MAX_STEPS,
+        help=f"stop after this many steps anyway (default {DEFAULT_MAX_STEPS})",
+    )
+    @argument("--timeout", type=float, default=None, help="seconds before ranks are interrupted")
+    def dt_run(self, line):
+        """Step until a condition holds on some rank; every rank pauses at the same step."""
+        args = parse_argstring(self.dt_run, line)
+        try:
+            condition = parse_condition(args.until)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if args.max_steps < 1:
+            raise UsageError(f"--max-steps must be at least 1, got {args.max_steps}")
+        session = _session()
+        result = session.run_until(
+            condition, max_steps=args.max_steps, timeout=args.timeout, progress=delayed_progress()
+        )
+        print(run_summary(result, session.trace))
+        return result
+
+    @line_magic
+    def dt_findings(self, line):
+        """What the analysis finds in the records so far (divergence, leaks, stragglers)."""
+        display(findings_table(_session().findings()))

@@ -1,0 +1,255 @@
+"""Figures are pure functions of results: read fig.data / fig.layout, no browser."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+
+from dtlab.records import StepMemory, StepTimes
+from dtlab.trace import Trace
+from dtlab.views import figures
+from dtlab.views.figures import (
+    DASHBOARD_PANELS,
+    dashboard_figure,
+    dashboard_series,
+    dashboard_trace_index,
+    deviation_heatmap,
+    grad_norm_spread_figure,
+    loss_figure,
+    memory_figure,
+    rank_color,
+    time_breakdown_figure,
+)
+from tests.fakes import PARAMS, healthy_trace, job_info, step_record
+
+MIB = 1024 * 1024
+
+
+def trace_of(num_ranks, num_steps, **per_record):
+    """A trace whose records get ``per_record[name](rank, step)`` for each named field."""
+    trace = Trace({r: job_info(r) for r in range(num_ranks)})
+    for rank in range(num_ranks):
+        recs = [
+            step_record(s, rank, **{k: f(rank, s) for k, f in per_record.items()})
+            for s in range(1, num_steps + 1)
+        ]
+        trace.add(rank, recs)
+    return trace
+
+
+def empty_trace(num_ranks=2):
+    return Trace({r: job_info(r) for r in range(num_ranks)})
+
+
+def by_name(fig):
+    return {t.name: t for t in fig.data}
+
+
+def test_loss_figure_one_line_per_rank_with_its_values():
+    trace = trace_of(3, 5, loss=lambda r, s: 10 * r + s)
+    fig = loss_figure(trace)
+    assert isinstance(fig, go.Figure)
+    assert [t.name for t in fig.data] == ["rank 0", "rank 1", "rank 2"]
+    assert list(fig.data[2].x) == [1, 2, 3, 4, 5]
+    assert list(fig.data[2].y) == [21, 22, 23, 24, 25]
+    assert fig.layout.xaxis.title.text == "step"
+    assert fig.layout.yaxis.title.text == "loss"
+    assert "Loss" in fig.layout.title.text
+
+
+def test_other_run_is_overlaid_dashed_with_the_same_colours():
+    trace = trace_of(2, 4, loss=lambda r, s: 1.0)
+    other = trace_of(2, 6, loss=lambda r, s: 2.0)
+    other.folder = Path("runs/20240101-000000")
+    fig = loss_figure(trace, other)
+    names = [t.name for t in fig.data]
+    assert names == ["rank 0", "rank 1", "rank 0 (other)", "rank 1 (other)"]
+    mine, theirs = by_name(fig)["rank 1"], by_name(fig)["rank 1 (other)"]
+    assert theirs.line.dash == "dash" and mine.line.dash is None
+    assert theirs.line.color == mine.line.color == rank_color(1)
+    assert list(theirs.x) == [1, 2, 3, 4, 5, 6] and set(theirs.y) == {2.0}
+    assert "20240101-000000" in fig.layout.title.text and "this run" in fig.layout.title.text
+
+
+def test_rank_colours_are_the_same_in_every_figure():
+    trace = healthy_trace(num_ranks=8, num_steps=3)
+    colours = {rank_color(r) for r in range(8)}
+    assert len(colours) == 8
+    for fig in (loss_figure(trace), memory_figure(trace), dashboard_figure(trace)):
+        for t in fig.data:
+            rank = int(t.name.split()[1])
+            assert t.line.color == rank_color(rank)
+
+
+def test_downsampling_caps_points_and_keeps_first_and_last_step():
+    trace = healthy_trace(num_ranks=2, num_steps=1234)
+    fig = loss_figure(trace, max_points=100)
+    for t in fig.data:
+        assert len(t.x) <= 100
+        assert t.x[0] == 1 and t.x[-1] == 1234
+        assert list(t.x) == sorted(set(t.x))
+    # y stays paired with x after downsampling
+    rec = trace.records[0]
+    assert list(fig.data[0].y) == [rec[s - 1].loss for s in fig.data[0].x]
+    assert len(loss_figure(trace).data[0].x) == 1234  # under the default cap: every point
+    with pytest.raises(ValueError, match="max_points"):
+        loss_figure(trace, max_points=1)
+
+
+def test_heatmap_axes_values_and_zero_cells():
+    names = [p.name for p in PARAMS]
+    matrix = np.zeros((3, 4))
+    matrix[1, 2] = 1e-7
+    matrix[2, 0] = 0.5
+    fig = deviation_heatmap((0, 1, 3), matrix, names, step=42)
+    (heat,) = fig.data
+    assert heat.type == "heatmap"
+    assert list(heat.y) == ["rank 0", "rank 1", "rank 3"]
+    assert list(heat.x) == names
+    assert np.array_equal(np.asarray(heat.z), matrix)
+    assert heat.zmin == 0 and heat.zmax == 0.5
+    scale = [tuple(c) for c in heat.colorscale]
+    assert scale[0] == (0.0, "white")
+    # the first value above zero is already a non-white colour
+    assert scale[1][0] < 1e-6 and scale[1][1] != "white"
+    assert heat.showscale is not False and heat.colorbar.title.text == "deviation"
+    assert "42" in fig.layout.title.text
+    assert heat.text[0][0].startswith("0 ")
+    assert "1e-07" in heat.text[1][2]
+    assert "%{text}" in heat.hovertemplate
+
+
+def test_heatmap_all_equal_and_bad_shape():
+    fig = deviation_heatmap((0, 1), np.zeros((2, 3)), ["a", "b", "c"], step=1)
+    assert fig.data[0].zmax > 0  # all white, not a degenerate 0..0 scale
+    with pytest.raises(ValueError, match="shape"):
+        deviation_heatmap((0, 1), np.zeros((2, 3)), ["a", "b"], step=1)
+    empty = deviation_heatmap((), np.zeros((0, 0)), [], step=0)
+    assert len(empty.data) == 1
+
+
+def test_memory_figure_in_mib_and_cuda_none_skipped():
+    def memory(rank, step):
+        cuda = None if rank == 1 or step == 2 else (rank + 1) * MIB * step
+        return StepMemory(
+            rss=(100 + rank) * MIB, param_bytes=0, grad_bytes=0, optimizer_bytes=0,
+            cuda_allocated=cuda,
+        )  # fmt: skip
+
+    trace = trace_of(3, 3, memory=memory)
+    rss = memory_figure(trace)
+    assert list(rss.data[2].y) == [102.0, 102.0, 102.0]
+    assert rss.layout.yaxis.title.text == "rss (MiB)"
+    cuda = memory_figure(trace, field="cuda_allocated")
+    assert [t.name for t in cuda.data] == ["rank 0", "rank 2"]  # rank 1 never had CUDA
+    assert list(by_name(cuda)["rank 2"].x) == [1, 3]
+    assert list(by_name(cuda)["rank 2"].y) == [3.0, 9.0]
+
+
+def test_memory_figure_bad_field_names_the_valid_ones():
+    with pytest.raises(ValueError, match="cuda_reserved") as err:
+        memory_figure(healthy_trace(2, 2), field="vram")
+    assert "vram" in str(err.value) and "rss" in str(err.value)
+
+
+def test_time_breakdown_stacks_phases_in_ms():
+    def times(rank, step):
+        return StepTimes(data=0.001 * (rank + 1), forward=0.01, backward=0.02, optimizer=0.005)
+
+    trace = trace_of(2, 3, times=times)
+    trace.records[1][1] = replace(trace.records[1][1], times=StepTimes(0.5, 0, 0, 0, 0.25))
+    fig = time_breakdown_figure(trace)
+    assert fig.layout.barmode == "stack"
+    assert [t.name for t in fig.data] == ["data", "forward", "backward", "optimizer", "record"]
+    assert all(t.type == "bar" for t in fig.data)
+    data = by_name(fig)["data"]
+    assert list(data.x) == ["rank 0", "rank 1"]
+    assert list(data.y) == pytest.approx([1.0, 2.0])
+    assert "3" in fig.layout.title.text
+    assert fig.layout.yaxis.title.text == "time (ms)"
+    at2 = time_breakdown_figure(trace, step=2)
+    assert by_name(at2)["data"].y[1] == pytest.approx(500.0)
+    assert by_name(at2)["record"].y[1] == pytest.approx(250.0)
+
+
+def test_grad_norm_spread_figure():
+    fig = grad_norm_spread_figure([(3, 0.3), (1, 0.1), (2, 0.0)])
+    assert list(fig.data[0].x) == [1, 2, 3]
+    assert list(fig.data[0].y) == [0.1, 0.0, 0.3]
+    assert fig.layout.xaxis.title.text == "step"
+    assert len(grad_norm_spread_figure([]).data) == 1
+
+
+def test_empty_trace_gives_the_same_structure():
+    trace = empty_trace(2)
+    assert [t.name for t in loss_figure(trace).data] == ["rank 0", "rank 1"]
+    assert all(len(t.x) == 0 for t in loss_figure(trace).data)
+    assert len(memory_figure(trace, field="cuda_peak").data) == 2
+    bars = time_breakdown_figure(trace)
+    assert len(bars.data) == 5 and all(len(t.x) == 0 for t in bars.data)
+    dash = dashboard_figure(trace)
+    assert len(dash.data) == 3 * 2 and all(len(t.x) == 0 for t in dash.data)
+    assert dashboard_series(trace) == [([], [])] * 6
+
+
+def test_dashboard_order_series_and_index():
+    norms = lambda r, s: (3.0 * (r + 1), float("nan"), 4.0 * (r + 1), 0.0)  # noqa: E731
+    trace = trace_of(3, 4, loss=lambda r, s: r + s / 10, grad_norms=norms)
+    trace.add(2, [replace(step_record(5, 2), grad_norms=())])  # recording off at step 5
+    fig = dashboard_figure(trace)
+    series = dashboard_series(trace)
+    assert DASHBOARD_PANELS == ("loss", "grad_norm", "memory")
+    assert len(fig.data) == len(series) == 9
+    for t, (x, y) in zip(fig.data, series, strict=True):
+        assert list(t.x) == x and list(t.y) == y
+    i = dashboard_trace_index("grad_norm", 2, 3)
+    assert fig.data[i].name == "rank 2" and fig.data[i].yaxis == "y2"
+    assert series[i] == ([1, 2, 3, 4], [15.0] * 4)  # sqrt(9^2 + 12^2), nan ignored
+    assert fig.data[dashboard_trace_index("loss", 1, 3)].y[0] == pytest.approx(1.1)
+    mem = fig.data[dashboard_trace_index("memory", 0, 3)]
+    assert mem.yaxis == "y3" and mem.y[0] == pytest.approx(500_000_000 / MIB)
+    assert [t.showlegend for t in fig.data] == [True] * 3 + [False] * 6
+    assert fig.layout.xaxis3.title.text == "step"
+    assert fig.layout.yaxis3.title.text == "MiB"
+    assert fig.layout.xaxis.matches == "x3" or fig.layout.xaxis2.matches == "x3"
+    with pytest.raises(ValueError, match="panels"):
+        dashboard_trace_index("speed", 0, 3)
+    with pytest.raises(ValueError):
+        dashboard_trace_index("loss", 3, 3)
+
+
+def test_dashboard_live_update_in_place_matches_a_fresh_figure():
+    trace = healthy_trace(num_ranks=2, num_steps=3)
+    fig = dashboard_figure(trace)
+    for rank in range(2):
+        trace.add(rank, [step_record(s, rank) for s in range(4, 7)])
+    with fig.batch_update():
+        for t, (x, y) in zip(fig.data, dashboard_series(trace), strict=True):
+            t.x, t.y = x, y
+    assert fig.to_plotly_json()["data"] == dashboard_figure(trace).to_plotly_json()["data"]
+
+
+def test_recording_off_leaves_grad_norm_panel_empty():
+    trace = trace_of(2, 3, grad_norms=lambda r, s: ())
+    series = dashboard_series(trace)
+    assert all(series[dashboard_trace_index("grad_norm", p, 2)] == ([], []) for p in range(2))
+    assert figures.total_grad_norm(step_record(1, grad_norms=(float("nan"),))) is None
+
+
+def test_every_figure_has_the_white_template_and_a_height():
+    trace = healthy_trace(2, 3)
+    figs = [
+        loss_figure(trace),
+        memory_figure(trace),
+        time_breakdown_figure(trace),
+        grad_norm_spread_figure([(1, 0.0)]),
+        dashboard_figure(trace),
+        deviation_heatmap((0, 1), np.zeros((2, 4)), [p.name for p in PARAMS], step=3),
+    ]
+    white = go.Figure(layout={"template": "plotly_white"}).layout.template
+    for fig in figs:
+        assert fig.layout.template == white
+        assert fig.layout.height and fig.layout.height >= 300
+        assert fig.layout.title.text
