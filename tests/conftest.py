@@ -48,6 +48,14 @@ def child_pids() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def runs_dir(tmp_path_factory):
+    """Run folders (traces) go to a temporary directory, not the working tree."""
+    folder = tmp_path_factory.mktemp("runs")
+    os.environ["DTLAB_RUNS_DIR"] = str(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def cluster_cleanup():
     yield
@@ -62,6 +70,12 @@ def cluster_cleanup():
 def live2(cluster_cleanup):
     """A healthy 2-rank session (reused if the last test left one, else started)."""
     return dtlab.launch(2, progress=quiet)
+
+
+@pytest.fixture
+def live4(cluster_cleanup):
+    """A healthy 4-rank session (reused if the last test left one, else started)."""
+    return dtlab.launch(4, progress=quiet)
 
 
 @pytest.fixture
