@@ -84,6 +84,13 @@ class Trace:
         if self.folder is not None:
             self._write_header()
 
+    @classmethod
+    def empty(cls, ranks) -> Trace:
+        """A trace with no job and no steps yet (for views made before the first step)."""
+        trace = cls({})
+        trace.records = {rank: [] for rank in ranks}
+        return trace
+
     # --- what it holds ------------------------------------------------------------------
     @property
     def world_size(self) -> int:

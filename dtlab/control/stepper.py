@@ -179,15 +179,11 @@ class Stepper:
     ) -> RunResult:
         """``run`` for code on the kernel's event loop (the dashboard)."""
         run = self._start(steps, until, record)
-        self._active = run
-        try:
-            while not run.finished(timeout):
-                run.handle(self.channel.receive(0))
-                if on_progress:
-                    on_progress()
-                await asyncio.sleep(POLL_S / 2)
-        finally:
-            self._active = None
+        while not run.finished(timeout):
+            run.handle(self.channel.receive(0))
+            if on_progress:
+                on_progress()
+            await asyncio.sleep(POLL_S / 2)
         return run.result()
 
     def pause(self) -> None:

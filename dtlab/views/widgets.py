@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import ipywidgets as widgets
@@ -33,3 +34,129 @@ class WidgetProgress:
         bar.value = done
         bar.bar_style = "success" if done == total else ""
         label.value = f"{done}/{total}  ({time.monotonic() - self.start:.1f} s)"
+
+
+class Dashboard:
+    """Step / Run N / Run until / Pause controls over one live plotly figure.
+
+    Runs go through ``Stepper.run_async`` as a task on the kernel's event loop, so the
+    Pause button (and the rest of the notebook) stays usable while the ranks step. One
+    FigureWidget with subplots (FACTS.md: each FigureWidget ships ~5 MB of plotly.js),
+    updated in one batch at most every ``refresh_s``, each line downsampled.
+    """
+
+    def __init__(self, session, *, max_points: int = 1000, refresh_s: float = 0.5):
+        import plotly.graph_objects as go
+
+        from dtlab.trace import Trace
+        from dtlab.views.figures import dashboard_figure
+
+        self.session = session
+        self.max_points = max_points
+        self.refresh_s = refresh_s
+        self.task: asyncio.Task | None = None
+        self.last_result = None
+        self._last_refresh = 0.0
+        trace = session.trace or Trace.empty(session.ranks)
+        self.figure = go.FigureWidget(dashboard_figure(trace, max_points=max_points))
+        self.step_button = widgets.Button(description="Step", tooltip="one optimizer step")
+        self.run_button = widgets.Button(description="Run N", tooltip="N optimizer steps")
+        self.num_steps = widgets.BoundedIntText(
+            value=20, min=1, max=10**7, layout={"width": "90px"}
+        )
+        self.until = widgets.Text(placeholder="loss>5 | nonfinite | diverged | step>=100")
+        self.until_button = widgets.Button(description="Run until")
+        self.pause_button = widgets.Button(
+            description="Pause", disabled=True, button_style="warning"
+        )
+        self.status = widgets.Label("idle")
+        self.output = widgets.Output()  # callback errors land here, not in the void
+        self.step_button.on_click(lambda _: self.start(1))
+        self.run_button.on_click(lambda _: self.start(self.num_steps.value))
+        self.until_button.on_click(lambda _: self.start_until(self.until.value))
+        self.pause_button.on_click(lambda _: self.pause())
+        controls = widgets.HBox([self.step_button, self.run_button, self.num_steps, self.until,
+                                 self.until_button, self.pause_button])  # fmt: skip
+        self.widget = widgets.VBox([controls, self.status, self.output, self.figure])
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    # --- controls ----------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def start(self, num_steps: int, condition=None) -> None:
+        if self.running:
+            self.status.value = "a run is in progress: pause it first"
+            return
+        self._set_running(True)  # at once: a second click must not start a second run
+        self.task = asyncio.ensure_future(self._run(num_steps, condition))
+
+    def start_until(self, text: str) -> None:
+        from dtlab.analysis.conditions import parse_condition
+        from dtlab.control.training import DEFAULT_MAX_STEPS
+
+        try:
+            condition = parse_condition(text)
+        except ValueError as e:
+            self.status.value = str(e)
+            return
+        self.start(DEFAULT_MAX_STEPS, condition)
+
+    def pause(self) -> None:
+        self.session.pause()
+        self.status.value = "pausing after the current step"
+
+    async def wait(self):
+        """Await the run in progress (for code and tests); returns its RunResult."""
+        if self.task is not None:
+            await self.task
+        return self.last_result
+
+    async def _run(self, num_steps: int, condition) -> None:
+        from dtlab.views.reports import run_summary
+
+        start = time.monotonic()
+
+        def progress():
+            trace = self.session.trace
+            step = trace.last_step if trace else 0
+            self.status.value = f"running: step {step} ({time.monotonic() - start:.1f} s)"
+            self.refresh(force=False)
+
+        try:
+            result = await self.session.stepper.run_async(
+                num_steps, condition, on_progress=progress
+            )
+            self.last_result = result
+            self.status.value = run_summary(result, self.session.trace)
+        except Exception as e:  # shown in the panel: a callback has no cell to raise into
+            self.status.value = f"failed: {type(e).__name__}"
+            with self.output:
+                print(e)
+        finally:
+            self._set_running(False)
+            self.refresh()
+
+    def _set_running(self, running: bool) -> None:
+        for button in (self.step_button, self.run_button, self.until_button):
+            button.disabled = running
+        self.pause_button.disabled = not running
+
+    def refresh(self, force: bool = True) -> None:
+        """Redraw the figure from the trace (one batched update)."""
+        from dtlab.views.figures import dashboard_series
+
+        now = time.monotonic()
+        trace = self.session.trace
+        if trace is None or (not force and now - self._last_refresh < self.refresh_s):
+            return
+        self._last_refresh = now
+        series = dashboard_series(trace, self.max_points)
+        if len(series) != len(self.figure.data):
+            return  # a different world size: a new dashboard is needed
+        with self.figure.batch_update():
+            for line, (x, y) in zip(self.figure.data, series, strict=True):
+                line.x, line.y = x, y

@@ -1,0 +1,67 @@
+"""The dashboard driven through its buttons' handlers on 4 live ranks, as a kernel would:
+each click starts a task on the running event loop."""
+
+import asyncio
+
+import pytest
+
+from dtlab import demo
+from dtlab.views.figures import dashboard_trace_index
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
+
+
+def loss_steps(dash, rank: int) -> list:
+    return list(dash.figure.data[dashboard_trace_index("loss", rank, 4)].x)
+
+
+def test_dashboard_steps_runs_pauses_and_redraws(live4):
+    dt = live4
+    demo.attach(dt)
+
+    async def drive():
+        dash = dt.dashboard()
+        assert len(dash.figure.data) == 12  # 3 panels x 4 ranks, one FigureWidget
+        dash.step_button.click()
+        assert dash.running and not dash.pause_button.disabled and dash.step_button.disabled
+        first = await dash.wait()
+        assert first.last_step == 1 and not dash.running and dash.pause_button.disabled
+        assert all(loss_steps(dash, r) == [1] for r in range(4))
+
+        dash.num_steps.value = 100_000
+        dash.run_button.click()
+        await asyncio.sleep(1.0)  # the loop is free while ranks step: progress comes in
+        assert dash.running and dash.status.value.startswith("running")
+        dash.pause_button.click()
+        paused = await dash.wait()
+        assert paused.stopped == "pause" and 1 < paused.last_step < 100_000
+        assert {recs[-1].step for recs in dt.trace.records.values()} == {paused.last_step}
+        assert all(loss_steps(dash, r)[-1] == paused.last_step for r in range(4))
+        memory = dash.figure.data[dashboard_trace_index("memory", 2, 4)].y
+        assert len(memory) == paused.last_step and min(memory) > 10  # MiB of RSS
+
+        dash.until.value = "loss >> 3"
+        dash.until_button.click()
+        assert not dash.running and "cannot read the condition" in dash.status.value
+        dash.until.value = f"step>={paused.last_step + 3}"
+        dash.until_button.click()
+        until = await dash.wait()
+        assert (until.last_step, until.stopped) == (paused.last_step + 3, "until")
+        assert "stopped: step>=" in dash.status.value
+
+    asyncio.run(asyncio.wait_for(drive(), timeout=120))
+
+
+def test_dashboard_shows_a_failed_run_and_stays_usable(live4):
+    dt = live4
+    demo.attach(dt, ddp=False)
+    dt.execute("import dtlab.agent.job as _j; _j.current().loss_fn = None", ranks=[1])
+
+    async def drive():
+        dash = dt.dashboard()
+        dash.step_button.click()
+        await dash.wait()
+        assert dash.status.value == "failed: RankError"
+        assert not dash.running and not dash.step_button.disabled
+
+    asyncio.run(asyncio.wait_for(drive(), timeout=60))
