@@ -15,6 +15,7 @@ from IPython.display import display
 
 from dtlab import demo
 from dtlab.analysis.conditions import parse_condition
+from dtlab.control.errors import RankError
 from dtlab.control.training import DEFAULT_MAX_STEPS
 from dtlab.views.magics import _session
 from dtlab.views.progress import delayed_progress
@@ -53,9 +54,15 @@ class TrainingMagics(Magics):
         """Attach the built-in demo job (tiny DeepSeek-style MoE LM) on every rank."""
         args = parse_argstring(self.dt_demo, line)
         config = _config_items(args.set)
-        infos = demo.attach(
-            _session(), ddp=not args.no_ddp, record=not args.no_record, lr=args.lr, **config
-        )
+        try:
+            infos = demo.attach(
+                _session(), ddp=not args.no_ddp, record=not args.no_record, lr=args.lr, **config
+            )
+        except RankError as e:  # a bad --set value fails the same way on every rank
+            kinds = {f.ename for f in e.failures.values()}
+            if kinds <= {"ValueError", "TypeError"} and not (e.finished or e.stuck):
+                raise UsageError(next(iter(e.failures.values())).evalue) from None
+            raise
         print(job_summary(infos))
 
     @line_magic
