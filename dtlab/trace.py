@@ -7,7 +7,8 @@ A run folder (``runs/<timestamp>/`` by default, ``DTLAB_RUNS_DIR`` moves it) hol
 - ``steps.jsonl``: one JSON object per line, ``{"rank": r, **StepRecord}``, appended as
   steps finish (a run that crashed still leaves every step it finished).
 
-Records are the dataclasses of :mod:`dtlab.records` written with ``dataclasses.asdict``;
+Records are the dataclasses of :mod:`dtlab.records` as plain data
+(:func:`dtlab.records.step_record_to_dict`);
 ``Trace.load(folder)`` reads a folder back, so another notebook can plot or compare it.
 """
 
@@ -20,26 +21,16 @@ import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from dtlab.records import JobInfo, ParamInfo, StepMemory, StepRecord, StepTimes
+from dtlab.records import (
+    JobInfo,
+    ParamInfo,
+    StepRecord,
+    step_record_from_dict,
+    step_record_to_dict,
+)
 
 FORMAT = "dtlab-trace/1"
 RUNS_DIR_ENV = "DTLAB_RUNS_DIR"
-
-
-def record_to_json(rank: int, record: StepRecord) -> dict:
-    return {"rank": rank, **dataclasses.asdict(record)}
-
-
-def record_from_json(data: Mapping) -> tuple[int, StepRecord]:
-    fields = dict(data)
-    rank = fields.pop("rank")
-    fields["times"] = StepTimes(**fields["times"])
-    fields["memory"] = StepMemory(**fields["memory"])
-    for name in ("indices", "grad_norms", "grad_fingerprints", "param_fingerprints"):
-        fields[name] = tuple(fields.get(name, ()))
-    for name in ("nonfinite", "missing_grads"):
-        fields[name] = tuple(fields.get(name, ()))
-    return rank, StepRecord(**fields)
 
 
 def job_from_json(data: Mapping) -> JobInfo:
@@ -137,12 +128,25 @@ class Trace:
     # --- growing it ---------------------------------------------------------------------
     def add(self, rank: int, records: Iterable[StepRecord]) -> None:
         """Append a rank's new records (older or repeated steps are ignored)."""
+        for rec in records:
+            self._append(rank, rec, None)
+
+    def add_lines(self, rank: int, lines: Iterable[str]) -> None:
+        """Append records that arrive as JSON lines (written to the run folder verbatim)."""
+        for line in lines:
+            line_rank, rec = step_record_from_dict(json.loads(line))
+            if line_rank != rank:
+                raise ValueError(f"a record of rank {line_rank} arrived from rank {rank}")
+            self._append(rank, rec, line)
+
+    def _append(self, rank: int, rec: StepRecord, line: str | None) -> None:
         mine = self.records.setdefault(rank, [])
-        new = [r for r in records if not mine or r.step > mine[-1].step]
-        mine.extend(new)
-        if self._steps_file is not None and new:
-            for rec in new:
-                self._steps_file.write(json.dumps(record_to_json(rank, rec)) + "\n")
+        if mine and rec.step <= mine[-1].step:
+            return
+        mine.append(rec)
+        if self._steps_file is not None:
+            line = line if line is not None else json.dumps(step_record_to_dict(rank, rec))
+            self._steps_file.write(line + "\n")
 
     def flush(self) -> None:
         if self._steps_file is not None:
@@ -216,7 +220,7 @@ class Trace:
             if not line.strip():
                 continue
             try:
-                rank, rec = record_from_json(json.loads(line))
+                rank, rec = step_record_from_dict(json.loads(line))
             except (ValueError, KeyError, TypeError) as e:
                 if number == len(lines):  # a run killed mid-write leaves half a last line
                     break

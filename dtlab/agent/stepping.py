@@ -10,7 +10,7 @@ Protocol, one JSON frame per message, every message carries the session ``key``:
 - notebook -> rank: ``{"op": "run", "id", "steps", "until": {"kind", "value"} | null,
   "record": bool | null, "report_s"}`` and ``{"op": "pause"}``;
 - rank -> notebook: ``{"kind": "hello" | "progress" | "done" | "error", "id", "rank",
-  "step", "attach", "records": [StepRecord as dict], "stopped": "steps" | "until" |
+  "step", "attach", "records": [one steps.jsonl line per StepRecord], "stopped": "steps" | "until" |
   "pause", "hit": bool, "error": {"ename", "evalue", "traceback"}}``.
 
 Ranks stay in step: after every step of a multi-step run all ranks all-reduce (MAX) one
@@ -21,7 +21,6 @@ fingerprints were not all equal.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import signal
@@ -32,7 +31,7 @@ from contextlib import contextmanager
 import torch
 
 from dtlab.agent import job as jobs
-from dtlab.records import Condition, StepRecord
+from dtlab.records import Condition, StepRecord, step_record_to_dict
 
 _server: StepServer | None = None
 _control: dict = {}  # {"world": the default group it was made for, "group": gloo group}
@@ -201,7 +200,7 @@ class StepServer:
                 msg_id,
                 step=job.step_count if job is not None else 0,
                 attach=jobs.attach_count(),
-                records=[dataclasses.asdict(r) for r in pending],
+                records=self._lines(pending),
                 error={
                     "ename": type(e).__name__,
                     "evalue": str(e),
@@ -209,12 +208,15 @@ class StepServer:
                 },
             )
 
+    def _lines(self, records: list[StepRecord]) -> list[str]:
+        return [json.dumps(step_record_to_dict(self.rank, r)) for r in records]
+
     def _report(self, kind: str, msg_id, job, pending, **fields) -> None:
         self._send(
             kind,
             msg_id,
             step=job.step_count,
             attach=jobs.attach_count(),
-            records=[dataclasses.asdict(r) for r in pending],
+            records=self._lines(pending),
             **fields,
         )

@@ -304,9 +304,12 @@ def tensor_diff(a: np.ndarray, b: np.ndarray) -> TensorDiff:
     both_nan = np.isnan(flat_a) & np.isnan(flat_b)
     same_value = (flat_a == flat_b) | both_nan  # also covers inf == inf and -0.0 == 0.0
     wide_a, wide_b = flat_a.astype(np.float64), flat_b.astype(np.float64)
-    abs_diff = np.where(same_value, 0.0, np.abs(wide_a - wide_b))
-    abs_diff[np.isnan(abs_diff)] = math.inf  # NaN against a number
-    rel_diff = abs_diff / np.maximum(np.abs(wide_a), float(np.finfo(a.dtype).tiny))
+    with np.errstate(invalid="ignore"):  # inf - inf and NaN arithmetic are handled below
+        abs_diff = np.where(same_value, 0.0, np.abs(wide_a - wide_b))
+        abs_diff[np.isnan(abs_diff)] = math.inf  # NaN against a number, inf against -inf
+        floor = float(np.finfo(a.dtype).tiny)
+        rel_diff = np.where(abs_diff == 0, 0.0, abs_diff / np.fmax(np.abs(wide_a), floor))
+    rel_diff[np.isnan(rel_diff)] = math.inf  # inf apart from an infinite a
     ulps = np.where(same_value, np.uint64(0), _ulp_distance(flat_a, flat_b))
     return TensorDiff(
         shape=tuple(a.shape),

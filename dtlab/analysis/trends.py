@@ -29,6 +29,7 @@ SLOWEST_FRACTION = 0.6  # a straggler is the slowest rank in at least this share
 LEAK_T_STAT = 4.0  # slope / its standard error
 LEAK_MIN_GROWTH = 4 * MiB  # fitted growth over the window, at least ...
 LEAK_RESIDUAL_FACTOR = 3.0  # ... and this many residual standard deviations
+LEAK_MIN_DURBIN_WATSON = 1.2  # residuals must not run in long same-sign stretches
 LEAK_SPREAD_FACTOR = 3.0  # above the others' median slope by this many robust spreads
 LEAK_SPREAD_FLOOR = 64 * KiB  # bytes per step: the spread is at least this
 _MAD_TO_STD = 1.4826  # median absolute deviation -> standard deviation for normal noise
@@ -194,16 +195,25 @@ class MemoryTrend:
     growth: float  # fitted growth from first_step to last_step, bytes
     t_stat: float  # slope / standard error of the slope (inf for an exact line)
     residual_std: float  # bytes
-    steady: bool  # a line fits better than one jump between two flat levels
+    durbin_watson: float  # about 2 for noise around the line, near 0 for runs (drift, steps)
+    beats_one_jump: bool  # the line fits better than one jump between two flat levels
+
+    @property
+    def steady(self) -> bool:
+        """Growth spread along the window, not one plateau jump or a drift in runs."""
+        return self.beats_one_jump and self.durbin_watson >= LEAK_MIN_DURBIN_WATSON
+
+    @property
+    def growing(self) -> bool:
+        """A slope well beyond noise, and more growth than the noise could fake."""
+        return self.t_stat > LEAK_T_STAT and self.growth > max(
+            LEAK_MIN_GROWTH, LEAK_RESIDUAL_FACTOR * self.residual_std
+        )
 
     @property
     def significant(self) -> bool:
         """Steady growth well beyond noise: the per-rank part of the leak rule."""
-        return (
-            self.t_stat > LEAK_T_STAT
-            and self.growth > max(LEAK_MIN_GROWTH, LEAK_RESIDUAL_FACTOR * self.residual_std)
-            and self.steady
-        )
+        return self.growing and self.steady
 
 
 def memory_trends(
@@ -236,7 +246,8 @@ def _fit(rank: int, field: str, steps: np.ndarray, values: np.ndarray) -> Memory
     y = values - values.mean()  # centred: squares of raw byte counts lose precision
     sxx = float(np.sum(x * x))
     slope = float(np.sum(x * y)) / sxx if sxx > 0 else 0.0
-    residual_ss = float(np.sum((y - slope * x) ** 2))
+    residuals = y - slope * x
+    residual_ss = float(np.sum(residuals**2))
     n = len(y)
     residual_std = math.sqrt(residual_ss / (n - 2))
     stderr = residual_std / math.sqrt(sxx) if sxx > 0 else math.inf
@@ -254,8 +265,20 @@ def _fit(rank: int, field: str, steps: np.ndarray, values: np.ndarray) -> Memory
         growth=slope * float(steps[-1] - steps[0]),
         t_stat=t_stat,
         residual_std=residual_std,
-        steady=residual_ss < _best_single_jump_ss(y),
+        durbin_watson=_durbin_watson(residuals, residual_ss),
+        beats_one_jump=residual_ss < _best_single_jump_ss(y),
     )
+
+
+def _durbin_watson(residuals: np.ndarray, residual_ss: float) -> float:
+    """Sum of squared successive residual differences / residual sum of squares.
+
+    Plateaus and random drifts leave residuals in long runs of one sign (small values);
+    a leak under noise leaves residuals that alternate like the noise (about 2).
+    """
+    if residual_ss == 0:
+        return math.inf  # an exact line: nothing runs
+    return float(np.sum(np.diff(residuals) ** 2)) / residual_ss
 
 
 def _best_single_jump_ss(y: np.ndarray) -> float:
@@ -292,11 +315,11 @@ def find_leaks(
 
     Per rank, a least-squares line over the steps after its first ``skip_first`` records
     (at least ``min_steps`` of them). A rank leaks when its trend is ``significant`` (slope
-    t-statistic > 4, fitted growth > max(4 MiB, 3 residual std), and a line fits better
-    than one plateau jump) and its slope exceeds the other ranks' median slope by 3 robust
+    t-statistic > 4, fitted growth > max(4 MiB, 3 residual std), a line fits better than
+    one plateau jump, residual Durbin-Watson >= 1.2) and its slope exceeds the other ranks' median slope by 3 robust
     spreads (MAD x 1.4826, at least 64 KiB per step), so growth every rank shares is not
-    pinned on one. When every rank (of two or more) grows significantly, one more finding
-    names them all.
+    pinned on one. When every rank (of two or more) is ``growing`` and fits a line better
+    than one jump, one more finding names them all: growth shared by every rank.
     """
     trends = memory_trends(records, skip_first=skip_first, min_steps=min_steps, field=field)
     found = []
@@ -304,7 +327,8 @@ def find_leaks(
         others = [t.slope for r, t in trends.items() if r != rank]
         if trend.significant and _is_outlier(trend.slope, others):
             found.append(_leak_finding(trend, others))
-    if len(trends) >= 2 and all(t.significant for t in trends.values()):
+    # Every rank drifting alike is itself evidence, so shared growth skips the runs test.
+    if len(trends) >= 2 and all(t.growing and t.beats_one_jump for t in trends.values()):
         found.append(_shared_growth_finding(trends))
     return found
 

@@ -25,12 +25,13 @@ from collections.abc import Callable
 from dtlab.control.channel import Channel
 from dtlab.control.errors import DtlabError, RankError, RankTimeoutError
 from dtlab.records import Condition, JobInfo, RemoteFailure, RunResult
-from dtlab.trace import Trace, new_run_folder, record_from_json
+from dtlab.trace import Trace, new_run_folder
 
 POLL_S = 0.1
 FAILURE_GRACE_S = 1.0  # after one rank fails, how long the others get to finish
 PAUSE_WAIT_S = 10.0  # after Ctrl-C, how long ranks get to reach the step boundary
 CONNECT_TIMEOUT_S = 30.0
+CHECK_EVERY_S = 0.25  # how often a waiting run asks whether engines and controller live
 REPORT_S = 0.25  # ranks send progress (and records) at most this often
 
 Progress = Callable[[str, int, int], None]
@@ -211,8 +212,7 @@ class Stepper:
         if reply.get("attach") != self.attach_counts.get(rank):
             self._calls_seen = -1  # attached behind our back: look again before the next run
         if reply.get("records"):
-            records = [record_from_json({"rank": rank, **r})[1] for r in reply["records"]]
-            self.trace.add(rank, records)
+            self.trace.add_lines(rank, reply["records"])
 
 
 class _Run:
@@ -228,7 +228,7 @@ class _Run:
         self.done: dict[int, dict] = {}
         self.failures: dict[int, RemoteFailure] = {}
         self.first_step = stepper.trace.last_step if stepper.trace else 0
-        self.started = time.monotonic()
+        self.started = self.last_check = time.monotonic()
         self.first_failure: float | None = None
         self.reason: str | None = None
         self.step_by_rank: dict[int, int] = {}
@@ -250,11 +250,13 @@ class _Run:
             if reply["kind"] in ("done", "error"):
                 self.pending.discard(rank)
                 self.stepper.busy.pop(rank, None)
-        self._check_engines()
+        if time.monotonic() - self.last_check >= CHECK_EVERY_S:
+            self._check_engines()
         if self.failures and self.first_failure is None:
             self.first_failure = time.monotonic()
 
     def _check_engines(self) -> None:
+        self.last_check = time.monotonic()
         self.session.check_controller()
         for rank in self.session.dead_ranks(self.pending):
             self.failures[rank] = RemoteFailure("EngineError", "the engine process died")
