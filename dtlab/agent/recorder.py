@@ -20,10 +20,7 @@ _MASK64 = (1 << 64) - 1
 
 def fingerprint(tensor: torch.Tensor) -> int:
     """A 64-bit fingerprint of the tensor's bits: equal bits -> equal fingerprints."""
-    t = tensor.detach()
-    if hasattr(torch, "hash_tensor"):
-        return int(torch.hash_tensor(t)) & _MASK64 if t.numel() else 0
-    return _sum_of_bits(t)  # torch < 2.9 has no hash_tensor
+    return fingerprints([tensor])[0]
 
 
 def _sum_of_bits(t: torch.Tensor) -> int:
@@ -33,15 +30,15 @@ def _sum_of_bits(t: torch.Tensor) -> int:
 
 def fingerprints(tensors: Sequence[torch.Tensor | None]) -> list[int]:
     """Fingerprint per tensor; 0 for a missing one (a parameter without a gradient)."""
-    if hasattr(torch, "hash_tensor"):
-        present = [t.detach() for t in tensors if t is not None and t.numel()]
-        hashes = (
-            iter(torch.stack([torch.hash_tensor(t) for t in present]).tolist())
-            if present
-            else iter(())
-        )
-        return [(next(hashes) & _MASK64) if t is not None and t.numel() else 0 for t in tensors]
-    return [0 if t is None else _sum_of_bits(t.detach()) for t in tensors]
+    present = [t.detach() for t in tensors if t is not None and t.numel()]
+    if not present:
+        hashes = []
+    elif hasattr(torch, "hash_tensor"):  # one stack: a single copy back, not one per tensor
+        hashes = torch.stack([torch.hash_tensor(t) for t in present]).tolist()
+    else:  # torch < 2.9 has no hash_tensor
+        hashes = [_sum_of_bits(t) for t in present]
+    found = iter(hashes)
+    return [next(found) & _MASK64 if t is not None and t.numel() else 0 for t in tensors]
 
 
 def grad_stats(grads: Sequence[torch.Tensor | None]) -> tuple[list[float], list[int], list[int]]:

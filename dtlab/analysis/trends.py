@@ -316,10 +316,11 @@ def find_leaks(
     Per rank, a least-squares line over the steps after its first ``skip_first`` records
     (at least ``min_steps`` of them). A rank leaks when its trend is ``significant`` (slope
     t-statistic > 4, fitted growth > max(4 MiB, 3 residual std), a line fits better than
-    one plateau jump, residual Durbin-Watson >= 1.2) and its slope exceeds the other ranks' median slope by 3 robust
-    spreads (MAD x 1.4826, at least 64 KiB per step), so growth every rank shares is not
-    pinned on one. When every rank (of two or more) is ``growing`` and fits a line better
-    than one jump, one more finding names them all: growth shared by every rank.
+    one plateau jump, residual Durbin-Watson >= 1.2) and its slope exceeds the other ranks'
+    median slope by 3 robust spreads (MAD x 1.4826, at least 64 KiB per step), so growth
+    every rank shares is not pinned on one. When every rank (of two or more) is
+    ``growing`` and fits a line better than one jump, one more finding names them all:
+    growth shared by every rank.
     """
     trends = memory_trends(records, skip_first=skip_first, min_steps=min_steps, field=field)
     found = []

@@ -1,0 +1,112 @@
+"""Pure pieces of stepping: --until conditions, the step-record codec, Trace files."""
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from dtlab.agent.stepping import condition_holds
+from dtlab.analysis.conditions import describe_condition, parse_condition
+from dtlab.records import Condition, step_record_from_dict, step_record_to_dict
+from dtlab.trace import FORMAT, Trace, new_run_folder
+from tests.fakes import healthy_trace, job_info, step_record
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("step>=200", Condition("step", 200.0)),
+        (" loss > 4.5 ", Condition("loss_above", 4.5)),
+        ("loss<1e-2", Condition("loss_below", 0.01)),
+        ("NonFinite", Condition("nonfinite")),
+        ("diverged", Condition("diverged")),
+    ],
+)
+def test_conditions_parse_and_read_back(text, expected):
+    assert parse_condition(text) == expected
+    assert parse_condition(describe_condition(expected)) == expected
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("loss=3", "cannot read the condition 'loss=3'; write one of: step>=N"),
+        ("step>=2.5", "whole number of steps"),
+        ("step>=0", "whole number of steps"),
+        ("loss>abc", "cannot read"),
+        ("loss>1.2.3", "is not a number"),
+        ("", "cannot read"),
+    ],
+)
+def test_bad_conditions_say_what_is_understood(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_condition(text)
+
+
+def test_conditions_hold_on_the_records_they_describe():
+    rec = step_record(5, loss=3.0)
+    assert condition_holds(Condition("step", 5), rec)
+    assert not condition_holds(Condition("step", 6), rec)
+    assert condition_holds(Condition("loss_above", 2.5), rec)
+    assert not condition_holds(Condition("loss_below", 2.5), rec)
+    assert not condition_holds(Condition("nonfinite"), rec)
+    assert condition_holds(Condition("nonfinite"), replace(rec, loss=math.nan))
+    assert condition_holds(Condition("nonfinite"), replace(rec, nonfinite=(0, 3, 0, 0)))
+    assert not condition_holds(Condition("diverged"), rec)  # decided across ranks
+    assert not condition_holds(None, rec)
+
+
+def test_step_records_survive_the_json_codec():
+    rec = step_record(7, rank=2, lr=None, missing_grads=(1,))
+    line = json.dumps(step_record_to_dict(2, rec))
+    assert step_record_from_dict(json.loads(line)) == (2, rec)
+
+
+def test_trace_keeps_steps_in_order_and_answers_by_step():
+    trace = healthy_trace(num_ranks=3, num_steps=4)
+    trace.add(1, [step_record(2, 1, loss=99.0)])  # a repeated step is ignored
+    assert trace.at(2)[1].loss == 1.0 and trace.last_step == 4 and len(trace) == 12
+    trace.add(0, [step_record(5, 0)])
+    assert trace.last_step == 4  # rank 0 alone at step 5: not every rank has it
+    assert sorted(trace.at(5)) == [0] and trace.at(9) == {}
+    assert trace.param_names[0] == "embed.weight"
+
+
+def test_trace_folder_round_trip_and_dataframe(tmp_path):
+    folder = new_run_folder(tmp_path)
+    assert folder.parent == tmp_path and new_run_folder(tmp_path) != folder
+    trace = Trace({r: job_info(r) for r in range(2)}, folder=folder, meta={"backend": "gloo"})
+    trace.add(0, [step_record(1, 0), step_record(2, 0)])
+    trace.add_lines(1, [json.dumps(step_record_to_dict(1, step_record(1, 1)))])
+    with pytest.raises(ValueError, match="record of rank 0 arrived from rank 1"):
+        trace.add_lines(1, [json.dumps(step_record_to_dict(0, step_record(3, 0)))])
+    trace.flush()
+    loaded = Trace.load(folder)
+    assert loaded.records == trace.records and loaded.jobs == trace.jobs
+    assert json.loads((folder / "trace.json").read_text())["format"] == FORMAT
+    frame = loaded.to_dataframe()
+    assert len(frame) == 3 and {"rank", "step", "loss", "times.forward", "memory.rss"} <= set(frame)
+    copy = trace.save(tmp_path / "copy")
+    assert Trace.load(copy).records == trace.records
+    trace.close()
+
+
+def test_a_half_written_last_line_is_dropped_but_a_bad_middle_line_is_an_error(tmp_path):
+    trace = healthy_trace(num_ranks=2, num_steps=3)
+    folder = trace.save(tmp_path / "run")
+    steps = folder / "steps.jsonl"
+    steps.write_text(steps.read_text() + '{"rank": 0, "step": 4, "lo')
+    assert Trace.load(folder).records == trace.records
+    lines = steps.read_text().splitlines()
+    steps.write_text("\n".join([lines[0], "not json", *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match="steps.jsonl:2: not a step record"):
+        Trace.load(folder)
+
+
+def test_loading_something_that_is_not_a_run_folder_says_so(tmp_path):
+    with pytest.raises(ValueError, match="no trace.json"):
+        Trace.load(tmp_path)
+    (tmp_path / "trace.json").write_text(json.dumps({"format": "other/9"}))
+    with pytest.raises(ValueError, match="this dtlab reads 'dtlab-trace/1'"):
+        Trace.load(tmp_path)
