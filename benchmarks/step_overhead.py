@@ -21,6 +21,7 @@ Ratios are dtlab / torchrun: 1.05 means 5% slower.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -131,6 +132,10 @@ def bench(ranks: list[int], repeats: int, steps: int, round_trips: int) -> dict:
     return results
 
 
+def _median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
 def report(results: dict) -> str:
     lines = [
         "| N | torchrun ms/step | dtlab, recording off | dtlab, default recording "
@@ -139,10 +144,7 @@ def report(results: dict) -> str:
     ]
     for n, runs in results.items():
         t = statistics.median(runs["torchrun"])
-
-        def med(key):
-            return statistics.median(r[key] for r in runs["dtlab"])
-
+        med = functools.partial(_median_of, runs["dtlab"])
         off, default = med("off_ms"), med("default_ms")
         lines.append(
             f"| {n} | {t:.1f} | {off:.1f} ({off / t:.2f}x) | {default:.1f} ({default / t:.2f}x) "
