@@ -21,8 +21,11 @@ def modules_after(import_line: str) -> set[str]:
     "line",
     [
         "import dtlab.analysis.ranks, dtlab.analysis.consistency, dtlab.analysis.grouping",
+        "import dtlab.analysis.conditions, dtlab.analysis.divergence, dtlab.analysis.trends",
         "import dtlab.agent.identity, dtlab.agent.rendezvous",
-        "import dtlab.records",
+        "import dtlab.agent.job, dtlab.agent.recorder, dtlab.agent.stepping",
+        "import dtlab.agent.demo_job, dtlab.agent.demo_model",
+        "import dtlab.records, dtlab.trace",
     ],
 )
 def test_pure_and_rank_side_code_import_no_notebook_library(line):
@@ -31,7 +34,11 @@ def test_pure_and_rank_side_code_import_no_notebook_library(line):
 
 
 def test_analysis_does_not_import_torch():
-    assert "torch" not in modules_after("import dtlab.analysis.consistency, dtlab.analysis.ranks")
+    loaded = modules_after(
+        "import dtlab.analysis.consistency, dtlab.analysis.ranks, dtlab.analysis.conditions, "
+        "dtlab.analysis.divergence, dtlab.analysis.trends, dtlab.trace"
+    )
+    assert "torch" not in loaded
 
 
 def test_import_dtlab_is_cheap():
