@@ -83,5 +83,13 @@ def test_quickstart_runs_top_to_bottom():
     assert threads == {r: (r, default_threads(8)) for r in range(8)}
     status = by_source["%dt_status"].splitlines()
     assert [line.split()[1] for line in status[2:]] == ["idle"] * 8
+    assert by_source["%dt_demo"].startswith(
+        "attached on ranks 0-7: DistributedDataParallel(DemoLM)"
+    )
+    assert "steps 1-5 in " in by_source["%dt_step 5"]  # after a progress bar if it was slow
+    assert "stopped: step>=20 on ranks 0-7" in by_source["%dt_run --until step>=20"]
+    assert by_source["dash.num_steps.value = 10"].strip() == "30"
+    assert "no problem found in the records so far" in by_source["%dt_findings"]
+    assert "<dtlab Trace: 8 ranks, 30 steps" in by_source["import dtlab"]
     assert by_source["%dt_shutdown"].startswith("stopped 8 ranks in ")
     assert left == []

@@ -4,8 +4,6 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
-from dtlab.records import RunResult
-
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
 
@@ -38,15 +36,15 @@ def test_dt_demo_attaches_and_says_what(ip, live4, capsys):
 
 
 def test_dt_step_and_dt_run_report_steps_and_stops(ip, demo_attached, capsys):
-    result = ip.run_line_magic("dt_step", "3")
+    assert ip.run_line_magic("dt_step", "3") is None  # the line says it; no Out[] repr
     out = capsys.readouterr().out
-    assert isinstance(result, RunResult) and result.last_step == 3
+    assert demo_attached.trace.last_step == 3
     assert out.startswith("steps 1-3 in ") and "ms/step" in out and "loss " in out
     ip.run_line_magic("dt_step", "")
     assert capsys.readouterr().out.startswith("step 4 in ")
-    result = ip.run_line_magic("dt_run", "--until step>=7")
+    ip.run_line_magic("dt_run", "--until step>=7")
     out = capsys.readouterr().out
-    assert result.last_step == 7 and "stopped: step>=7 on ranks 0-3" in out
+    assert demo_attached.trace.last_step == 7 and "stopped: step>=7 on ranks 0-3" in out
     ip.run_line_magic("dt_findings", "")
     assert "no problem found" in capsys.readouterr().out
 
@@ -58,3 +56,17 @@ def test_bad_step_arguments_are_usage_errors(ip, demo_attached):
         ip.run_line_magic("dt_run", "--until loss=3")
     with pytest.raises(UsageError, match="max-steps"):
         ip.run_line_magic("dt_run", "--until nonfinite --max-steps 0")
+
+
+def test_dt_plot_draws_each_kind_and_refuses_unknown_ones(ip, demo_attached, capsys):
+    ip.run_line_magic("dt_step", "3")
+    kinds = ("loss", "memory", "times", "deviation", "spread")
+    shown = [ip.run_line_magic("dt_plot", kind) for kind in kinds]
+    titles = [fig.layout.title.text for fig in shown]
+    assert len(titles) == 5 and "step 3" in titles[3]
+    heat = shown[3].data[0]
+    assert list(heat.y) == [f"rank {r}" for r in range(4)] and float(heat.z.max()) == 0.0
+    with pytest.raises(UsageError, match="choose one of loss, memory"):
+        ip.run_line_magic("dt_plot", "weights")
+    with pytest.raises(UsageError, match="no rank recorded step 99"):
+        ip.run_line_magic("dt_plot", "deviation --step 99")

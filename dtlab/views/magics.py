@@ -28,7 +28,7 @@ from dtlab.views.cells import collate_cell
 from dtlab.views.tables import launch_summary, rank_table, status_table
 
 
-def _session():
+def current_session():
     try:
         return lifecycle.current()
     except NoSessionError as e:
@@ -132,7 +132,7 @@ class DtlabMagics(Magics):
         else:
             args = parse_argstring(self.dt, line)
             code, ranks, timeout = cell, args.ranks, args.timeout
-        session = _session()
+        session = current_session()
         try:
             outputs = session.execute(code, ranks=ranks, timeout=timeout)
         except ValueError as e:
@@ -150,7 +150,7 @@ class DtlabMagics(Magics):
         """`%dt_pull NAME` -> {rank: value of NAME on that rank}."""
         args = parse_argstring(self.dt_pull, line)
         try:
-            return _session().pull(args.name, ranks=args.ranks)
+            return current_session().pull(args.name, ranks=args.ranks)
         except ValueError as e:
             raise UsageError(str(e)) from None
 
@@ -165,14 +165,14 @@ class DtlabMagics(Magics):
         if missing:
             raise UsageError(f"no notebook variable named {', '.join(missing)}; define it first")
         try:
-            _session().push({n: self.shell.user_ns[n] for n in args.names}, ranks=args.ranks)
+            current_session().push({n: self.shell.user_ns[n] for n in args.names}, ranks=args.ranks)
         except ValueError as e:
             raise UsageError(str(e)) from None
 
     @line_magic
     def dt_status(self, line):
         """Each rank: idle, busy or dead."""
-        session = _session()
+        session = current_session()
         display(
             status_table(
                 session.status(), session.infos, f"{session.world_size} ranks, {session.backend}"

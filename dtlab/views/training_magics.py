@@ -4,6 +4,7 @@
 %dt_step 10                  # 10 optimizer steps on every rank
 %dt_run --until nonfinite    # step until a condition holds on some rank, then pause all
 %dt_findings                 # divergence, leaks, stragglers in the records so far
+%dt_plot deviation           # loss, memory, times, deviation or spread, as a plotly figure
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from dtlab import demo
 from dtlab.analysis.conditions import parse_condition
 from dtlab.control.errors import RankError
 from dtlab.control.training import DEFAULT_MAX_STEPS
-from dtlab.views.magics import _session
+from dtlab.trace import Trace
+from dtlab.views.magics import current_session
+from dtlab.views.plots import KINDS, figure_for
 from dtlab.views.progress import delayed_progress
 from dtlab.views.reports import findings_table, job_summary, run_summary
 
@@ -56,7 +59,11 @@ class TrainingMagics(Magics):
         config = _config_items(args.set)
         try:
             infos = demo.attach(
-                _session(), ddp=not args.no_ddp, record=not args.no_record, lr=args.lr, **config
+                current_session(),
+                ddp=not args.no_ddp,
+                record=not args.no_record,
+                lr=args.lr,
+                **config,
             )
         except RankError as e:  # a bad --set value fails the same way on every rank
             kinds = {f.ename for f in e.failures.values()}
@@ -75,15 +82,14 @@ class TrainingMagics(Magics):
         args = parse_argstring(self.dt_step, line)
         if args.num_steps < 1:
             raise UsageError(f"the number of steps must be at least 1, got {args.num_steps}")
-        session = _session()
+        session = current_session()
         result = session.step(
             args.num_steps,
             record=False if args.no_record else None,
             timeout=args.timeout,
             progress=delayed_progress(),
         )
-        print(run_summary(result, session.trace))
-        return result
+        print(run_summary(result, session.trace))  # dt.step() / dt.run_until() return it
 
     @line_magic
     @magic_arguments()
@@ -108,14 +114,35 @@ class TrainingMagics(Magics):
             raise UsageError(str(e)) from None
         if args.max_steps < 1:
             raise UsageError(f"--max-steps must be at least 1, got {args.max_steps}")
-        session = _session()
+        session = current_session()
         result = session.run_until(
             condition, max_steps=args.max_steps, timeout=args.timeout, progress=delayed_progress()
         )
-        print(run_summary(result, session.trace))
-        return result
+        print(run_summary(result, session.trace))  # dt.step() / dt.run_until() return it
 
     @line_magic
     def dt_findings(self, line):
         """What the analysis finds in the records so far (divergence, leaks, stragglers)."""
-        display(findings_table(_session().findings()))
+        display(findings_table(current_session().findings()))
+
+    @line_magic
+    @magic_arguments()
+    @argument("kind", help=f"what to plot: {', '.join(KINDS)}")
+    @argument("--step", type=int, default=None, help="step for times / deviation (default last)")
+    @argument("--field", default="rss", help="memory counter: rss, param_bytes, cuda_allocated…")
+    @argument(
+        "--compare",
+        default=None,
+        metavar="RUN_FOLDER",
+        help="overlay the loss of another run (a runs/<timestamp> folder)",
+    )
+    def dt_plot(self, line):
+        """Plot the records so far: per-rank loss, memory, time breakdown, deviation, spread."""
+        args = parse_argstring(self.dt_plot, line)
+        trace = current_session()._require_trace()
+        try:
+            other = Trace.load(args.compare) if args.compare else None
+            figure = figure_for(trace, args.kind, step=args.step, field=args.field, other=other)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        return figure  # shown as the cell's result, and usable as a value

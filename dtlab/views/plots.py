@@ -1,0 +1,40 @@
+"""A figure of a trace by name: what ``%dt_plot KIND`` shows (analysis, then a figure)."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from dtlab.analysis.divergence import deviation_matrix
+from dtlab.analysis.trends import grad_norm_spread
+from dtlab.trace import Trace
+from dtlab.views import figures
+
+KINDS = ("loss", "memory", "times", "deviation", "spread")
+
+
+def figure_for(
+    trace: Trace,
+    kind: str,
+    *,
+    step: int | None = None,
+    field: str = "rss",
+    other: Trace | None = None,
+) -> go.Figure:
+    """``kind`` is one of KINDS; ``step`` picks the step of "times" and "deviation" (default
+    the last), ``field`` the memory counter, ``other`` a second run to overlay on "loss"."""
+    if kind not in KINDS:
+        raise ValueError(f"no plot {kind!r}; choose one of {', '.join(KINDS)}")
+    if kind == "loss":
+        return figures.loss_figure(trace, other)
+    if kind == "memory":
+        return figures.memory_figure(trace, field=field)
+    if kind == "spread":
+        return figures.grad_norm_spread_figure(grad_norm_spread(trace.records))
+    step = trace.last_step if step is None else step
+    if kind == "times":
+        return figures.time_breakdown_figure(trace, step=step)
+    at = trace.at(step)
+    if not at:
+        raise ValueError(f"no rank recorded step {step}; steps 1-{trace.last_step} exist")
+    ranks, matrix = deviation_matrix(at)
+    return figures.deviation_heatmap(ranks, matrix, trace.param_names, step=step)
