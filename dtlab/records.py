@@ -6,7 +6,7 @@ through ipyparallel and can be built by hand in tests without a cluster.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,13 @@ class StepTimes:
 class StepRecord:
     """What one rank measured in one optimizer step (``step`` counts from 1).
 
-    Per-parameter tuples follow ``JobInfo.params``; they are empty when recording is off.
-    Fingerprints are bitwise: equal fingerprints mean equal bits, with overwhelming odds.
+    Per-parameter tuples follow ``JobInfo.params``; they stay on the rank (its bounded
+    buffer) and are empty in the summaries the notebook receives (:meth:`summary`), or when
+    recording is off. ``grad_norm``, ``grad_fingerprint``, ``param_fingerprint`` and
+    ``num_nonfinite`` sum them up in one number each, so the notebook can tell whether
+    ranks differ at a step and fetch the per-parameter record only then. Fingerprints
+    change when any bit changes (different bits with equal fingerprints are possible but
+    need a coincidence); 0 means not recorded.
     """
 
     step: int
@@ -160,6 +165,25 @@ class StepRecord:
     param_fingerprints: tuple[int, ...] = ()
     nonfinite: tuple[int, ...] = ()  # non-finite gradient elements per parameter
     missing_grads: tuple[int, ...] = ()  # indices of parameters with no gradient
+    grad_norm: float | None = None  # L2 norm over every gradient (None: not recorded)
+    grad_fingerprint: int = 0  # of all gradients together
+    param_fingerprint: int = 0  # of all parameters together
+    num_nonfinite: int = 0  # non-finite gradient elements in all
+
+    @property
+    def detailed(self) -> bool:
+        """Does this record hold the per-parameter tuples?"""
+        return bool(self.grad_fingerprints or self.param_fingerprints)
+
+    def summary(self) -> StepRecord:
+        """This record without the per-parameter tuples (what travels every step)."""
+        return replace(self, grad_norms=(), grad_fingerprints=(), param_fingerprints=(),
+                       nonfinite=())  # fmt: skip
+
+
+def combine_fingerprints(fingerprints: tuple[int, ...]) -> int:
+    """One 64-bit fingerprint for many (ints hash alike in every process, unlike str)."""
+    return hash(fingerprints) & ((1 << 64) - 1) if fingerprints else 0
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,17 @@
 """Per-rank records built by hand, for the pure tests (no cluster)."""
 
+import math
 from dataclasses import replace
 
-from dtlab.records import JobInfo, ParamInfo, RankInfo, StepMemory, StepRecord, StepTimes
+from dtlab.records import (
+    JobInfo,
+    ParamInfo,
+    RankInfo,
+    StepMemory,
+    StepRecord,
+    StepTimes,
+    combine_fingerprints,
+)
 from dtlab.trace import Trace
 
 _BASE = RankInfo(
@@ -44,7 +53,21 @@ def step_record(step: int, rank: int = 0, num_params: int = len(PARAMS), **chang
         param_fingerprints=tuple(step * 2000 + i for i in range(num_params)),
         nonfinite=(0,) * num_params, missing_grads=(),
     )  # fmt: skip
-    return replace(base, **changes)
+    rec = replace(base, **changes)
+    return with_totals(rec, **changes)
+
+
+def with_totals(rec: StepRecord, **given) -> StepRecord:
+    """Fill the whole-step numbers from the per-parameter tuples, as a rank does (unless
+    the test gave them)."""
+    squares = [n * n for n in rec.grad_norms if not math.isnan(n)]
+    totals = {
+        "grad_norm": math.sqrt(math.fsum(squares)) if rec.grad_norms else None,
+        "grad_fingerprint": combine_fingerprints(rec.grad_fingerprints),
+        "param_fingerprint": combine_fingerprints(rec.param_fingerprints),
+        "num_nonfinite": sum(rec.nonfinite),
+    }
+    return replace(rec, **{k: v for k, v in totals.items() if k not in given})
 
 
 def healthy_trace(num_ranks: int = 4, num_steps: int = 10) -> Trace:

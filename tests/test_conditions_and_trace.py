@@ -52,7 +52,7 @@ def test_conditions_hold_on_the_records_they_describe():
     assert not condition_holds(Condition("loss_below", 2.5), rec)
     assert not condition_holds(Condition("nonfinite"), rec)
     assert condition_holds(Condition("nonfinite"), replace(rec, loss=math.nan))
-    assert condition_holds(Condition("nonfinite"), replace(rec, nonfinite=(0, 3, 0, 0)))
+    assert condition_holds(Condition("nonfinite"), step_record(5, nonfinite=(0, 3, 0, 0)))
     assert not condition_holds(Condition("diverged"), rec)  # decided across ranks
     assert not condition_holds(None, rec)
 

@@ -12,9 +12,10 @@ from dtlab.analysis.divergence import (
     deviation_matrix,
     divergence_findings,
     find_divergence,
+    first_divergent_step,
     tensor_diff,
 )
-from tests.fakes import PARAMS, healthy_trace, step_record
+from tests.fakes import PARAMS, healthy_trace, step_record, with_totals
 
 NAMES = tuple(p.name for p in PARAMS)  # embed.weight, blocks.0.weight, blocks.0.bias, head.weight
 
@@ -233,3 +234,19 @@ def test_deviation_matrix_marks_the_outlier_cell():
     assert matrix[2, 3] == MIN_DEVIATION  # bits differ, norm equal: still visible
     matrix[2, 1] = matrix[2, 3] = 0.0
     assert not matrix.any()
+
+
+def test_first_divergent_step_reads_the_summaries_only():
+    recs = healthy_trace().records
+    assert first_divergent_step(recs, kind="param") is None
+    recs[2] = [
+        with_totals(replace(r, param_fingerprints=(1, 2, 3, r.step))) if r.step >= 4 else r
+        for r in recs[2]
+    ]
+    summaries = {rank: [r.summary() for r in rs] for rank, rs in recs.items()}
+    assert first_divergent_step(summaries, kind="param") == 4
+    assert first_divergent_step(summaries, kind="grad") is None
+    off = {rank: [replace(r, param_fingerprint=0) for r in rs] for rank, rs in summaries.items()}
+    assert first_divergent_step(off, kind="param") is None  # recording off: nothing to say
+    with pytest.raises(ValueError, match="kind="):
+        first_divergent_step(summaries, kind="buffers")

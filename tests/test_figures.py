@@ -197,7 +197,7 @@ def test_empty_trace_gives_the_same_structure():
 def test_dashboard_order_series_and_index():
     norms = lambda r, s: (3.0 * (r + 1), float("nan"), 4.0 * (r + 1), 0.0)  # noqa: E731
     trace = trace_of(3, 4, loss=lambda r, s: r + s / 10, grad_norms=norms)
-    trace.add(2, [replace(step_record(5, 2), grad_norms=())])  # recording off at step 5
+    trace.add(2, [step_record(5, 2, grad_norms=())])  # recording off at step 5
     fig = dashboard_figure(trace)
     series = dashboard_series(trace)
     assert DASHBOARD_PANELS == ("loss", "grad_norm", "memory")
@@ -235,7 +235,8 @@ def test_recording_off_leaves_grad_norm_panel_empty():
     trace = trace_of(2, 3, grad_norms=lambda r, s: ())
     series = dashboard_series(trace)
     assert all(series[dashboard_trace_index("grad_norm", p, 2)] == ([], []) for p in range(2))
-    assert figures.total_grad_norm(step_record(1, grad_norms=(float("nan"),))) is None
+    assert figures.total_grad_norm(step_record(1, grad_norms=())) is None
+    assert figures.total_grad_norm(step_record(1, grad_norms=(float("nan"), 3.0))) == 3.0
 
 
 def test_every_figure_has_the_white_template_and_a_height():

@@ -76,7 +76,12 @@ def test_a_bare_model_steps_and_records_everything():
     assert rec.memory.grad_bytes == rec.memory.param_bytes and rec.memory.rss > 0
     assert min(rec.times.forward, rec.times.backward, rec.times.optimizer) > 0
     assert len(job.records) == 5  # bounded buffer
-    assert [r.step for r in job.records_since(4)] == [5, 6]
+    assert job.kept_steps() == (2, 6) and job.record_at(4) is records[3]
+    assert job.record_at(1) is None  # dropped from the bounded buffer
+    assert rec.grad_norm == pytest.approx(math.sqrt(sum(n * n for n in rec.grad_norms)))
+    assert rec.num_nonfinite == 0 and rec.grad_fingerprint != 0 != rec.param_fingerprint
+    summary = rec.summary()
+    assert not summary.detailed and summary.grad_fingerprint == rec.grad_fingerprint
     quiet = job.step(record=False)
     assert quiet.grad_norms == () and quiet.param_fingerprints == () and quiet.loss > 0
 

@@ -45,12 +45,15 @@ def test_ddp_demo_steps_with_equal_fingerprints_on_every_rank(live4):
     trace = dt.trace
     assert trace.last_step == 5 and len(trace) == 20
     for step in range(1, 6):
-        at = trace.at(step)
-        assert sorted(at) == [0, 1, 2, 3]
-        assert len({r.grad_fingerprints for r in at.values()}) == 1  # after all-reduce
-        assert len({r.param_fingerprints for r in at.values()}) == 1
+        at = trace.at(step)  # whole-step summaries: what travels every step
+        assert sorted(at) == [0, 1, 2, 3] and not any(r.detailed for r in at.values())
+        assert len({r.grad_fingerprint for r in at.values()}) == 1  # after the all-reduce
+        assert len({r.param_fingerprint for r in at.values()}) == 1
         assert len({r.loss for r in at.values()}) > 1  # each rank saw its own data
-        assert all(len(r.grad_norms) == len(trace.params) for r in at.values())
+        details = dt.step_details(step)  # per parameter, from the ranks' buffers
+        assert len({r.grad_fingerprints for r in details.values()}) == 1
+        assert len({r.param_fingerprints for r in details.values()}) == 1
+        assert all(len(r.grad_norms) == len(trace.params) for r in details.values())
     indices = [set(trace.at(1)[r].indices) for r in dt.ranks]
     assert all(not (a & b) for i, a in enumerate(indices) for b in indices[i + 1 :])
     assert dt.divergence("grad") is None and dt.divergence("param") is None

@@ -68,5 +68,5 @@ def test_dt_plot_draws_each_kind_and_refuses_unknown_ones(ip, demo_attached, cap
     assert list(heat.y) == [f"rank {r}" for r in range(4)] and float(heat.z.max()) == 0.0
     with pytest.raises(UsageError, match="choose one of loss, memory"):
         ip.run_line_magic("dt_plot", "weights")
-    with pytest.raises(UsageError, match="no rank recorded step 99"):
+    with pytest.raises(UsageError, match="no step 99: steps 1-3 were recorded"):
         ip.run_line_magic("dt_plot", "deviation --step 99")

@@ -14,7 +14,7 @@ from dtlab.analysis.trends import (
     grad_norm_spread,
     memory_trends,
 )
-from tests.fakes import healthy_trace, step_record
+from tests.fakes import healthy_trace, step_record, with_totals
 
 BASE_RSS = 500_000_000
 
@@ -77,7 +77,7 @@ def test_grad_norm_spread_is_zero_under_ddp_and_shows_a_doubled_rank():
     recs = healthy_trace().records
     assert grad_norm_spread(recs) == [(s, 0.0) for s in range(1, 11)]
     recs[1] = [
-        replace(r, grad_norms=tuple(2 * n for n in r.grad_norms)) if r.step == 5 else r
+        with_totals(replace(r, grad_norms=tuple(2 * n for n in r.grad_norms))) if r.step == 5 else r
         for r in recs[1]
     ]
     spread = dict(grad_norm_spread(recs))
@@ -87,7 +87,7 @@ def test_grad_norm_spread_is_zero_under_ddp_and_shows_a_doubled_rank():
 
 def test_grad_norm_spread_leaves_out_steps_without_norms():
     recs = healthy_trace(num_steps=3).records
-    recs[0] = [replace(r, grad_norms=()) if r.step == 2 else r for r in recs[0]]
+    recs[0] = [with_totals(replace(r, grad_norms=())) if r.step == 2 else r for r in recs[0]]
     assert [s for s, _ in grad_norm_spread(recs)] == [1, 3]
 
 

@@ -14,6 +14,7 @@ optimizer / scaler / scheduler step -> record parameters and memory.
 from __future__ import annotations
 
 import collections
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from dtlab.agent import recorder
-from dtlab.records import JobInfo, ParamInfo, StepRecord, StepTimes
+from dtlab.records import JobInfo, ParamInfo, StepRecord, StepTimes, combine_fingerprints
 
 DEFAULT_CAPACITY = 10_000  # step records kept on the rank (~1-2 KB each with recording on)
 
@@ -200,15 +201,23 @@ class Job:
     def _grad_fields(self) -> dict:
         grads = [p.grad for p in self.params]
         norms, nonfinite, missing = recorder.grad_stats(grads)
+        fingerprints = tuple(recorder.fingerprints(grads))
         return {
             "grad_norms": tuple(norms),
-            "grad_fingerprints": tuple(recorder.fingerprints(grads)),
+            "grad_fingerprints": fingerprints,
             "nonfinite": tuple(nonfinite),
             "missing_grads": tuple(missing),
+            "grad_norm": math.sqrt(math.fsum(n * n for n in norms if not math.isnan(n))),
+            "grad_fingerprint": combine_fingerprints(fingerprints),
+            "num_nonfinite": sum(nonfinite),
         }
 
     def _param_fields(self) -> dict:
-        return {"param_fingerprints": tuple(recorder.fingerprints(self.params))}
+        fingerprints = tuple(recorder.fingerprints(self.params))
+        return {
+            "param_fingerprints": fingerprints,
+            "param_fingerprint": combine_fingerprints(fingerprints),
+        }
 
     # --- looking closer -----------------------------------------------------------------
     def tensor(self, name: str, what: str = "grad") -> torch.Tensor | None:
@@ -226,8 +235,18 @@ class Job:
         tensor = param.grad if what == "grad" else param
         return None if tensor is None else tensor.detach().to("cpu", copy=True)
 
-    def records_since(self, step: int) -> list[StepRecord]:
-        return [r for r in self.records if r.step > step]
+    def record_at(self, step: int) -> StepRecord | None:
+        """The full record of ``step`` if the buffer still holds it."""
+        for rec in reversed(self.records):
+            if rec.step == step:
+                return rec
+            if rec.step < step:
+                break
+        return None
+
+    def kept_steps(self) -> tuple[int, int]:
+        """(first, last) step the buffer holds; (0, 0) when empty."""
+        return (self.records[0].step, self.records[-1].step) if self.records else (0, 0)
 
 
 def _default_indices(batch) -> Iterable[int]:

@@ -64,14 +64,14 @@ def condition_holds(cond: Condition | None, rec: StepRecord) -> bool:
     if cond.kind == "loss_below":
         return rec.loss < cond.value
     if cond.kind == "nonfinite":
-        return not math.isfinite(rec.loss) or any(rec.nonfinite)
+        return not math.isfinite(rec.loss) or rec.num_nonfinite > 0
     raise ValueError(f"unknown condition kind {cond.kind!r}")
 
 
 def _combined_fingerprint(rec: StepRecord) -> int:
     """One signed 64-bit number for all of a step's fingerprints (ints hash the same in
     every process, unlike str)."""
-    return hash((rec.grad_fingerprints, rec.param_fingerprints))
+    return hash((rec.grad_fingerprint, rec.param_fingerprint))
 
 
 def _control_group():
@@ -209,7 +209,7 @@ class StepServer:
             )
 
     def _lines(self, records: list[StepRecord]) -> list[str]:
-        return [json.dumps(step_record_to_dict(self.rank, r)) for r in records]
+        return [json.dumps(step_record_to_dict(self.rank, r.summary())) for r in records]
 
     def _report(self, kind: str, msg_id, job, pending, **fields) -> None:
         self._send(

@@ -118,6 +118,26 @@ def find_divergence(
     return None
 
 
+SUMMARY_FIELDS = {"grad": "grad_fingerprint", "param": "param_fingerprint"}
+
+
+def first_divergent_step(records: Mapping[int, Sequence[StepRecord]], *, kind: str = "grad"
+                         ) -> int | None:  # fmt: skip
+    """The first step where the ranks' whole-step fingerprints differ, from summaries.
+
+    Summaries carry one fingerprint per step; the per-parameter record of that step (kept
+    on the ranks) then tells :func:`find_divergence` which parameter it is.
+    """
+    if kind not in SUMMARY_FIELDS:
+        raise ValueError(f"kind={kind!r}: use one of {sorted(SUMMARY_FIELDS)}")
+    field = SUMMARY_FIELDS[kind]
+    for step, at_step in aligned_steps(records):
+        prints = {getattr(rec, field) for rec in at_step.values()}
+        if 0 not in prints and len(prints) > 1:
+            return step
+    return None
+
+
 def _divergence_at(
     kind: str,
     step: int,

@@ -73,22 +73,17 @@ def aligned_steps(
 def grad_norm_spread(records: Mapping[int, Sequence[StepRecord]]) -> list[tuple[int, float]]:
     """``[(step, (max - min) / median)]`` of the ranks' total gradient norms.
 
-    A rank's total norm is the L2 norm over all its parameters (nan norms, parameters
-    without a gradient, are left out). Under DDP the spread is 0; before the all-reduce or
-    without DDP it shows how different the ranks' batches are. Steps where some rank
-    recorded no norms are left out.
+    A rank's total norm (``StepRecord.grad_norm``) is the L2 norm over all its gradients.
+    Under DDP the spread is 0; without DDP it shows how different the ranks' batches are.
+    Steps where some rank recorded no norm are left out.
     """
     spread = []
     for step, at_step in aligned_steps(records):
-        if any(not rec.grad_norms for rec in at_step.values()):
+        if any(rec.grad_norm is None for rec in at_step.values()):
             continue
-        totals = np.array([_total_norm(rec.grad_norms) for rec in at_step.values()])
+        totals = np.array([rec.grad_norm for rec in at_step.values()], dtype=float)
         spread.append((step, _relative_range(totals)))
     return spread
-
-
-def _total_norm(norms: Sequence[float]) -> float:
-    return float(np.sqrt(np.nansum(np.square(np.asarray(norms, dtype=float)))))
 
 
 def _relative_range(values: np.ndarray) -> float:

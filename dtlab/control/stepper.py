@@ -49,6 +49,13 @@ def _serve(address: str, key: str, rank: int) -> int:
     return serve(address, key, rank)
 
 
+def _record_at(step: int):
+    from dtlab.agent.job import current
+
+    job = current()
+    return job.record_at(step), job.kept_steps()
+
+
 def _fetch(name: str, what: str):
     from dtlab.agent.job import current
 
@@ -207,6 +214,18 @@ class Stepper:
     def tensors(self, name: str, what: str, ranks) -> dict:
         """One parameter's gradient or value from each rank, as numpy arrays."""
         return self.session.run(_fetch, name, what, ranks=ranks)
+
+    def details(self, step: int, ranks) -> dict:
+        """``{rank: StepRecord}`` with the per-parameter tuples, from the ranks' buffers."""
+        found = self.session.run(_record_at, step, ranks=ranks)
+        gone = {rank: kept for rank, (rec, kept) in found.items() if rec is None}
+        if gone:
+            rank, (first, last) = min(gone.items())
+            raise DtlabError(
+                f"rank {rank} no longer holds step {step} (it keeps steps {first}-{last}); "
+                "attach with a larger capacity= to keep more"
+            )
+        return {rank: rec for rank, (rec, _) in found.items()}
 
     def ingest(self, rank: int, reply: dict) -> None:
         if reply.get("attach") != self.attach_counts.get(rank):

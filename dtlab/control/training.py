@@ -10,7 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dtlab.analysis.conditions import parse_condition
-from dtlab.analysis.divergence import divergence_findings, find_divergence, tensor_diff
+from dtlab.analysis.divergence import (
+    divergence_findings,
+    find_divergence,
+    first_divergent_step,
+    tensor_diff,
+)
 from dtlab.analysis.trends import find_leaks, find_stragglers
 from dtlab.control.errors import DtlabError
 from dtlab.records import Condition, Finding, RunResult
@@ -68,7 +73,7 @@ class TrainingMixin:
         first step."""
         return self._stepper.trace if self._stepper is not None else None
 
-    def _require_trace(self):
+    def require_trace(self):
         if self.trace is None or self.trace.last_step == 0:
             raise DtlabError("no steps recorded yet: attach a job (%dt_demo) and run %dt_step")
         return self.trace
@@ -94,11 +99,23 @@ class TrainingMixin:
             )
         return self.stepper.tensors(name, what, self.select(ranks))
 
+    def step_details(self, step: int, ranks=None) -> dict:
+        """``{rank: StepRecord}`` of one step with its per-parameter norms and fingerprints,
+        fetched from the ranks' buffers (the trace keeps whole-step summaries only)."""
+        return self.stepper.details(step, self.select(ranks))
+
     # --- findings ----------------------------------------------------------------------
     def divergence(self, kind: str = "param"):
-        """The first (step, parameter) where ranks' fingerprints differ, or None."""
-        trace = self._require_trace()
-        return find_divergence(trace.records, trace.param_names, kind=kind)
+        """The first (step, parameter) where ranks' fingerprints differ, or None.
+
+        The summaries say at which step; that step's per-parameter records say which
+        parameter (fetched from the ranks)."""
+        trace = self.require_trace()
+        step = first_divergent_step(trace.records, kind=kind)
+        if step is None:
+            return None
+        details = {rank: [rec] for rank, rec in self.step_details(step).items()}
+        return find_divergence(details, trace.param_names, kind=kind)
 
     def divergence_detail(self, kind: str = "param") -> dict:
         """For the first divergence: ``{rank: TensorDiff}`` of each outlier rank's tensor
@@ -113,9 +130,14 @@ class TrainingMixin:
 
     def findings(self) -> list[Finding]:
         """Divergence, memory leaks and stragglers found in the records so far."""
-        trace = self._require_trace()
+        trace = self.require_trace()
+        steps = {first_divergent_step(trace.records, kind=kind) for kind in ("grad", "param")}
+        details: dict[int, list] = {rank: [] for rank in trace.ranks}
+        for step in sorted(steps - {None}):
+            for rank, rec in self.step_details(step).items():
+                details[rank].append(rec)
         return [
-            *divergence_findings(trace.records, trace.param_names),
+            *divergence_findings(details, trace.param_names),
             *find_leaks(trace.records),
             *find_stragglers(trace.records),
         ]

@@ -69,13 +69,8 @@ def _series(records: Iterable[StepRecord], value, max_points: int) -> tuple[list
 
 
 def total_grad_norm(record: StepRecord) -> float | None:
-    """sqrt of the sum of squared per-parameter norms, nan (no gradient) ignored.
-
-    None when recording was off (no norms) or no parameter had a gradient.
-    """
-    # plain Python: a few values per record, called for every record on every live refresh
-    squares = [g * g for g in record.grad_norms if not math.isnan(g)]
-    return math.sqrt(math.fsum(squares)) if squares else None
+    """The L2 norm over all gradients; None when recording was off."""
+    return record.grad_norm
 
 
 def _line(x, y, rank: int, *, suffix: str = "", dash: str | None = None, **kw) -> go.Scatter:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import plotly.graph_objects as go
 
 from dtlab.analysis.divergence import deviation_matrix
 from dtlab.analysis.trends import grad_norm_spread
+from dtlab.records import StepRecord
 from dtlab.trace import Trace
 from dtlab.views import figures
 
@@ -19,9 +22,11 @@ def figure_for(
     step: int | None = None,
     field: str = "rss",
     other: Trace | None = None,
+    details: Mapping[int, StepRecord] | None = None,
 ) -> go.Figure:
-    """``kind`` is one of KINDS; ``step`` picks the step of "times" and "deviation" (default
-    the last), ``field`` the memory counter, ``other`` a second run to overlay on "loss"."""
+    """``kind`` is one of KINDS; ``step`` picks the step of "times" (default the last),
+    ``field`` the memory counter, ``other`` a second run to overlay on "loss"; "deviation"
+    needs ``details``, the per-parameter records of one step (``dt.step_details(step)``)."""
     if kind not in KINDS:
         raise ValueError(f"no plot {kind!r}; choose one of {', '.join(KINDS)}")
     if kind == "loss":
@@ -33,8 +38,8 @@ def figure_for(
     step = trace.last_step if step is None else step
     if kind == "times":
         return figures.time_breakdown_figure(trace, step=step)
-    at = trace.at(step)
-    if not at:
-        raise ValueError(f"no rank recorded step {step}; steps 1-{trace.last_step} exist")
-    ranks, matrix = deviation_matrix(at)
-    return figures.deviation_heatmap(ranks, matrix, trace.param_names, step=step)
+    if not details:
+        raise ValueError("a deviation plot needs the per-parameter records of one step")
+    ranks, matrix = deviation_matrix(details)
+    shown = next(iter(details.values())).step
+    return figures.deviation_heatmap(ranks, matrix, trace.param_names, step=shown)

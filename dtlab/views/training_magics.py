@@ -139,10 +139,16 @@ class TrainingMagics(Magics):
     def dt_plot(self, line):
         """Plot the records so far: per-rank loss, memory, time breakdown, deviation, spread."""
         args = parse_argstring(self.dt_plot, line)
-        trace = current_session()._require_trace()
+        session = current_session()
+        trace = session.require_trace()
+        step = trace.last_step if args.step is None else args.step
+        if args.kind == "deviation" and not 1 <= step <= trace.last_step:
+            raise UsageError(f"no step {step}: steps 1-{trace.last_step} were recorded")
+        details = session.step_details(step) if args.kind == "deviation" else None
         try:
             other = Trace.load(args.compare) if args.compare else None
-            figure = figure_for(trace, args.kind, step=args.step, field=args.field, other=other)
+            figure = figure_for(trace, args.kind, step=step, field=args.field, other=other,
+                                details=details)  # fmt: skip
         except ValueError as e:
             raise UsageError(str(e)) from None
         return figure  # shown as the cell's result, and usable as a value
