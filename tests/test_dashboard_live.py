@@ -6,6 +6,7 @@ import asyncio
 import pytest
 
 from dtlab import demo
+from dtlab.control.errors import DtlabError
 from dtlab.views.figures import dashboard_trace_index
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
@@ -65,3 +66,27 @@ def test_dashboard_shows_a_failed_run_and_stays_usable(live4):
         assert not dash.running and not dash.step_button.disabled
 
     asyncio.run(asyncio.wait_for(drive(), timeout=60))
+
+
+def test_calls_during_a_dashboard_run_are_refused_and_no_record_is_lost(live4):
+    dt = live4
+    demo.attach(dt)
+
+    async def drive():
+        dash = dt.dashboard()
+        dash.num_steps.value = 100_000
+        dash.run_button.click()
+        await asyncio.sleep(0.8)
+        with pytest.raises(DtlabError, match="are stepping .* pause it"):
+            dt.execute("print(rank)")
+        with pytest.raises(DtlabError, match="are stepping"):
+            dt.grads(dt.trace.param_names[0])
+        await asyncio.sleep(0.5)
+        dash.pause_button.click()
+        return await dash.wait()
+
+    result = asyncio.run(asyncio.wait_for(drive(), timeout=60))
+    assert result.stopped == "pause"
+    for recs in dt.trace.records.values():  # every step arrived, in order, none missing
+        assert [r.step for r in recs] == list(range(1, result.last_step + 1))
+    assert dt.execute("print(rank)")[3].stdout == "3\n"

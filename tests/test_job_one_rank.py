@@ -27,8 +27,17 @@ def test_fingerprints_tell_equal_bits_from_any_change():
     assert recorder.fingerprints([a, None, b]) == [
         recorder.fingerprint(a), 0, recorder.fingerprint(b)
     ]  # fmt: skip
-    # the fallback for torch without hash_tensor is bit-sensitive too
-    assert recorder._sum_of_bits(a) != recorder._sum_of_bits(b)
+    # what an xor of the elements would miss: constants, swaps, transposes
+    ones, twos = torch.ones(4, 4), torch.full((4, 4), 2.0)
+    assert recorder.fingerprint(ones) != recorder.fingerprint(twos)
+    square = torch.randn(8, 8)
+    assert recorder.fingerprint(square) != recorder.fingerprint(square.t().contiguous())
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        x = a.to(dtype)
+        y = x.clone()
+        y[0, 0] = -y[0, 0]
+        assert recorder.fingerprint(x) != recorder.fingerprint(y)
+        assert recorder.fingerprint(x) == recorder.fingerprint(x.clone())
 
 
 def test_grad_stats_count_missing_and_non_finite_gradients():
@@ -121,4 +130,5 @@ def test_attach_refuses_what_it_cannot_step_and_tensor_names_are_checked():
 
 
 def test_agreement_without_a_process_group_is_this_rank_alone():
-    assert agree(True, False, 123) == (True, False, False)
+    said = agree(True, False, 123, failed=True)
+    assert (said.pause, said.hit, said.failed, said.differ) == (True, False, True, False)

@@ -82,8 +82,11 @@ def test_a_parameter_changed_on_rank_2_is_named_with_its_step(live4):
 def test_a_leak_on_rank_1_is_found_for_rank_1_only(live4):
     dt = live4
     demo.attach(dt)
-    wrap_loss(dt, [1], "    _kept.append(torch.ones(2**19))  # 2 MiB a step", "_kept = []")
-    dt.step(16)
+    # memory freed by earlier tests would hide the first steps of the leak from RSS: give
+    # it back to the OS first, as a fresh process would be
+    dt.execute("import ctypes; ctypes.CDLL('libc.so.6').malloc_trim(0)")
+    wrap_loss(dt, [1], "    _kept.append(torch.ones(2**20))  # 4 MiB a step", "_kept = []")
+    dt.step(20)
     leaks = [f for f in dt.findings() if f.kind == "leak"]
     assert [f.ranks for f in leaks] == [(1,)]
 
@@ -120,9 +123,10 @@ def test_bare_models_diverge_at_once_and_run_until_says_so(live4):
     assert dt.divergence("grad").step == 1
 
 
-def test_ctrl_c_pauses_all_ranks_after_the_same_step(live4):
+@pytest.mark.parametrize("ddp", [False, True])
+def test_ctrl_c_pauses_all_ranks_after_the_same_step(live4, ddp):
     dt = live4
-    demo.attach(dt, ddp=False)
+    demo.attach(dt, ddp=ddp)
     timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
@@ -167,3 +171,37 @@ def test_stepping_without_a_job_says_how_to_attach_one(live4):
     assert sorted(info.value.failures) == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="at least 1"):
         dt.step(0)
+
+
+def test_an_error_mid_run_stops_the_other_ranks_at_the_step_boundary(live4):
+    dt = live4
+    demo.attach(dt, ddp=False)
+    once = "    if current().step_count + 1 == 4 and not _raised:\n        _raised.append(1)\n"
+    wrap_loss(dt, [2], once + "        raise ValueError('step 4 on purpose')", "_raised = []")
+    with pytest.raises(RankError) as info:
+        dt.step(20)
+    assert list(info.value.failures) == [2] and "step 4 on purpose" in str(info.value)
+    assert set(info.value.finished) == {0, 1, 3} and info.value.stuck == ()
+    steps = {rank: recs[-1].step for rank, recs in dt.trace.records.items()}
+    assert steps[2] == 3 and max(steps.values()) <= 5  # the others stopped, not ran on
+    assert dt.step(3).stopped == "steps"  # it raised once: the ranks go on together
+
+
+def test_a_timeout_pauses_every_rank_instead_of_breaking_the_group(live4):
+    dt = live4
+    demo.attach(dt)
+    result = dt.step(100_000, timeout=1.0)
+    assert result.stopped == "timeout" and result.last_step >= 1
+    assert {recs[-1].step for recs in dt.trace.records.values()} == {result.last_step}
+    assert dt.step(1).last_step == result.last_step + 1
+
+
+def test_conditions_that_cannot_be_checked_are_refused(live4):
+    dt = live4
+    demo.attach(dt)
+    dt.step(2)
+    with pytest.raises(ValueError, match="step>=2 holds already"):
+        dt.run_until("step>=2")
+    with pytest.raises(RankError, match="turn recording on"):
+        dt.run_until("diverged", record=False)
+    assert dt.step(1).last_step == 3

@@ -206,3 +206,14 @@ def test_cuda_field_absent_on_cpu_and_unknown_field():
     assert find_leaks(healthy_trace(num_steps=20).records, field="cuda_allocated") == []
     with pytest.raises(ValueError, match="'rss'"):
         find_leaks(healthy_trace().records, field="heap")
+
+
+def test_an_exact_linear_leak_is_found_whatever_its_residual_order():
+    # 2 MiB every step with tiny allocator wobble: the Durbin-Watson test alone said "runs"
+    wobble = [0, 4096, 8192, 4096, 0, 0, 4096, 8192, 8192, 4096, 0, 0, 4096, 8192, 4096, 0]
+    recs = healthy_trace(num_steps=16).records
+    recs[1] = [
+        replace(r, memory=replace(r.memory, rss=300 * MiB + i * 2 * MiB + wobble[i]))
+        for i, r in enumerate(recs[1])
+    ]
+    assert [f.ranks for f in find_leaks(recs)] == [(1,)]

@@ -1,22 +1,24 @@
 """The rank end of the stepping channel: steps on command, paused together, reported live.
 
-Why a channel of its own: one ipyparallel call to 8 engines costs ~18 ms here, a bare zmq
-round trip ~0.4 ms (FACTS.md), and a step of the demo job is tens of ms. The socket is
-served by a ``ZMQStream`` on the engine's own main-thread event loop, so steps run on the
-main thread *between* ipyparallel requests, never at the same time as a ``%%dt`` cell.
+Why a channel of its own: one ipyparallel call to 8 engines costs ~20 ms here, a bare zmq
+round trip well under 1 ms (FACTS.md), and a step of the demo job is tens of ms. The
+socket is served by a ``ZMQStream`` on the engine's own main-thread event loop, so steps
+run on the main thread *between* ipyparallel requests, never beside a ``%%dt`` cell.
 
 Protocol, one JSON frame per message, every message carries the session ``key``:
 
 - notebook -> rank: ``{"op": "run", "id", "steps", "until": {"kind", "value"} | null,
-  "record": bool | null, "report_s"}`` and ``{"op": "pause"}``;
+  "record": bool | null, "report_s", "agree_every", "regroup": bool}`` and
+  ``{"op": "pause"}``;
 - rank -> notebook: ``{"kind": "hello" | "progress" | "done" | "error", "id", "rank",
-  "step", "attach", "records": [one steps.jsonl line per StepRecord], "stopped": "steps" | "until" |
-  "pause", "hit": bool, "error": {"ename", "evalue", "traceback"}}``.
+  "step", "attach", "records": [one steps.jsonl line per step, a summary],
+  "stopped": "steps" | "until" | "pause" | "error", "hit": bool,
+  "error": {"ename", "evalue", "traceback"}}``.
 
-Ranks stay in step: after every step of a multi-step run all ranks all-reduce (MAX) one
-small tensor ``[pause asked, condition met, fingerprint, -fingerprint]`` on a gloo group of
-their own, so every rank stops after the same step, and "diverged" means the ranks'
-fingerprints were not all equal.
+Ranks stay in step: every ``agree_every`` steps of a run (every step when a condition is
+watched) all ranks all-reduce (MAX) one small tensor ``[pause asked, condition met, a rank
+failed, fingerprint, -fingerprint]`` on a gloo group of their own, so every rank stops
+after the same step, and "diverged" means the fingerprints were not all equal.
 """
 
 from __future__ import annotations
@@ -27,21 +29,27 @@ import signal
 import time
 import traceback
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
 from dtlab.agent import job as jobs
 from dtlab.records import Condition, StepRecord, step_record_to_dict
 
+AGREE_AFTER_ERROR_S = 5.0  # a failed rank waits this long for peers at the step boundary
+
 _server: StepServer | None = None
 _control: dict = {}  # {"world": the default group it was made for, "group": gloo group}
 
 
 def serve(address: str, key: str, rank: int) -> int:
-    """Connect this rank to the notebook's channel (replacing an older connection)."""
+    """Connect this rank to the notebook's channel (replacing an older connection).
+    Called on every rank at once, so the control group is made here (a collective)."""
     global _server
     if _server is not None:
         _server.close()
+    _control_group(rebuild=True)
     _server = StepServer(address, key, rank)
     return jobs.attach_count()
 
@@ -69,33 +77,47 @@ def condition_holds(cond: Condition | None, rec: StepRecord) -> bool:
 
 
 def _combined_fingerprint(rec: StepRecord) -> int:
-    """One signed 64-bit number for all of a step's fingerprints (ints hash the same in
-    every process, unlike str)."""
-    return hash((rec.grad_fingerprint, rec.param_fingerprint))
+    # halved so that -fp fits in int64 too (hash() may return -2**63)
+    return hash((rec.grad_fingerprint, rec.param_fingerprint)) >> 1
 
 
-def _control_group():
+def _control_group(rebuild: bool = False):
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    if _control.get("world") is not dist.group.WORLD:  # the process group was rebuilt
+    if rebuild or _control.get("world") is not dist.group.WORLD:  # group rebuilt since
         _control["world"] = dist.group.WORLD
         _control["group"] = dist.new_group(backend="gloo")  # CPU tensors, NCCL jobs too
     return _control["group"]
 
 
-def agree(pause: bool, hit: bool, fp: int) -> tuple[bool, bool, bool]:
-    """(someone asked to pause, condition met on some rank, fingerprints differ)."""
+@dataclass(frozen=True)
+class Agreement:
+    pause: bool = False  # some rank was asked to pause
+    hit: bool = False  # the condition held on some rank
+    failed: bool = False  # some rank failed in this step
+    differ: bool = False  # the ranks' fingerprints are not all equal
+
+
+def agree(
+    pause: bool, hit: bool, fp: int, *, failed: bool = False, timeout_s: float | None = None
+) -> Agreement:
+    """What all ranks say together (one all-reduce). With ``timeout_s`` a rank gives up
+    waiting for peers (RuntimeError) instead of blocking until the group's timeout."""
     import torch.distributed as dist
 
     group = _control_group()
     if group is None:
-        return pause, hit, False
-    flags = torch.tensor([int(pause), int(hit), fp, -fp], dtype=torch.int64)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    some_pause, some_hit, top, neg_bottom = flags.tolist()
-    return bool(some_pause), bool(some_hit), top != -neg_bottom
+        return Agreement(pause, hit, failed)
+    flags = torch.tensor([int(pause), int(hit), int(failed), fp, -fp], dtype=torch.int64)
+    work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    if timeout_s is None:
+        work.wait()
+    else:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    some_pause, some_hit, some_failed, top, neg_bottom = flags.tolist()
+    return Agreement(bool(some_pause), bool(some_hit), bool(some_failed), top != -neg_bottom)
 
 
 @contextmanager
@@ -106,6 +128,27 @@ def _interruptible():
         yield
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+@dataclass
+class _RunState:
+    """One run command as this rank works through it."""
+
+    msg_id: object
+    steps: int
+    until: Condition | None
+    record: bool
+    report_s: float
+    agree_every: int
+    pending: list
+    stopped: str = "steps"
+    hit: bool = False
+    agreeing: bool = False  # inside the agreement all-reduce (a failure there is not ours)
+
+    def must_agree(self, index: int) -> bool:
+        if self.until is not None:
+            return True  # stop exactly at the step the condition held
+        return index < self.steps - 1 and (index + 1) % self.agree_every == 0
 
 
 class StepServer:
@@ -129,8 +172,13 @@ class StepServer:
         self.stream.close()
 
     def _send(self, kind: str, msg_id, **fields) -> None:
+        import zmq
+
         reply = {"key": self.key, "kind": kind, "id": msg_id, "rank": self.rank, **fields}
-        self.socket.send(json.dumps(reply).encode())
+        try:  # never block the engine on a notebook that went away
+            self.socket.send(json.dumps(reply).encode(), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     def _read(self) -> dict | None:
         try:
@@ -159,64 +207,95 @@ class StepServer:
             asked = asked or (msg is not None and msg.get("op") == "pause")
         return asked
 
+    # --- one run -----------------------------------------------------------------------
     def _run(self, msg: dict) -> None:
-        msg_id = msg.get("id")
-        steps = int(msg.get("steps", 1))
-        until = Condition(**msg["until"]) if msg.get("until") else None
-        report_s = float(msg.get("report_s", 0.25))
-        record = msg.get("record")
-        pending: list[StepRecord] = []
-        job = None
+        job, state = None, None
         try:
+            if msg.get("regroup"):
+                _control_group(rebuild=True)  # the last run ended in an error
             job = jobs.current()
-            if until is not None and until.kind == "diverged" and not (record or job.record):
-                raise ValueError("--until diverged compares fingerprints: turn recording on")
-            must_agree = steps > 1 or (until is not None and until.kind == "diverged")
-            stopped, hit, last_report = "steps", False, time.monotonic()
+            state = self._state(msg, job)
             with _interruptible():
-                for _ in range(steps):
-                    rec = job.step(record)
-                    pending.append(rec)
-                    hit = condition_holds(until, rec)
-                    if must_agree:
-                        pause, any_hit, differ = agree(
-                            self._pause_asked(), hit, _combined_fingerprint(rec)
-                        )
-                        if until is not None and until.kind == "diverged":
-                            hit = any_hit = differ
-                        if any_hit or pause:
-                            stopped = "until" if any_hit else "pause"
-                            break
-                    elif hit:
-                        stopped = "until"
-                        break
-                    if time.monotonic() - last_report >= report_s:
-                        self._report("progress", msg_id, job, pending)
-                        pending, last_report = [], time.monotonic()
-            self._report("done", msg_id, job, pending, stopped=stopped, hit=hit)
+                self._loop(job, state)
+            self._report("done", state, job, stopped=state.stopped, hit=state.hit)
         except BaseException as e:  # KeyboardInterrupt too: it must not reach the event loop
-            self._send(
-                "error",
-                msg_id,
-                step=job.step_count if job is not None else 0,
-                attach=jobs.attach_count(),
-                records=self._lines(pending),
-                error={
-                    "ename": type(e).__name__,
-                    "evalue": str(e),
-                    "traceback": traceback.format_exc(),
-                },
+            self._fail(e, job, state, msg.get("id"))
+
+    def _state(self, msg: dict, job) -> _RunState:
+        until = Condition(**msg["until"]) if msg.get("until") else None
+        record = job.record if msg.get("record") is None else bool(msg["record"])
+        if until is not None and until.kind in ("diverged", "nonfinite") and not record:
+            raise ValueError(
+                f"--until {until.kind} reads the gradient fingerprints and counts: "
+                "turn recording on (leave out --no-record)"
             )
+        return _RunState(
+            msg.get("id"),
+            int(msg.get("steps", 1)),
+            until,
+            record,
+            float(msg.get("report_s", 0.25)),
+            max(1, int(msg.get("agree_every", 1))),
+            [],
+        )
+
+    def _loop(self, job, state: _RunState) -> None:
+        last_report = time.monotonic()
+        for index in range(state.steps):
+            rec = job.step(state.record)
+            state.pending.append(rec)
+            state.hit = condition_holds(state.until, rec)
+            if state.must_agree(index):
+                state.agreeing = True
+                said = agree(self._pause_asked(), state.hit, _combined_fingerprint(rec))
+                state.agreeing = False
+                met = said.hit
+                if state.until is not None and state.until.kind == "diverged":
+                    state.hit = met = said.differ
+                if said.failed or met or said.pause:
+                    state.stopped = "error" if said.failed else "until" if met else "pause"
+                    return
+            elif state.hit:
+                state.stopped = "until"
+                return
+            if time.monotonic() - last_report >= state.report_s:
+                self._report("progress", state, job)
+                last_report = time.monotonic()
+
+    def _fail(self, e: BaseException, job, state: _RunState | None, msg_id) -> None:
+        """Say what went wrong first, then meet the peers at the step boundary (bounded) so
+        they stop there too instead of waiting for this rank in the next agreement."""
+        pending = state.pending if state is not None else []
+        self._send(
+            "error",
+            msg_id,
+            step=job.step_count if job is not None else 0,
+            attach=jobs.attach_count(),
+            records=self._lines(pending),
+            error={
+                "ename": type(e).__name__,
+                "evalue": str(e),
+                "traceback": traceback.format_exc(),
+            },
+        )
+        if state is None or state.agreeing or state.steps == 1:
+            return  # no peers are waiting on this rank in an agreement
+        try:
+            with _interruptible():
+                agree(False, False, 0, failed=True, timeout_s=AGREE_AFTER_ERROR_S)
+        except BaseException:
+            pass  # peers are elsewhere (e.g. in DDP's all-reduce); the notebook regroups
 
     def _lines(self, records: list[StepRecord]) -> list[str]:
         return [json.dumps(step_record_to_dict(self.rank, r.summary())) for r in records]
 
-    def _report(self, kind: str, msg_id, job, pending, **fields) -> None:
+    def _report(self, kind: str, state: _RunState, job, **fields) -> None:
+        lines, state.pending = self._lines(state.pending), []
         self._send(
             kind,
-            msg_id,
+            state.msg_id,
             step=job.step_count,
             attach=jobs.attach_count(),
-            records=self._lines(pending),
+            records=lines,
             **fields,
         )

@@ -30,6 +30,7 @@ LEAK_T_STAT = 4.0  # slope / its standard error
 LEAK_MIN_GROWTH = 4 * MiB  # fitted growth over the window, at least ...
 LEAK_RESIDUAL_FACTOR = 3.0  # ... and this many residual standard deviations
 LEAK_MIN_DURBIN_WATSON = 1.2  # residuals must not run in long same-sign stretches
+LEAK_EXACT_FRACTION = 0.01  # residual std below this share of the growth: a clean line
 LEAK_SPREAD_FACTOR = 3.0  # above the others' median slope by this many robust spreads
 LEAK_SPREAD_FLOOR = 64 * KiB  # bytes per step: the spread is at least this
 _MAD_TO_STD = 1.4826  # median absolute deviation -> standard deviation for normal noise
@@ -195,8 +196,14 @@ class MemoryTrend:
 
     @property
     def steady(self) -> bool:
-        """Growth spread along the window, not one plateau jump or a drift in runs."""
-        return self.beats_one_jump and self.durbin_watson >= LEAK_MIN_DURBIN_WATSON
+        """Growth spread along the window, not one plateau jump or a drift in runs.
+
+        A near-exact line (residuals under 1% of the growth, e.g. a fixed allocation each
+        step) is steady whatever the order of its tiny residuals."""
+        if not self.beats_one_jump:
+            return False
+        exact = self.residual_std < LEAK_EXACT_FRACTION * abs(self.growth)
+        return exact or self.durbin_watson >= LEAK_MIN_DURBIN_WATSON
 
     @property
     def growing(self) -> bool:

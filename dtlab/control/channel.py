@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import socket
 import time
 from collections.abc import Iterable
 
@@ -19,15 +18,14 @@ import zmq
 class Channel:
     """Send commands to ranks by rank number; receive their replies as dicts."""
 
-    def __init__(self, host: str = "127.0.0.1"):
-        """Listen on ``host`` ("*" for every interface, advertised by this host's name)."""
+    def __init__(self, host: str = "127.0.0.1", advertised: str | None = None):
+        """Listen on ``host`` ("*": every interface); ranks connect to ``advertised``."""
         self.key = secrets.token_hex(16)
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown rank -> error, not a drop
         port = self.socket.bind_to_random_port(f"tcp://{host}")
-        advertised = socket.gethostbyname(socket.gethostname()) if host == "*" else host
-        self.address = f"tcp://{advertised}:{port}"
+        self.address = f"tcp://{advertised or host}:{port}"
         self.connected: set[int] = set()
 
     def send(self, ranks: Iterable[int], message: dict) -> list[int]:

@@ -117,9 +117,14 @@ class Session(TrainingMixin):
                 for r in dead
             }
             raise RankError(what, failures)
+        stepping = set(self._stepper.busy_ranks() if self._stepper else ()) & set(ranks)
+        if stepping and self._stepper.active is not None:
+            raise DtlabError(
+                f"{what}: {label_ranks(stepping)} are stepping (a run from the dashboard?); "
+                "pause it (the Pause button or dt.pause()) and try again when it has stopped"
+            )
         self._stuck = {r: ar for r, ar in self._stuck.items() if not ar.done()}
-        busy = set(self._stuck) | set(self._stepper.busy_ranks() if self._stepper else ())
-        stuck = sorted(set(ranks) & busy)
+        stuck = sorted(set(ranks) & (set(self._stuck) | stepping))
         if stuck:
             raise DtlabError(
                 f"{what}: {label_ranks(stuck)} still busy with an earlier call that did not "

@@ -1,0 +1,147 @@
+"""The notebook's bookkeeping for one run command: who answered, who failed, when to stop
+waiting, and the RunResult or the error it ends in.
+
+Waiting is always bounded. A failure is reported FAILURE_GRACE_S after it arrives (peers
+stop at the step boundary meanwhile); a dead engine is noticed within CHECK_EVERY_S; a
+timeout or Ctrl-C first asks every rank to pause after the step it is in and waits
+PAUSE_WAIT_S for that; only then, or on a second Ctrl-C, are ranks sent SIGINT.
+"""
+
+from __future__ import annotations
+
+import time
+
+from dtlab.control.errors import DtlabError, RankError, RankTimeoutError
+from dtlab.records import Condition, RemoteFailure, RunResult
+
+FAILURE_GRACE_S = 1.0  # after one rank fails, how long the others get to finish
+PAUSE_WAIT_S = 10.0  # after a pause request, how long ranks get to reach the boundary
+CHECK_EVERY_S = 0.25  # how often a waiting run asks whether engines and controller live
+POLL_S = 0.1
+
+
+class Run:
+    """One run command in flight (made by :class:`dtlab.control.stepper.Stepper`)."""
+
+    def __init__(self, stepper, run_id: int, steps: int, until: Condition | None,
+                 timeout: float | None):  # fmt: skip
+        self.stepper = stepper
+        self.session = stepper.session
+        self.id = run_id
+        self.steps = steps
+        self.until = until
+        self.timeout = timeout
+        self.pending = set(self.session.ranks)
+        self.done: dict[int, dict] = {}
+        self.failures: dict[int, RemoteFailure] = {}
+        self.first_step = stepper.trace.last_step if stepper.trace else 0
+        # after a failure on one rank, ranks may start a run at different steps
+        self.start_steps = {
+            recs[-1].step if recs else 0
+            for recs in (stepper.trace.records.values() if stepper.trace else [[]])
+        }
+        self.started = self.last_check = time.monotonic()
+        self.first_failure: float | None = None
+        self.pause_reason: str | None = None
+        self.pause_deadline: float | None = None
+        self.give_up_reason: str | None = None
+        self.step_by_rank: dict[int, int] = {}
+
+    # --- replies -----------------------------------------------------------------------
+    def handle(self, reply: dict) -> None:
+        rank = reply.get("rank")
+        if rank not in self.pending:
+            return
+        self.stepper.ingest(rank, reply)
+        self.step_by_rank[rank] = reply.get("step", 0)
+        if reply["kind"] == "done":
+            self.done[rank] = reply
+        elif reply["kind"] == "error":
+            e = reply.get("error", {})
+            self.failures[rank] = RemoteFailure(e.get("ename", "Error"), e.get("evalue", ""),
+                                                e.get("traceback", ""))  # fmt: skip
+        if reply["kind"] in ("done", "error"):
+            self._finish(rank)
+
+    def _finish(self, rank: int) -> None:
+        self.pending.discard(rank)
+        self.stepper.busy.pop(rank, None)
+        if rank in self.failures and self.first_failure is None:
+            self.first_failure = time.monotonic()
+
+    def check(self, interrupts: int = 0) -> None:
+        """Engines alive? Timed out? Ctrl-C pressed (once: pause; twice: give up)?"""
+        now = time.monotonic()
+        if now - self.last_check >= CHECK_EVERY_S:
+            self.last_check = now
+            self.session.check_controller()
+            for rank in self.session.dead_ranks(self.pending):
+                self.failures[rank] = RemoteFailure("EngineError", "the engine process died")
+                self._finish(rank)
+        if self.timeout is not None and now - self.started > self.timeout:
+            self.ask_pause(f"timed out after {self.timeout:g} s")
+        if interrupts >= 1:
+            self.ask_pause("interrupted")
+        if interrupts >= 2:
+            self.give_up_reason = "interrupted twice"
+
+    def ask_pause(self, reason: str) -> None:
+        if self.pause_reason is None:
+            self.pause_reason = reason
+            self.pause_deadline = time.monotonic() + PAUSE_WAIT_S
+            self.stepper.pause()
+
+    def over(self) -> bool:
+        if not self.pending or self.give_up_reason:
+            return True
+        now = time.monotonic()
+        if self.first_failure is not None and now - self.first_failure > FAILURE_GRACE_S:
+            return True
+        if self.pause_deadline is not None and now > self.pause_deadline:
+            self.give_up_reason = f"{self.pause_reason}; ranks did not pause at a step boundary"
+            return True
+        return False
+
+    def done_steps(self) -> int:
+        done = [self.step_by_rank.get(r, self.first_step) for r in self.session.ranks]
+        return max(0, min(done) - self.first_step)
+
+    # --- the end -----------------------------------------------------------------------
+    def result(self) -> RunResult:
+        if self.stepper.trace is not None:
+            self.stepper.trace.flush()
+        if self.pending or self.failures:
+            self._raise()
+        last = {r["step"] for r in self.done.values()}
+        if len(last) != 1 and len(self.start_steps) == 1:  # they agree on where to stop
+            raise DtlabError(f"ranks stopped after different steps: {sorted(last)}")
+        stopped = {r["stopped"] for r in self.done.values()}
+        if "until" in stopped:
+            how = "until"
+        elif self.pause_reason is not None and self.pause_reason.startswith("timed out"):
+            how = "timeout"
+        else:
+            how = stopped.pop()
+        return RunResult(
+            first_step=self.first_step,
+            last_step=max(last),
+            stopped=how,
+            seconds=time.monotonic() - self.started,
+            condition=self.until,
+            hit_ranks=tuple(sorted(r for r, m in self.done.items() if m.get("hit"))),
+        )
+
+    def _raise(self) -> None:
+        unfinished = sorted(self.pending)
+        stuck = self.session.interrupt_and_wait(unfinished, self._poll_late)
+        ranks = dict(finished=sorted(self.done), stopped=[r for r in unfinished if r not in stuck],
+                     stuck=stuck)  # fmt: skip
+        what = f"step (run {self.id})"
+        reason = self.give_up_reason or self.pause_reason
+        if self.failures and not (reason and unfinished):
+            raise RankError(what, self.failures, **ranks)
+        raise RankTimeoutError(what, reason or "interrupted", self.failures, **ranks)
+
+    def _poll_late(self) -> list[int]:
+        self.stepper.dispatch(self.stepper.channel.receive(POLL_S))
+        return sorted(self.pending)
