@@ -215,8 +215,8 @@ class RunResult:
     """How a ``%dt_step`` / ``%dt_run`` ended (made in control/ from the ranks' replies)."""
 
     first_step: int  # the step the run started after
-    last_step: int  # every rank stopped after this step
-    stopped: str  # "steps" (all done), "until" (condition met), "pause" (asked to)
+    last_step: int  # every rank stopped after this step (unless a failure set them apart)
+    stopped: str  # "steps" (all done), "until" (condition met), "pause", "timeout"
     seconds: float
     condition: Condition | None = None
     hit_ranks: tuple[int, ...] = ()  # ranks where the condition held at the last step

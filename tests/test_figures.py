@@ -121,6 +121,14 @@ def test_heatmap_axes_values_and_zero_cells():
     assert "%{text}" in heat.hovertemplate
 
 
+def test_heatmap_shows_non_finite_cells_at_the_top_of_the_scale():
+    matrix = np.array([[0.0, 0.2], [np.inf, 0.0]])
+    heat = deviation_heatmap((0, 1), matrix, ["a", "b"], step=3).data[0]
+    assert np.asarray(heat.z)[1, 0] == heat.zmax == 0.2  # not a blank (white-looking) cell
+    assert heat.text[1][0].startswith("not finite")
+    assert heat.to_plotly_json()["z"][1][0] == 0.2
+
+
 def test_heatmap_all_equal_and_bad_shape():
     fig = deviation_heatmap((0, 1), np.zeros((2, 3)), ["a", "b", "c"], step=1)
     assert fig.data[0].zmax > 0  # all white, not a degenerate 0..0 scale

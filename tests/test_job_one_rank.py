@@ -132,3 +132,12 @@ def test_attach_refuses_what_it_cannot_step_and_tensor_names_are_checked():
 def test_agreement_without_a_process_group_is_this_rank_alone():
     said = agree(True, False, 123, failed=True)
     assert (said.pause, said.hit, said.failed, said.differ) == (True, False, True, False)
+
+
+def test_a_model_without_parameters_or_data_without_batches_is_named():
+    with pytest.raises(ValueError, match="has no parameters"):
+        jobs.attach(torch.nn.ReLU(), torch.optim.SGD([torch.zeros(1)], lr=0.1), [], mse)
+    model = torch.nn.Linear(6, 1)
+    jobs.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), [], mse)
+    with pytest.raises(RuntimeError, match="the data yields no batch"):
+        jobs.current().step()

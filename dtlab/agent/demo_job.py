@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dtlab.agent import job as jobs
 from dtlab.agent.demo_model import DemoConfig, DemoJob, build_demo
+from dtlab.agent.rendezvous import identity
 from dtlab.records import JobInfo
 
 last: DemoJob | None = None  # this rank's demo job, for a closer look from a %%dt cell
@@ -12,21 +13,10 @@ last: DemoJob | None = None  # this rank's demo job, for a closer look from a %%
 def attach_demo(*, ddp: bool = True, record: bool = True, lr: float = 3e-3, **config) -> JobInfo:
     """Build the demo (same weights on every rank, data sharded by DistributedSampler) and
     attach it. ``ddp`` wraps it in DistributedDataParallel when there is more than one rank."""
-    import torch.distributed as dist
-
     global last
-    grouped = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank() if grouped else 0
-    world_size = dist.get_world_size() if grouped else 1
-    device = _device()
-    last = build_demo(
-        DemoConfig(**config),
-        rank=rank,
-        world_size=world_size,
-        ddp=ddp and world_size > 1,
-        lr=lr,
-        device=device,
-    )
+    me = identity()
+    last = build_demo(DemoConfig(**config), rank=me.rank, world_size=me.world_size,
+                      ddp=ddp and me.world_size > 1, lr=lr, device=me.device)  # fmt: skip
     return jobs.attach(
         last.model,
         last.optimizer,
@@ -36,9 +26,3 @@ def attach_demo(*, ddp: bool = True, record: bool = True, lr: float = 3e-3, **co
         record=record,
         on_epoch=last.sampler.set_epoch,
     )
-
-
-def _device() -> str:
-    from dtlab.agent.rendezvous import _state
-
-    return str(_state.get("device", "cpu"))

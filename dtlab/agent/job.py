@@ -107,7 +107,10 @@ class Job:
         self.record = record
         self.indices = indices or _default_indices
         self.on_epoch = on_epoch
-        self.names, self.params = zip(*self.module.named_parameters(), strict=True)
+        named = list(self.module.named_parameters())
+        if not named:
+            raise ValueError(f"{type(self.module).__name__} has no parameters: nothing to train")
+        self.names, self.params = zip(*named, strict=True)
         self.device = self.params[0].device
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=capacity)
         self.step_count = 0
@@ -140,7 +143,13 @@ class Job:
             if self.on_epoch is not None:
                 self.on_epoch(self.epoch)
             self._iterator = iter(self.data)
-            return next(self._iterator)
+            try:
+                return next(self._iterator)
+            except StopIteration:
+                raise RuntimeError(
+                    "the data yields no batch (an empty dataset, or a DistributedSampler "
+                    "with drop_last and fewer samples than ranks x batch size)"
+                ) from None
 
     def _now(self) -> float:
         if self.device.type == "cuda":  # kernels run asynchronously; time them, not launches
@@ -257,6 +266,6 @@ def _default_indices(batch) -> Iterable[int]:
 
 
 def _rank() -> int:
-    import torch.distributed as dist
+    from dtlab.agent.rendezvous import identity
 
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return identity().rank

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
 
 from dtlab.agent.identity import describe_rank
@@ -120,6 +121,26 @@ def check_group() -> int:
     ids = torch.tensor([dist.get_rank()], dtype=torch.int64, device=device)
     dist.all_reduce(ids)
     return int(ids.item())
+
+
+@dataclass(frozen=True)
+class Identity:
+    rank: int
+    world_size: int
+    device: str
+
+
+def identity() -> Identity:
+    """This process's rank, as joined by dtlab (computed once, in ``join``); a process
+    grouped some other way (torchrun) answers from torch.distributed; else rank 0 of 1."""
+    plan: RankPlan | None = _state.get("plan")
+    if plan is not None:
+        return Identity(plan.rank, plan.world_size, str(_state["device"]))
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return Identity(dist.get_rank(), dist.get_world_size(), "cpu")
+    return Identity(0, 1, "cpu")
 
 
 def rank_namespace() -> dict:

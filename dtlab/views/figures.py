@@ -146,9 +146,12 @@ def deviation_heatmap(
     colorscale = [[0.0, "white"], [1e-9, reds[0]]]
     colorscale += [[(i + 1) / (len(reds) - 1), c] for i, c in enumerate(reds[1:])]
     text = [[_deviation_text(v) for v in row] for row in z]
+    # JSON has no inf/nan: such cells would be blank, like the equal ones; draw them at the
+    # top of the scale instead (their hover text says what they are)
+    shown = np.where(np.isfinite(z), z, zmax)
     fig = go.Figure(
         go.Heatmap(
-            z=z,
+            z=shown,
             x=list(names),
             y=[f"rank {r}" for r in ranks],
             text=text,
@@ -170,6 +173,8 @@ def deviation_heatmap(
 def _deviation_text(value: float) -> str:
     if math.isnan(value):
         return "no gradient"
+    if math.isinf(value):
+        return "not finite (inf/nan gradient, or a gradient missing on this rank)"
     return "0 (bitwise equal to majority)" if value == 0 else f"deviation {value:.3g}"
 
 

@@ -34,6 +34,10 @@ def run_summary(result: RunResult, trace) -> str:
         line += f"; stopped: {describe_condition(result.condition)} on {where}"
     elif result.stopped == "pause":
         line += "; paused (every rank stopped after the same step)"
+    elif result.stopped == "timeout":
+        line += "; timed out: every rank paused after the same step"
+    elif result.condition is not None:
+        line += f"; {describe_condition(result.condition)} never held"
     losses = {r: rec.loss for r, rec in trace.at(result.last_step).items()} if trace else {}
     if losses:
         low, high = min(losses, key=losses.get), max(losses, key=losses.get)

@@ -156,7 +156,8 @@ class Dashboard:
         self._last_refresh = now
         series = dashboard_series(trace, self.max_points)
         if len(series) != len(self.figure.data):
-            return  # a different world size: a new dashboard is needed
+            self.status.value = "the number of ranks changed: run dt.dashboard() again"
+            return
         with self.figure.batch_update():
             for line, (x, y) in zip(self.figure.data, series, strict=True):
                 line.x, line.y = x, y
