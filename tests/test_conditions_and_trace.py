@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from dtlab.agent.stepping import condition_holds
+from dtlab.agent.stepping import _RunState, condition_holds
 from dtlab.analysis.conditions import describe_condition, parse_condition
 from dtlab.records import Condition, step_record_from_dict, step_record_to_dict
 from dtlab.trace import FORMAT, Trace, new_run_folder
@@ -110,3 +110,24 @@ def test_loading_something_that_is_not_a_run_folder_says_so(tmp_path):
     (tmp_path / "trace.json").write_text(json.dumps({"format": "other/9"}))
     with pytest.raises(ValueError, match="this dtlab reads 'dtlab-trace/1'"):
         Trace.load(tmp_path)
+
+
+def run_state(steps, agree_every=1, until=None, index=0, agreed_at=-1):
+    state = _RunState(7, steps, until, agree_every, 0.25)
+    state.index, state.agreed_at = index, agreed_at
+    return state
+
+
+def test_every_rank_agrees_at_the_same_iterations_and_a_failed_rank_finds_the_next():
+    plain = run_state(10, agree_every=3)
+    assert [i for i in range(10) if plain.must_agree(i)] == [2, 5, 8]  # never the last
+    assert [i for i in range(4) if run_state(4, until=Condition("nonfinite")).must_agree(i)] == [
+        0, 1, 2, 3
+    ]  # fmt: skip
+    assert run_state(10, 3, index=0).next_agreement() == 2
+    assert run_state(10, 3, index=2).next_agreement() == 2  # failed before agreeing at 2
+    assert run_state(10, 3, index=2, agreed_at=2).next_agreement() == 5
+    assert run_state(10, 3, index=9).next_agreement() is None  # peers finish, no agreement
+    assert run_state(1, until=Condition("loss_above", 1.0)).next_agreement() == 0
+    assert run_state(1).next_agreement() is None
+    assert run_state(10, 3).seq(2) != run_state(10, 3).seq(5)

@@ -12,6 +12,19 @@ from dtlab.views.figures import dashboard_trace_index
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 
+WRAP_HANG = """
+import time
+from dtlab.agent.job import current
+_job = current()
+_inner = _job.loss_fn
+_hung = []
+def _wrapped(model, batch):
+{body}
+    return _inner(model, batch)
+_job.loss_fn = _wrapped
+"""
+
+
 def loss_steps(dash, rank: int) -> list:
     return list(dash.figure.data[dashboard_trace_index("loss", rank, 4)].x)
 
@@ -90,3 +103,24 @@ def test_calls_during_a_dashboard_run_are_refused_and_no_record_is_lost(live4):
     for recs in dt.trace.records.values():  # every step arrived, in order, none missing
         assert [r.step for r in recs] == list(range(1, result.last_step + 1))
     assert dt.execute("print(rank)")[3].stdout == "3\n"
+
+
+def test_a_pause_that_a_rank_cannot_reach_ends_in_sigint_not_a_hang(live4, monkeypatch):
+    monkeypatch.setattr("dtlab.control.runs.PAUSE_WAIT_S", 2.0)
+    dt = live4
+    demo.attach(dt, ddp=False)
+    hang = "    if current().step_count + 1 == 3 and not _hung:\n        _hung.append(1)\n"
+    dt.execute(WRAP_HANG.format(body=hang + "        time.sleep(120)"), ranks=[1])
+
+    async def drive():
+        dash = dt.dashboard()
+        dash.num_steps.value = 100_000
+        dash.run_button.click()
+        await asyncio.sleep(1.0)
+        dash.pause_button.click()
+        await dash.wait()
+        return dash
+
+    dash = asyncio.run(asyncio.wait_for(drive(), timeout=60))
+    assert dash.status.value == "failed: RankTimeoutError" and not dash.running
+    assert dt.step(2).stopped == "steps"  # SIGINT broke the sleep; the group is rebuilt

@@ -141,3 +141,15 @@ def test_a_model_without_parameters_or_data_without_batches_is_named():
     jobs.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), [], mse)
     with pytest.raises(RuntimeError, match="the data yields no batch"):
         jobs.current().step()
+
+
+def test_fingerprints_of_zeros_sparse_and_strided_tensors():
+    assert recorder.fingerprint(torch.zeros(3)) not in (0, recorder.fingerprint(torch.zeros(4)))
+    dense = torch.zeros(5, 2)
+    dense[3] = torch.tensor([1.0, 2.0])
+    sparse = dense.to_sparse()
+    assert recorder.fingerprint(sparse) == recorder.fingerprint(dense)
+    norms, nonfinite, missing = recorder.grad_stats([sparse, None])
+    assert norms[0] == pytest.approx(5**0.5) and nonfinite == [0, 0] and missing == [1]
+    wide = torch.randn(4, 6)
+    assert recorder.fingerprint(wide.t()) == recorder.fingerprint(wide.t().contiguous())

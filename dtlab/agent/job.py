@@ -174,10 +174,10 @@ class Job:
         grads = self._grad_fields() if record else {}
         t4 = self._now()
         skipped = self._optimizer_step()
+        self.step_count += 1  # at once: the parameters have moved, whatever comes next
         t5 = self._now()
         params = self._param_fields() if record else {}
         t6 = self._now()
-        self.step_count += 1
         rec = StepRecord(
             step=self.step_count,
             time=time.time(),

@@ -18,39 +18,43 @@ from dtlab.records import StepMemory
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads index bits
-_weights: dict[torch.dtype, torch.Tensor] = {}
+_weights: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _position_weights(numel: int, dtype: torch.dtype) -> torch.Tensor:
+def _position_weights(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Odd weights from the element index alone (the same on every rank and in every run;
     a longer table starts with the shorter one)."""
-    table = _weights.get(dtype)
+    table = _weights.get((dtype, device))
     if table is None or table.numel() < numel:
         index = torch.arange(1, max(numel, 1024) + 1, dtype=torch.int64)
         table = ((index * _GOLDEN) >> 29).to(dtype) | 1  # int64 products wrap; that is fine
-        _weights[dtype] = table
+        table = _weights[(dtype, device)] = table.to(device)
     return table[:numel]
 
 
 def _weighted_bits(t: torch.Tensor) -> int:
     """Sum over elements of (bit pattern x weight of its position), wrapped to 64 bits."""
-    flat = t.detach().reshape(-1)
+    flat = t.detach()
+    flat = (flat.to_dense() if flat.is_sparse else flat).reshape(-1)  # reshape copies if strided
     if flat.element_size() == 4:  # the common case: products wrap in int32, no widening copy
         bits = flat.view(torch.int32)
-        return int((bits * _position_weights(bits.numel(), torch.int32)).sum(dtype=torch.int64))
+        weights = _position_weights(bits.numel(), torch.int32, bits.device)
+        return int((bits * weights).sum(dtype=torch.int64))
     as_int = {1: torch.uint8, 2: torch.int16, 8: torch.int64}[flat.element_size()]
     bits = flat.view(as_int).to(torch.int64)
-    return int((bits * _position_weights(bits.numel(), torch.int64)).sum())
+    return int((bits * _position_weights(bits.numel(), torch.int64, bits.device)).sum())
 
 
 def fingerprint(tensor: torch.Tensor) -> int:
-    """A 64-bit fingerprint of the tensor's bits and their positions.
+    """A 64-bit fingerprint of the tensor's bits and their positions; never 0 (0 means
+    "no tensor": a parameter without a gradient).
 
     Changing any element, swapping two, or transposing changes it (so does a constant
     tensor changing value, which an xor of the elements would miss); two different tensors
-    share a fingerprint only by coincidence. 0 only for an empty tensor.
+    share a fingerprint only by coincidence.
     """
-    return _weighted_bits(tensor) & _MASK64 if tensor.numel() else 0
+    mixed = (_weighted_bits(tensor) + tensor.numel() * _GOLDEN) & _MASK64
+    return mixed or 1
 
 
 def fingerprints(tensors: Sequence[torch.Tensor | None]) -> list[int]:
@@ -60,10 +64,11 @@ def fingerprints(tensors: Sequence[torch.Tensor | None]) -> list[int]:
 
 def grad_stats(grads: Sequence[torch.Tensor | None]) -> tuple[list[float], list[int], list[int]]:
     """(L2 norm per gradient (nan if missing), non-finite count, indices of missing ones)."""
-    present = [g.detach() for g in grads if g is not None]
+    dense = [None if g is None else (g.to_dense() if g.is_sparse else g).detach() for g in grads]
+    present = [g for g in dense if g is not None]
     norms_iter = iter(torch.stack(torch._foreach_norm(present)).tolist()) if present else iter(())
     norms, nonfinite, missing = [], [], []
-    for i, g in enumerate(grads):
+    for i, g in enumerate(dense):
         if g is None:
             norms.append(math.nan)
             nonfinite.append(0)

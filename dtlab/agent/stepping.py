@@ -29,8 +29,7 @@ import signal
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +37,7 @@ from dtlab.agent import job as jobs
 from dtlab.records import Condition, StepRecord, step_record_to_dict
 
 AGREE_AFTER_ERROR_S = 5.0  # a failed rank waits this long for peers at the step boundary
+AGREE_POLL_S = 0.0005  # polling the agreement keeps SIGINT deliverable
 
 _server: StepServer | None = None
 _control: dict = {}  # {"world": the default group it was made for, "group": gloo group}
@@ -100,23 +100,31 @@ class Agreement:
     differ: bool = False  # the ranks' fingerprints are not all equal
 
 
-def agree(
-    pause: bool, hit: bool, fp: int, *, failed: bool = False, timeout_s: float | None = None
-) -> Agreement:
-    """What all ranks say together (one all-reduce). With ``timeout_s`` a rank gives up
-    waiting for peers (RuntimeError) instead of blocking until the group's timeout."""
+def agree(pause: bool, hit: bool, fp: int, *, failed: bool = False, seq: int = 0,
+          timeout_s: float | None = None) -> Agreement:  # fmt: skip
+    """What all ranks say together (one all-reduce). ``seq`` numbers the agreement: ranks
+    that disagree on it are out of step (RuntimeError). The wait polls, so SIGINT can break
+    it; with ``timeout_s`` a rank stops waiting for peers (TimeoutError)."""
     import torch.distributed as dist
 
     group = _control_group()
     if group is None:
         return Agreement(pause, hit, failed)
-    flags = torch.tensor([int(pause), int(hit), int(failed), fp, -fp], dtype=torch.int64)
+    flags = torch.tensor([int(pause), int(hit), int(failed), fp, -fp, seq, -seq],
+                         dtype=torch.int64)  # fmt: skip
     work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    if timeout_s is None:
-        work.wait()
-    else:
-        work.wait(timeout=timedelta(seconds=timeout_s))
-    some_pause, some_hit, some_failed, top, neg_bottom = flags.tolist()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not work.is_completed():
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"peers did not reach the step boundary within {timeout_s:g} s")
+        time.sleep(AGREE_POLL_S)
+    work.wait()  # raises the collective's own error, if it had one
+    some_pause, some_hit, some_failed, top, neg_bottom, seq_top, neg_seq_bottom = flags.tolist()
+    if seq_top != -neg_seq_bottom:
+        raise RuntimeError(
+            "ranks are out of step in their agreements (a leftover of a failed run); the "
+            "notebook rebuilds their control group before the next run"
+        )
     return Agreement(bool(some_pause), bool(some_hit), bool(some_failed), top != -neg_bottom)
 
 
@@ -134,21 +142,54 @@ def _interruptible():
 class _RunState:
     """One run command as this rank works through it."""
 
-    msg_id: object
+    msg_id: int
     steps: int
     until: Condition | None
-    record: bool
-    report_s: float
     agree_every: int
-    pending: list
+    report_s: float
+    record: bool = True
+    pending: list = field(default_factory=list)
     stopped: str = "steps"
     hit: bool = False
-    agreeing: bool = False  # inside the agreement all-reduce (a failure there is not ours)
+    index: int = 0  # the iteration being worked on
+    agreed_at: int = -1  # the last iteration whose agreement this rank entered
+
+    @classmethod
+    def from_message(cls, msg: dict) -> _RunState:
+        until = Condition(**msg["until"]) if msg.get("until") else None
+        return cls(
+            int(msg.get("id", 0)),
+            int(msg.get("steps", 1)),
+            until,
+            max(1, int(msg.get("agree_every", 1))),
+            float(msg.get("report_s", 0.25)),
+        )
 
     def must_agree(self, index: int) -> bool:
+        """The same answer on every rank (it depends on the message only)."""
         if self.until is not None:
             return True  # stop exactly at the step the condition held
         return index < self.steps - 1 and (index + 1) % self.agree_every == 0
+
+    def seq(self, index: int) -> int:
+        return self.msg_id * 2**24 + index
+
+    def next_agreement(self) -> int | None:
+        """The iteration at which the peers next agree, seen from a rank that failed now."""
+        start = self.index + 1 if self.agreed_at == self.index else self.index
+        if self.until is not None:
+            return start if start < self.steps else None
+        first = -(-(start + 1) // self.agree_every) * self.agree_every - 1  # next multiple
+        return first if first <= self.steps - 2 else None
+
+
+def _check_condition(state: _RunState) -> None:
+    until = state.until
+    if until is not None and until.kind in ("diverged", "nonfinite") and not state.record:
+        raise ValueError(
+            f"--until {until.kind} reads the gradient fingerprints and counts: "
+            "turn recording on (leave out --no-record)"
+        )
 
 
 class StepServer:
@@ -211,44 +252,29 @@ class StepServer:
     def _run(self, msg: dict) -> None:
         job, state = None, None
         try:
+            state = _RunState.from_message(msg)
             if msg.get("regroup"):
                 _control_group(rebuild=True)  # the last run ended in an error
             job = jobs.current()
-            state = self._state(msg, job)
+            state.record = job.record if msg.get("record") is None else bool(msg["record"])
+            _check_condition(state)
             with _interruptible():
                 self._loop(job, state)
             self._report("done", state, job, stopped=state.stopped, hit=state.hit)
         except BaseException as e:  # KeyboardInterrupt too: it must not reach the event loop
             self._fail(e, job, state, msg.get("id"))
 
-    def _state(self, msg: dict, job) -> _RunState:
-        until = Condition(**msg["until"]) if msg.get("until") else None
-        record = job.record if msg.get("record") is None else bool(msg["record"])
-        if until is not None and until.kind in ("diverged", "nonfinite") and not record:
-            raise ValueError(
-                f"--until {until.kind} reads the gradient fingerprints and counts: "
-                "turn recording on (leave out --no-record)"
-            )
-        return _RunState(
-            msg.get("id"),
-            int(msg.get("steps", 1)),
-            until,
-            record,
-            float(msg.get("report_s", 0.25)),
-            max(1, int(msg.get("agree_every", 1))),
-            [],
-        )
-
     def _loop(self, job, state: _RunState) -> None:
         last_report = time.monotonic()
         for index in range(state.steps):
+            state.index = index
             rec = job.step(state.record)
             state.pending.append(rec)
             state.hit = condition_holds(state.until, rec)
             if state.must_agree(index):
-                state.agreeing = True
-                said = agree(self._pause_asked(), state.hit, _combined_fingerprint(rec))
-                state.agreeing = False
+                pause = self._pause_asked()
+                state.agreed_at = index
+                said = agree(pause, state.hit, _combined_fingerprint(rec), seq=state.seq(index))
                 met = said.hit
                 if state.until is not None and state.until.kind == "diverged":
                     state.hit = met = said.differ
@@ -263,26 +289,25 @@ class StepServer:
                 last_report = time.monotonic()
 
     def _fail(self, e: BaseException, job, state: _RunState | None, msg_id) -> None:
-        """Say what went wrong first, then meet the peers at the step boundary (bounded) so
-        they stop there too instead of waiting for this rank in the next agreement."""
+        """Say what went wrong first, then meet the peers at the step boundary where they
+        next agree (bounded), so they stop there too instead of waiting for this rank."""
         pending = state.pending if state is not None else []
+        error = {"ename": type(e).__name__, "evalue": str(e), "traceback": traceback.format_exc()}
         self._send(
             "error",
             msg_id,
             step=job.step_count if job is not None else 0,
             attach=jobs.attach_count(),
             records=self._lines(pending),
-            error={
-                "ename": type(e).__name__,
-                "evalue": str(e),
-                "traceback": traceback.format_exc(),
-            },
+            error=error,
         )
-        if state is None or state.agreeing or state.steps == 1:
-            return  # no peers are waiting on this rank in an agreement
+        at = state.next_agreement() if state is not None else None
+        if at is None:
+            return  # no peer will wait for this rank in an agreement
         try:
             with _interruptible():
-                agree(False, False, 0, failed=True, timeout_s=AGREE_AFTER_ERROR_S)
+                agree(False, False, 0, failed=True, seq=state.seq(at),
+                      timeout_s=AGREE_AFTER_ERROR_S)  # fmt: skip
         except BaseException:
             pass  # peers are elsewhere (e.g. in DDP's all-reduce); the notebook regroups
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import threading
 import time
 from collections.abc import Iterable
 
@@ -27,25 +28,32 @@ class Channel:
         port = self.socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{advertised or host}:{port}"
         self.connected: set[int] = set()
+        self._lock = threading.Lock()  # a zmq socket must not be used by two threads at once
 
     def send(self, ranks: Iterable[int], message: dict) -> list[int]:
         """Send to each rank; returns the ranks it could not reach (not connected)."""
         frame = json.dumps({"key": self.key, **message}).encode()
         unreachable = []
-        for rank in ranks:
-            try:
-                self.socket.send_multipart([str(rank).encode(), frame], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                unreachable.append(rank)
+        with self._lock:
+            for rank in ranks:
+                try:
+                    self.socket.send_multipart([str(rank).encode(), frame], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    unreachable.append(rank)
         return unreachable
 
     def receive(self, timeout: float) -> list[dict]:
-        """Every reply that arrives within ``timeout`` s (returns early once one came)."""
+        """Every reply that arrives within ``timeout`` s (returns early once one came).
+
+        Holds the socket's lock while it waits: another thread's ``send`` (a pause) waits
+        at most ``timeout``; zmq sockets must never be used by two threads at once."""
+        frames = []
+        with self._lock:
+            if self.socket.poll(int(timeout * 1000), zmq.POLLIN):
+                while self.socket.poll(0, zmq.POLLIN):
+                    frames.append(self.socket.recv_multipart()[-1])
         replies = []
-        if not self.socket.poll(int(timeout * 1000), zmq.POLLIN):
-            return replies
-        while self.socket.poll(0, zmq.POLLIN):
-            _, frame = self.socket.recv_multipart()
+        for frame in frames:
             try:
                 reply = json.loads(frame)
             except ValueError:

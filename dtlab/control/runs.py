@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from dtlab.analysis.ranks import label_ranks
 from dtlab.control.errors import DtlabError, RankError, RankTimeoutError
 from dtlab.records import Condition, RemoteFailure, RunResult
 
@@ -24,13 +25,14 @@ class Run:
     """One run command in flight (made by :class:`dtlab.control.stepper.Stepper`)."""
 
     def __init__(self, stepper, run_id: int, steps: int, until: Condition | None,
-                 timeout: float | None):  # fmt: skip
+                 timeout: float | None, failure_grace: float = FAILURE_GRACE_S):  # fmt: skip
         self.stepper = stepper
         self.session = stepper.session
         self.id = run_id
         self.steps = steps
         self.until = until
         self.timeout = timeout
+        self.failure_grace = failure_grace
         self.pending = set(self.session.ranks)
         self.done: dict[int, dict] = {}
         self.failures: dict[int, RemoteFailure] = {}
@@ -89,13 +91,18 @@ class Run:
         if self.pause_reason is None:
             self.pause_reason = reason
             self.pause_deadline = time.monotonic() + PAUSE_WAIT_S
-            self.stepper.pause()
+            self.stepper.send_pause()
+
+    @property
+    def error_stops(self) -> list[int]:
+        """Ranks that stopped because a peer said it failed."""
+        return sorted(r for r, m in self.done.items() if m.get("stopped") == "error")
 
     def over(self) -> bool:
         if not self.pending or self.give_up_reason:
             return True
         now = time.monotonic()
-        if self.first_failure is not None and now - self.first_failure > FAILURE_GRACE_S:
+        if self.first_failure is not None and now - self.first_failure > self.failure_grace:
             return True
         if self.pause_deadline is not None and now > self.pause_deadline:
             self.give_up_reason = f"{self.pause_reason}; ranks did not pause at a step boundary"
@@ -112,6 +119,12 @@ class Run:
             self.stepper.trace.flush()
         if self.pending or self.failures:
             self._raise()
+        if self.error_stops:  # a failure signal with no failed rank: a stale agreement
+            raise DtlabError(
+                f"{label_ranks(self.error_stops)} stopped on a failure signal that no rank "
+                "of this run sent (left over from an earlier failed run); their control "
+                "group is rebuilt before the next run: step again"
+            )
         last = {r["step"] for r in self.done.values()}
         if len(last) != 1 and len(self.start_steps) == 1:  # they agree on where to stop
             raise DtlabError(f"ranks stopped after different steps: {sorted(last)}")
@@ -137,7 +150,7 @@ class Run:
         ranks = dict(finished=sorted(self.done), stopped=[r for r in unfinished if r not in stuck],
                      stuck=stuck)  # fmt: skip
         what = f"step (run {self.id})"
-        reason = self.give_up_reason or self.pause_reason
+        reason = self.give_up_reason or (self.pause_reason if unfinished else None)
         if self.failures and not (reason and unfinished):
             raise RankError(what, self.failures, **ranks)
         raise RankTimeoutError(what, reason or "interrupted", self.failures, **ranks)

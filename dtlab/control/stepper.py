@@ -30,7 +30,7 @@ from dtlab.analysis.conditions import describe_condition
 from dtlab.analysis.ranks import label_ranks
 from dtlab.control.channel import Channel
 from dtlab.control.errors import DtlabError
-from dtlab.control.runs import POLL_S, Run
+from dtlab.control.runs import FAILURE_GRACE_S, POLL_S, Run
 from dtlab.records import Condition, JobInfo, RunResult
 from dtlab.trace import Trace, new_run_folder
 
@@ -152,6 +152,8 @@ class Stepper:
                 self.ingest(rank, reply)
             if reply.get("kind") in ("done", "error") and self.busy.get(rank) == reply.get("id"):
                 del self.busy[rank]
+            if reply.get("kind") == "error":
+                self._regroup = True  # its agreement may be left pending in the old group
 
     def ingest(self, rank: int, reply: dict) -> None:
         if reply.get("attach") != self.attach_counts.get(rank):
@@ -179,8 +181,14 @@ class Stepper:
                 f"{describe_condition(until)} holds already: the job is at step "
                 f"{self.trace.last_step}"
             )
+        unconnected = set(self.session.ranks) - self.channel.connected
+        if unconnected:
+            raise DtlabError(
+                f"{label_ranks(unconnected)} never connected to the stepping channel; "
+                f"run %dt_launch {self.session.world_size} --restart"
+            )
         self._next_id += 1
-        run = Run(self, self._next_id, steps, until, timeout)
+        run = Run(self, self._next_id, steps, until, timeout, self._failure_grace())
         message = {
             "op": "run",
             "id": run.id,
@@ -195,23 +203,40 @@ class Stepper:
         self.busy.update({r: run.id for r in self.session.ranks})
         self.active, self._regroup = run, False
         if unreachable:  # the others got it: have them stop at once, then report
-            self.pause()
+            self.send_pause()
+            self._regroup = True
             run.give_up_reason = f"{label_ranks(unreachable)} could not be sent the run"
         return run
 
+    def _step_s(self) -> float | None:
+        recent = [r for recs in self.trace.records.values() for r in recs[-10:]]
+        return statistics.median(r.times.total for r in recent) if recent else None
+
     def _agree_every(self) -> int:
         """Steps between agreements (~AGREE_S apart), from the last steps' durations."""
-        recent = [recs[-10:] for recs in self.trace.records.values() if recs]
-        if not recent:
-            return 1
-        step_s = statistics.median(r.times.total for recs in recent for r in recs)
-        return max(1, min(1000, int(AGREE_S / max(step_s, 1e-4))))
+        step_s = self._step_s()
+        return 1 if step_s is None else max(1, min(1000, int(AGREE_S / max(step_s, 1e-4))))
+
+    def _failure_grace(self) -> float:
+        """After a failure, long enough for the others to reach their next agreement."""
+        step_s = self._step_s()
+        if step_s is None:
+            return FAILURE_GRACE_S
+        return max(FAILURE_GRACE_S, 2 * (self._agree_every() + 1) * step_s)
 
     def _end(self, run: Run) -> RunResult:
+        try:
+            return run.result()  # may wait for late replies: they must still reach the run
+        finally:
+            self.active = None
+            if run.failures or run.pending or run.error_stops:
+                self._regroup = True
+
+    def _abandon(self) -> None:
+        """The notebook side failed or was cancelled: ranks must not go on alone."""
+        self.pause()
         self.active = None
-        if run.failures or run.pending:
-            self._regroup = True
-        return run.result()
+        self._regroup = True
 
     def run(
         self,
@@ -223,19 +248,18 @@ class Stepper:
         progress: Progress | None = None,
     ) -> RunResult:
         """Step every rank ``steps`` times or until ``until`` holds on some rank."""
-        run = self._start(steps, until, record, timeout)
-        try:
-            with _count_interrupts() as interrupts:
+        with _count_interrupts() as interrupts:  # before the start: no Ctrl-C is lost
+            run = self._start(steps, until, record, timeout)
+            try:
                 while not run.over():
                     self.dispatch(self.channel.receive(POLL_S))
                     run.check(interrupts[0])
                     if progress:
                         progress("steps", run.done_steps(), steps)
-        except BaseException:  # never leave ranks stepping unattended
-            self.pause()
-            self.active = None
-            raise
-        return self._end(run)
+            except BaseException:  # never leave ranks stepping unattended
+                self._abandon()
+                raise
+            return self._end(run)
 
     async def run_async(
         self,
@@ -256,13 +280,19 @@ class Stepper:
                     on_progress()
                 await asyncio.sleep(POLL_S / 2)
         except BaseException:  # cancelled, or the callback failed: ranks must not go on
-            self.pause()
-            self.active = None
+            self._abandon()
             raise
         return self._end(run)
 
     def pause(self) -> None:
-        """Ask every rank in a run to stop after the step it is in (all the same step)."""
+        """Ask every rank in a run to stop after the step it is in (all the same step);
+        ranks that do not get there within PAUSE_WAIT_S are sent SIGINT."""
+        if self.active is not None:
+            self.active.ask_pause("paused")  # bounded: the run gives up after a while
+        else:
+            self.send_pause()
+
+    def send_pause(self) -> None:
         if self.channel is not None and self.busy:
             self.channel.send(sorted(self.busy), {"op": "pause"})
 

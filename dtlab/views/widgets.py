@@ -92,6 +92,7 @@ class Dashboard:
             self.status.value = "a run is in progress: pause it first"
             return
         self._set_running(True)  # at once: a second click must not start a second run
+        self.last_result = None
         self.task = asyncio.ensure_future(self._run(num_steps, condition))
 
     def start_until(self, text: str) -> None:
