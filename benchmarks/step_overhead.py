@@ -7,6 +7,8 @@ The same job (the demo model in DDP, AdamW, LambdaLR, DistributedSampler) and th
 loop, measured per N in one run, the tools alternating so drift hits both:
 
 - torchrun: a plain loop inside each rank, no dtlab; ms per step over --steps steps;
+- the plain loop inside dtlab's engines (``dt.run``, no stepping channel, no records):
+  what the engine processes themselves cost against torchrun's;
 - dtlab, recording off: ``dt.step(--steps)`` from the notebook side (loss, LR, times and
   memory are still recorded), wall time / steps;
 - dtlab, default recording: the same with per-parameter norms and fingerprints;
@@ -88,10 +90,40 @@ def _noop():
     return None
 
 
+def _plain_loop(steps: int) -> float:
+    """The torchrun worker's loop, run inside an engine on the attached demo job."""
+    import time
+
+    import torch.distributed as dist
+
+    from dtlab.agent.job import current
+
+    job = current()
+
+    def step():
+        batch = job._next_batch()
+        job.optimizer.zero_grad(set_to_none=True)
+        loss = job.loss_fn(job.model, batch)
+        loss.backward()
+        job.optimizer.step()
+        job.scheduler.step()
+        return loss.item()
+
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dist.barrier()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
 def measure_dtlab(dt, steps: int, round_trips: int) -> dict:
     from dtlab import demo
 
     result = {}
+    demo.attach(dt, record=False)
+    dt.step(WARMUP)
+    result["engine_loop_ms"] = dt.run(_plain_loop, steps)[0]
     for label, record in (("off", False), ("default", True)):
         demo.attach(dt, record=record)
         dt.step(WARMUP)
@@ -138,17 +170,18 @@ def _median_of(runs: list[dict], key: str) -> float:
 
 def report(results: dict) -> str:
     lines = [
-        "| N | torchrun ms/step | dtlab, recording off | dtlab, default recording "
-        "| `dt.step(1)` overhead | empty ipyparallel call |",
-        "|---|---|---|---|---|---|",
+        "| N | torchrun ms/step | same loop in dtlab's engines | dtlab, recording off "
+        "| dtlab, default recording | `dt.step(1)` overhead | empty ipyparallel call |",
+        "|---|---|---|---|---|---|---|",
     ]
     for n, runs in results.items():
         t = statistics.median(runs["torchrun"])
         med = functools.partial(_median_of, runs["dtlab"])
-        off, default = med("off_ms"), med("default_ms")
+        loop, off, default = med("engine_loop_ms"), med("off_ms"), med("default_ms")
         lines.append(
-            f"| {n} | {t:.1f} | {off:.1f} ({off / t:.2f}x) | {default:.1f} ({default / t:.2f}x) "
-            f"| {med('overhead_ms'):.2f} ms | {med('ipyparallel_call_ms'):.1f} ms |"
+            f"| {n} | {t:.1f} | {loop:.1f} ({loop / t:.2f}x) | {off:.1f} ({off / t:.2f}x) "
+            f"| {default:.1f} ({default / t:.2f}x) | {med('overhead_ms'):.2f} ms "
+            f"| {med('ipyparallel_call_ms'):.1f} ms |"
         )
     return "\n".join(lines)
 
