@@ -160,6 +160,7 @@ class StepRecord:
     times: StepTimes
     memory: StepMemory
     indices: tuple[int, ...] = ()  # sample indices this rank consumed
+    epoch: int = 0  # passes over the data before this batch (0 during the first)
     grad_norms: tuple[float, ...] = ()  # L2 norm per parameter (nan: no gradient)
     grad_fingerprints: tuple[int, ...] = ()  # 0: no gradient
     param_fingerprints: tuple[int, ...] = ()
@@ -208,6 +209,7 @@ class Finding:
     step: int | None = None
     evidence: dict[str, object] = field(default_factory=dict)
     fix: str = ""
+    severity: str = "warning"  # "error" (training is wrong), "warning" (slow/fragile), "advice"
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,10 @@ A run folder (``runs/<timestamp>/`` by default, ``DTLAB_RUNS_DIR`` moves it) hol
 
 - ``trace.json``: ``{"format": "dtlab-trace/1", "created": <epoch s>, "world_size": N,
   "jobs": {"<rank>": JobInfo}, "meta": {...}}``
-- ``steps.jsonl``: one JSON object per line, ``{"rank": r, **StepRecord}``, appended as
-  steps finish (a run that crashed still leaves every step it finished).
+- ``steps.jsonl``: one JSON object per line, ``{"rank": r, **StepRecord}`` (summaries:
+  the per-parameter tuples stay on the ranks), appended as steps finish (a run that
+  crashed still leaves every step it finished);
+- ``doctor.json``: the last ``%dt_doctor`` results, a list of CheckResult with Findings.
 
 Records are the dataclasses of :mod:`dtlab.records` as plain data
 (:func:`dtlab.records.step_record_to_dict`);
@@ -70,6 +72,7 @@ class Trace:
         self.meta = dict(meta or {})
         self.created = time.time() if created is None else created
         self.records: dict[int, list[StepRecord]] = {rank: [] for rank in self.jobs}
+        self.checks: list = []  # the last %dt_doctor results (CheckResult), kept with the run
         self.folder = Path(folder) if folder is not None else None
         self._steps_file = None
         if self.folder is not None:
@@ -191,11 +194,19 @@ class Trace:
         (self.folder / "trace.json").write_text(json.dumps(header, indent=1))
         self._steps_file = open(self.folder / "steps.jsonl", "a")  # noqa: SIM115 - kept open
 
+    def keep_checks(self, results: list) -> None:
+        """Keep ``%dt_doctor`` results with the run (``doctor.json`` in its folder)."""
+        self.checks = list(results)
+        if self.folder is not None:
+            data = [dataclasses.asdict(r) for r in self.checks]
+            (self.folder / "doctor.json").write_text(json.dumps(data, indent=1, default=str))
+
     def save(self, folder: str | os.PathLike) -> Path:
         """Write the whole trace to ``folder`` (a copy; this trace keeps its own folder)."""
         copy = Trace(self.jobs, folder=folder, meta=self.meta, created=self.created)
         for rank, recs in self.records.items():
             copy.add(rank, recs)
+        copy.keep_checks(self.checks)
         copy.close()
         return Path(folder)
 
@@ -226,4 +237,15 @@ class Trace:
                     break
                 raise ValueError(f"{steps}:{number}: not a step record ({e})") from e
             trace.add(rank, [rec])
+        doctor = folder / "doctor.json"
+        if doctor.is_file():
+            trace.checks = [_check_from_json(c) for c in json.loads(doctor.read_text())]
         return trace
+
+
+def _check_from_json(data: Mapping):
+    from dtlab.analysis.evidence import CheckResult
+    from dtlab.records import Finding
+
+    findings = tuple(Finding(**{**f, "ranks": tuple(f["ranks"])}) for f in data.get("findings", ()))
+    return CheckResult(**{**data, "findings": findings})

@@ -161,6 +161,7 @@ class Job:
         record = self.record if record is None else record
         t0 = self._now()
         batch = self._next_batch()
+        epoch = self.epoch  # the pass this batch came from
         t1 = self._now()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model, batch)
@@ -188,6 +189,7 @@ class Job:
             times=StepTimes(t1 - t0, t2 - t1, t3 - t2, t5 - t4, (t4 - t3) + (t6 - t5)),
             memory=recorder.memory(self.params, self.optimizer, self.device),
             indices=tuple(int(i) for i in self.indices(batch)),
+            epoch=epoch,
             **grads,
             **params,
         )

@@ -235,6 +235,7 @@ def _finding(d: Divergence, fix: str) -> Finding:
         step=d.step,
         evidence=evidence,
         fix=fix,
+        severity="error",  # data-parallel replicas that differ train a different model
     )
 
 

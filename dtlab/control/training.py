@@ -11,12 +11,12 @@ from collections.abc import Callable
 
 from dtlab.analysis.conditions import parse_condition
 from dtlab.analysis.divergence import (
-    divergence_findings,
     find_divergence,
     first_divergent_step,
     tensor_diff,
 )
-from dtlab.analysis.trends import find_leaks, find_stragglers
+from dtlab.analysis.doctor import all_findings, run_checks
+from dtlab.analysis.evidence import CheckResult, Evidence
 from dtlab.control.errors import DtlabError
 from dtlab.records import Condition, Finding, RunResult
 
@@ -128,19 +128,30 @@ class TrainingMixin:
         tensors = self._tensors(found.param, kind, [reference, *found.outliers], None)
         return {r: tensor_diff(tensors[reference], tensors[r]) for r in found.outliers}
 
-    def findings(self) -> list[Finding]:
-        """Divergence, memory leaks and stragglers found in the records so far."""
+    def evidence(self) -> Evidence:
+        """What the doctor's checks read: the launch, the trace's summaries, and the
+        per-parameter records of the steps where ranks' fingerprints first differ."""
         trace = self.require_trace()
         steps = {first_divergent_step(trace.records, kind=kind) for kind in ("grad", "param")}
         details: dict[int, list] = {rank: [] for rank in trace.ranks}
         for step in sorted(steps - {None}):
             for rank, rec in self.step_details(step).items():
                 details[rank].append(rec)
-        return [
-            *divergence_findings(details, trace.param_names),
-            *find_leaks(trace.records),
-            *find_stragglers(trace.records),
-        ]
+        cores = {facts.host: facts.num_cpus for facts in self.facts.values()}
+        return Evidence(records=trace.records, names=trace.param_names, jobs=trace.jobs,
+                        ranks=self.infos, cores_by_host=cores, details=details)  # fmt: skip
+
+    def checks(self) -> list[CheckResult]:
+        """Every doctor check on the records so far (kept with the trace)."""
+        results = run_checks(self.evidence())
+        self.require_trace().keep_checks(results)
+        return results
+
+    def doctor(self) -> list[Finding]:
+        """The findings of every check, most severe first (empty on a healthy job)."""
+        return all_findings(self.checks())
+
+    findings = doctor  # the name the stepping API had first
 
     def dashboard(self):
         """Step / Run / Pause controls with live per-rank figures (an ipywidgets panel)."""

@@ -47,8 +47,35 @@ def run_summary(result: RunResult, trace) -> str:
 
 def findings_table(findings: Sequence[Finding]) -> Table:
     rows = tuple(
-        (f.kind, label_ranks(f.ranks), "-" if f.step is None else str(f.step), f.summary, f.fix)
+        (f.severity, f.kind, label_ranks(f.ranks), "-" if f.step is None else str(f.step),
+         f.summary, f.fix)
         for f in findings
-    )
+    )  # fmt: skip
     notes = () if findings else ("no problem found in the records so far",)
-    return Table("findings", ("kind", "ranks", "since step", "what", "fix"), rows, notes)
+    headers = ("severity", "check", "ranks", "since step", "what", "fix")
+    return Table("findings", headers, rows, notes)
+
+
+def doctor_summary(findings: Sequence[Finding]) -> str:
+    """A short ranked list, most severe first (``findings`` come ranked)."""
+    if not findings:
+        return "no problem found: every check passed (--explain shows what each looked at)"
+    lines = [f"{len(findings)} finding(s), most severe first:"]
+    for number, f in enumerate(findings, 1):
+        since = f" (since step {f.step})" if f.step is not None else ""
+        lines.append(f"{number}. [{f.severity}] {f.summary}{since}")
+    return "\n".join(lines)
+
+
+def checks_table(results: Sequence) -> Table:
+    """What each check read, and its verdict or why it passed (``%dt_doctor --explain``)."""
+    rows = tuple(
+        (
+            r.check,
+            "passed" if r.passed else f"{len(r.findings)} finding(s)",
+            r.looked_at,
+            r.passed_because if r.passed else "; ".join(f.summary for f in r.findings),
+        )
+        for r in results
+    )
+    return Table("checks", ("check", "verdict", "looked at", "why"), rows)

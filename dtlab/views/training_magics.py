@@ -3,7 +3,8 @@
 %dt_demo                     # the built-in demo job on every rank
 %dt_step 10                  # 10 optimizer steps on every rank
 %dt_run --until nonfinite    # step until a condition holds on some rank, then pause all
-%dt_findings                 # divergence, leaks, stragglers in the records so far
+%dt_doctor [--explain]       # every check: environment, sync, numerics, data, LR, memory...
+%dt_findings                 # the same findings as a table
 %dt_plot deviation           # loss, memory, times, deviation or spread, as a plotly figure
 """
 
@@ -16,13 +17,20 @@ from IPython.display import display
 
 from dtlab import demo
 from dtlab.analysis.conditions import parse_condition
+from dtlab.analysis.doctor import all_findings
 from dtlab.control.errors import RankError
 from dtlab.control.training import DEFAULT_MAX_STEPS
 from dtlab.trace import Trace
 from dtlab.views.magics import current_session
 from dtlab.views.plots import KINDS, figure_for
 from dtlab.views.progress import delayed_progress
-from dtlab.views.reports import findings_table, job_summary, run_summary
+from dtlab.views.reports import (
+    checks_table,
+    doctor_summary,
+    findings_table,
+    job_summary,
+    run_summary,
+)
 
 
 def _config_items(pairs: list[str]) -> dict:
@@ -122,8 +130,23 @@ class TrainingMagics(Magics):
 
     @line_magic
     def dt_findings(self, line):
-        """What the analysis finds in the records so far (divergence, leaks, stragglers)."""
-        display(findings_table(current_session().findings()))
+        """The doctor's findings on the records so far, as a table."""
+        display(findings_table(current_session().doctor()))
+
+    @line_magic
+    @magic_arguments()
+    @argument("--explain", action="store_true",
+              help="also show each check: what it looked at and why it passed")  # fmt: skip
+    def dt_doctor(self, line):
+        """Run every check on the live job; findings ranked, most severe first."""
+        args = parse_argstring(self.dt_doctor, line)
+        results = current_session().checks()
+        findings = all_findings(results)
+        print(doctor_summary(findings))
+        if findings:
+            display(findings_table(findings))
+        if args.explain:
+            display(checks_table(results))
 
     @line_magic
     @magic_arguments()

@@ -1,0 +1,115 @@
+"""``%dt_doctor``: every check, run over one body of evidence, findings ranked.
+
+1. control/ collects an :class:`Evidence` (launch facts, the trace's summaries, and the
+   per-parameter records of the steps where ranks' fingerprints differ);
+2. each check here is a pure function ``Evidence -> CheckResult``;
+3. views/ print the ranked findings, or with ``--explain`` what each check read and why
+   it passed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from dtlab.analysis.checks_environment import check_environment
+from dtlab.analysis.checks_training import check_data_order, check_learning_rate, check_numerics
+from dtlab.analysis.divergence import divergence_findings
+from dtlab.analysis.evidence import CheckResult, Evidence, ranked
+from dtlab.analysis.ranks import label_ranks
+from dtlab.analysis.trends import aligned_steps, find_leaks, find_stragglers
+from dtlab.records import Finding
+
+Check = Callable[[Evidence], CheckResult]
+
+
+def _shape(evidence: Evidence) -> str:
+    steps = max((len(recs) for recs in evidence.records.values()), default=0)
+    return f"{len(evidence.records)} ranks x {steps} steps"
+
+
+def check_gradient_sync(evidence: Evidence) -> CheckResult:
+    """Gradients after the all-reduce and parameters after the step must be bitwise equal
+    on data-parallel ranks; a parameter must not lack a gradient on some ranks only."""
+    findings = list(divergence_findings(evidence.details, evidence.names))
+    findings += _missing_gradients(evidence)
+    return CheckResult(
+        "gradient_sync",
+        "gradients and parameters identical across ranks",
+        tuple(findings),
+        f"{_shape(evidence)} of gradient and parameter fingerprints; which parameters "
+        "had no gradient",
+        ""
+        if findings
+        else "every step's fingerprints agree on every rank, and every "
+        "parameter got a gradient on all ranks or on none",
+    )
+
+
+def _missing_gradients(evidence: Evidence) -> list[Finding]:
+    """A parameter that never had a gradient on some ranks but had one on others."""
+    steps = aligned_steps(evidence.records)
+    if not steps:
+        return []
+    never: dict[int, set[int]] = {}  # parameter index -> ranks where it never had one
+    for rank in evidence.records:
+        missing_always = set.intersection(*(set(at[rank].missing_grads) for _, at in steps))
+        for index in missing_always:
+            never.setdefault(index, set()).add(rank)
+    findings = []
+    for index, ranks in sorted(never.items()):
+        if len(ranks) == len(evidence.records):
+            continue  # frozen, or unused everywhere: the same on every rank
+        name = evidence.names[index] if index < len(evidence.names) else f"#{index}"
+        findings.append(Finding(
+            kind="gradient_sync", ranks=tuple(sorted(ranks)), step=steps[0][0],
+            summary=f"{name} never got a gradient on {label_ranks(ranks)} in "
+                    f"{len(steps)} steps, but did on the other ranks",
+            evidence={"param": name, "steps": len(steps)},
+            fix="the forward differs across ranks (a branch, unused experts): with DDP use "
+                "find_unused_parameters=True, or make every rank use the parameter",
+            severity="error",
+        ))  # fmt: skip
+    return findings
+
+
+def check_memory(evidence: Evidence) -> CheckResult:
+    findings = tuple(find_leaks(evidence.records))
+    return CheckResult(
+        "memory",
+        "no memory that keeps growing on some ranks",
+        findings,
+        f"{_shape(evidence)} of process RSS (CUDA allocated where there is CUDA)",
+        "" if findings else "no rank's memory grows steadily faster than the others'",
+    )
+
+
+def check_stragglers(evidence: Evidence) -> CheckResult:
+    findings = tuple(find_stragglers(evidence.records))
+    return CheckResult(
+        "stragglers",
+        "no rank consistently slower",
+        findings,
+        f"{_shape(evidence)} of data + forward + optimizer time (backward holds the wait "
+        "for the slowest rank under DDP)",
+        "" if findings else "no rank's compute time is 1.3x the median in most steps",
+    )
+
+
+CHECKS: tuple[Check, ...] = (
+    check_environment,
+    check_gradient_sync,
+    check_numerics,
+    check_data_order,
+    check_learning_rate,
+    check_memory,
+    check_stragglers,
+)
+
+
+def run_checks(evidence: Evidence, checks: Sequence[Check] = CHECKS) -> list[CheckResult]:
+    return [check(evidence) for check in checks]
+
+
+def all_findings(results: Sequence[CheckResult]) -> list[Finding]:
+    """The findings of every check, most severe first."""
+    return ranked([f for result in results for f in result.findings])

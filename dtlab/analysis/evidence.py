@@ -1,0 +1,50 @@
+"""What ``%dt_doctor``'s checks read, and what each check returns.
+
+Collected in control/ (from the launch, the trace, and for steps that need it the ranks'
+per-parameter records), then handed to pure checks: ``check(evidence) -> CheckResult``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from dtlab.records import Finding, JobInfo, RankInfo, StepRecord
+
+SEVERITY_ORDER = {"error": 0, "warning": 1, "advice": 2}
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Everything known about the job, keyed by rank."""
+
+    records: Mapping[int, Sequence[StepRecord]]  # whole-step summaries, in step order
+    names: tuple[str, ...]  # parameter names in module order
+    jobs: Mapping[int, JobInfo] = field(default_factory=dict)
+    ranks: Mapping[int, RankInfo] = field(default_factory=dict)  # from the launch
+    cores_by_host: Mapping[str, int] = field(default_factory=dict)
+    # per-parameter records of the steps some check asked for (e.g. where ranks differ)
+    details: Mapping[int, Sequence[StepRecord]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check's verdict: its findings, or why it passed (for ``--explain``)."""
+
+    check: str  # short name, e.g. "environment"
+    title: str  # what it checks, in a few words
+    findings: tuple[Finding, ...]
+    looked_at: str  # what it read, e.g. "4 ranks x 40 steps of sample indices"
+    passed_because: str = ""  # when there is no finding: why that means healthy
+
+    @property
+    def passed(self) -> bool:
+        return not self.findings
+
+
+def ranked(findings: Sequence[Finding]) -> list[Finding]:
+    """Most severe first, then earliest step, then lowest rank."""
+    return sorted(
+        findings,
+        key=lambda f: (SEVERITY_ORDER.get(f.severity, 3), f.step or 0, f.ranks[:1] or (0,)),
+    )

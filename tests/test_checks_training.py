@@ -1,0 +1,281 @@
+"""Training-loop checks (data order, numerics, learning rate) on records built in one process."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from dtlab.analysis.checks_training import (
+    TRAINING_CHECKS,
+    check_data_order,
+    check_learning_rate,
+    check_numerics,
+)
+from dtlab.analysis.evidence import Evidence
+from dtlab.records import StepTimes
+from tests.fakes import PARAMS, healthy_trace, step_record
+
+NUM_RANKS, NUM_EPOCHS, STEPS_PER_EPOCH, BATCH = 4, 3, 5, 8
+
+
+def ddp_job(dataset_size=NUM_RANKS * STEPS_PER_EPOCH * BATCH, set_epoch=True, shuffle=True):
+    """``{rank: [StepRecord]}`` as DistributedSampler(drop_last=False) feeds a DDP job:
+    each epoch a permutation (seeded by the epoch when set_epoch is called), padded with its
+    first samples to a multiple of the world size, rank r taking every 4th from r."""
+    records = {rank: [] for rank in range(NUM_RANKS)}
+    for epoch in range(NUM_EPOCHS):
+        seed = epoch if set_epoch else 0
+        order = np.random.default_rng(seed).permutation(dataset_size) if shuffle else None
+        order = np.arange(dataset_size) if order is None else order
+        padding = -dataset_size % NUM_RANKS
+        order = np.concatenate([order, order[:padding]])
+        for rank in range(NUM_RANKS):
+            mine = order[rank::NUM_RANKS].tolist()
+            for b in range(STEPS_PER_EPOCH):
+                step = epoch * STEPS_PER_EPOCH + b + 1
+                batch = tuple(mine[b * BATCH : (b + 1) * BATCH])
+                records[rank].append(step_record(step, rank, indices=batch, epoch=epoch))
+    return records
+
+
+def evidence(records):
+    return Evidence(records=records, names=tuple(p.name for p in PARAMS))
+
+
+def changed(records, rank, steps, **changes):
+    """Copy of ``records`` with ``changes`` applied to ``rank``'s records at ``steps``."""
+    out = {r: list(recs) for r, recs in records.items()}
+    out[rank] = [replace(rec, **changes) if rec.step in steps else rec for rec in out[rank]]
+    return out
+
+
+def only(result, severity):
+    assert len(result.findings) == 1, result.findings
+    (finding,) = result.findings
+    assert finding.severity == severity
+    assert finding.kind == result.check
+    return finding
+
+
+# --- healthy -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("check", TRAINING_CHECKS)
+def test_healthy_ddp_job_has_no_findings(check):
+    result = check(evidence(ddp_job()))
+    assert result.findings == ()
+    assert result.passed_because
+    assert result.looked_at
+
+
+@pytest.mark.parametrize("check", TRAINING_CHECKS)
+def test_healthy_fake_trace_has_no_findings(check):
+    assert check(evidence(healthy_trace().records)).findings == ()
+
+
+def test_unshuffled_sampler_is_not_a_missing_set_epoch():
+    assert check_data_order(evidence(ddp_job(shuffle=False))).findings == ()
+
+
+# --- data order --------------------------------------------------------------------------
+
+
+def test_overlapping_shards_name_the_ranks_and_step():
+    records = ddp_job()
+    # from step 7 rank 3 reads what rank 1 reads
+    stolen = {rec.step: rec.indices for rec in records[1]}
+    records = {
+        r: [replace(rec, indices=stolen[rec.step]) if r == 3 and rec.step >= 7 else rec
+            for rec in recs]
+        for r, recs in records.items()
+    }  # fmt: skip
+    finding = only(check_data_order(evidence(records)), "error")
+    assert finding.ranks == (1, 3)
+    assert finding.step == 7
+    assert finding.evidence["num_shared"] == 9 * BATCH
+    assert set(finding.evidence["example_indices"]) <= set(stolen[7] + stolen[8])
+    assert "DistributedSampler(" in finding.fix and "rank=rank" in finding.fix
+    assert "ranks 1,3" in finding.summary and "step 7" in finding.summary
+
+
+def test_every_rank_reading_everything_is_an_error():
+    records = ddp_job()  # as if every rank had rank 0's sampler
+    records = {r: [replace(rec, indices=records[0][i].indices) for i, rec in enumerate(recs)]
+               for r, recs in records.items()}  # fmt: skip
+    finding = only(check_data_order(evidence(records)), "error")
+    assert finding.ranks == (0, 1, 2, 3)
+    assert finding.step == 1
+
+
+def test_padding_in_the_last_batch_is_advice_only():
+    records = ddp_job(dataset_size=NUM_RANKS * STEPS_PER_EPOCH * BATCH - 2)
+    finding = only(check_data_order(evidence(records)), "advice")
+    # padded positions 158, 159 go to ranks 2, 3 and repeat ranks 0, 1's first samples
+    assert finding.ranks == (0, 1, 2, 3)
+    assert finding.step == STEPS_PER_EPOCH
+    assert finding.evidence["num_shared"] == 2 * NUM_EPOCHS
+    assert finding.evidence["epochs"] == [0, 1, 2]
+
+
+def test_padding_look_alike_beside_a_real_overlap_is_an_error():
+    records = ddp_job(dataset_size=NUM_RANKS * STEPS_PER_EPOCH * BATCH - 2)
+    records = changed(records, 2, {12}, indices=records[0][11].indices)  # step 12: rank 0's
+    result = check_data_order(evidence(records))
+    error, advice = result.findings
+    assert (error.severity, error.ranks, error.step) == ("error", (0, 2), 12)
+    assert error.evidence["num_shared"] == BATCH
+    assert (advice.severity, advice.evidence["epochs"]) == ("advice", [0, 1, 2])
+
+
+def test_same_order_every_epoch_warns_about_set_epoch():
+    finding = only(check_data_order(evidence(ddp_job(set_epoch=False))), "warning")
+    assert finding.ranks == (0, 1, 2, 3)
+    assert finding.step == STEPS_PER_EPOCH + 1
+    assert "set_epoch" in finding.fix
+    assert "epoch 1" in finding.summary
+
+
+def test_same_order_on_one_rank_only_names_it():
+    records = ddp_job()
+    first_epoch = [rec.indices for rec in records[2][:STEPS_PER_EPOCH]]
+    records[2] = [
+        replace(rec, indices=first_epoch[i % STEPS_PER_EPOCH]) if rec.epoch == 1 else rec
+        for i, rec in enumerate(records[2])
+    ]
+    findings = check_data_order(evidence(records)).findings
+    warning = [f for f in findings if f.severity == "warning"]
+    assert len(warning) == 1 and warning[0].ranks == (2,) and warning[0].step == 6
+
+
+def test_one_repeated_step_is_not_enough_for_set_epoch():
+    records = ddp_job()
+    records = {r: recs[: STEPS_PER_EPOCH + 1] for r, recs in records.items()}
+    records = {r: recs[:-1] + [replace(recs[-1], indices=recs[0].indices)]
+               for r, recs in records.items()}  # fmt: skip
+    assert check_data_order(evidence(records)).findings == ()
+
+
+def slow_data(records, rank, data=0.05):
+    return changed(records, rank, range(1, 100), times=StepTimes(data, 0.01, 0.02, 0.005))
+
+
+def test_data_wait_on_one_rank_names_it():
+    finding = only(check_data_order(evidence(slow_data(ddp_job(), 2))), "warning")
+    assert finding.ranks == (2,)
+    assert finding.step == 3  # the first two steps are skipped
+    assert finding.evidence["data_fraction"][2] == pytest.approx(0.05 / 0.085)
+    assert "rank 2 59%" in finding.summary and "step 3" in finding.summary
+
+
+def test_data_wait_on_every_rank_is_the_pipeline():
+    records = ddp_job()
+    for rank in range(NUM_RANKS):
+        records = slow_data(records, rank)
+    finding = only(check_data_order(evidence(records)), "warning")
+    assert finding.ranks == (0, 1, 2, 3)
+    assert "bottleneck" in finding.summary
+
+
+def test_tiny_data_time_is_not_a_wait():
+    records = changed(ddp_job(), 1, range(1, 100), times=StepTimes(0.0005, 0.0001, 0.0001, 0))
+    assert check_data_order(evidence(records)).findings == ()
+
+
+def test_without_indices_only_data_time_is_checked():
+    records = {r: [replace(rec, indices=()) for rec in recs] for r, recs in ddp_job().items()}
+    result = check_data_order(evidence(records))
+    assert result.findings == ()
+    assert "not recorded" in result.looked_at and "not checked" in result.passed_because
+    assert only(check_data_order(evidence(slow_data(records, 0))), "warning").ranks == (0,)
+
+
+# --- numerics ----------------------------------------------------------------------------
+
+
+def test_nan_loss_names_rank_and_step():
+    records = changed(ddp_job(), 3, {7, 8, 9}, loss=float("nan"))
+    finding = only(check_numerics(evidence(records)), "error")
+    assert (finding.ranks, finding.step) == ((3,), 7)
+    assert "rank 3" in finding.summary and "step 7" in finding.summary
+    assert np.isnan(finding.evidence["loss"][3]) and finding.evidence["loss"][0] == 2.0 / 7
+    assert "GradScaler" in finding.fix
+
+
+def test_nonfinite_gradients_name_the_ranks():
+    records = changed(ddp_job(), 1, {4}, num_nonfinite=3)
+    records = changed(records, 2, {4, 5}, num_nonfinite=5)
+    finding = only(check_numerics(evidence(records)), "error")
+    assert (finding.ranks, finding.step) == ((1, 2), 4)
+    assert finding.evidence["num_nonfinite"] == {0: 0, 1: 3, 2: 5, 3: 0}
+    assert "ranks 1-2" in finding.summary
+
+
+def with_scaler(records, skipped, scales):
+    """Every rank skips at ``skipped`` steps with scale ``scales[step - 1]``."""
+    out = {}
+    for rank, recs in records.items():
+        out[rank] = [
+            replace(rec, scale=scales[rec.step - 1], skipped=rec.step in skipped,
+                    num_nonfinite=7 if rec.step in skipped else 0)
+            for rec in recs
+        ]  # fmt: skip
+    return out
+
+
+def test_collapsing_scale_warns():
+    skipped = set(range(8, 16))
+    scales, scale = [], 65536.0
+    for step in range(1, 16):
+        scales.append(scale)
+        scale = scale / 2**4 if step in skipped else scale  # halving faster for the test
+    finding = only(check_numerics(evidence(with_scaler(ddp_job(), skipped, scales))), "warning")
+    assert finding.ranks == (0, 1, 2, 3)
+    assert finding.step == 8
+    scaler = finding.evidence["scaler"][0]
+    assert scaler["num_skipped"] == 8 and scaler["longest_run"] == 8
+    assert scaler["first_scale"] == 65536.0 and scaler["min_scale"] < 1.0
+
+
+def test_few_early_skips_are_calibration():
+    scales = [65536.0, 32768.0, 32768.0, 16384.0] + [16384.0] * 11
+    records = with_scaler(ddp_job(), {1, 3}, scales)
+    result = check_numerics(evidence(records))
+    assert result.findings == ()
+    assert result.passed_because
+
+
+def test_scale_below_one_alone_warns():
+    records = with_scaler(ddp_job(), set(), [2.0] * 9 + [0.5] * 6)
+    finding = only(check_numerics(evidence(records)), "warning")
+    assert finding.step == 10
+
+
+# --- learning rate -----------------------------------------------------------------------
+
+
+def test_lr_differs_on_one_rank():
+    records = changed(ddp_job(), 1, set(range(5, 16)), lr=2e-3)
+    finding = only(check_learning_rate(evidence(records)), "error")
+    assert (finding.ranks, finding.step) == ((1,), 5)
+    assert finding.evidence["lr"] == {0: 1e-3, 1: 2e-3, 2: 1e-3, 3: 1e-3}
+    assert finding.evidence["num_steps_differing"] == 11
+    assert "rank 1" in finding.summary and "step 5" in finding.summary
+
+
+def test_lr_rounding_noise_is_not_a_difference():
+    records = changed(ddp_job(), 2, {3}, lr=1e-3 * (1 + 1e-15))
+    assert check_learning_rate(evidence(records)).findings == ()
+
+
+def test_batch_table_is_informational():
+    result = check_learning_rate(evidence(ddp_job()))
+    assert result.findings == ()
+    assert "global batch 4 ranks x 8 = 32" in result.looked_at
+    assert "0.008" in result.looked_at  # linear: 1e-3 * 256 / 32
+    no_indices = {r: [replace(x, indices=()) for x in recs] for r, recs in ddp_job().items()}
+    assert "unknown" in check_learning_rate(evidence(no_indices)).looked_at
+
+
+@pytest.mark.parametrize("check", TRAINING_CHECKS)
+def test_no_records_is_no_finding(check):
+    assert check(evidence({})).findings == ()
