@@ -84,6 +84,10 @@ def __getattr__(name: str):
         from dtlab.trace import Trace
 
         return Trace
+    if name == "inject":  # rank side: faults made on purpose (dtlab.agent.inject)
+        from dtlab.agent import inject
+
+        return inject
     raise AttributeError(f"module 'dtlab' has no attribute {name!r}")
 
 

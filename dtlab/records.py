@@ -111,6 +111,15 @@ class JobInfo:
 
 
 @dataclass(frozen=True)
+class InitialState:
+    """Fingerprints of a rank's parameters and buffers just before its first step."""
+
+    param_fingerprints: tuple[int, ...]
+    buffer_names: tuple[str, ...] = ()
+    buffer_fingerprints: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class StepMemory:
     """Bytes held at the end of a step. CUDA fields are None where there is no CUDA."""
 
@@ -161,6 +170,8 @@ class StepRecord:
     memory: StepMemory
     indices: tuple[int, ...] = ()  # sample indices this rank consumed
     epoch: int = 0  # passes over the data before this batch (0 during the first)
+    # while modules are watched: the first module whose forward output was not finite
+    nonfinite_module: str | None = None
     grad_norms: tuple[float, ...] = ()  # L2 norm per parameter (nan: no gradient)
     grad_fingerprints: tuple[int, ...] = ()  # 0: no gradient
     param_fingerprints: tuple[int, ...] = ()

@@ -279,3 +279,11 @@ def test_batch_table_is_informational():
 @pytest.mark.parametrize("check", TRAINING_CHECKS)
 def test_no_records_is_no_finding(check):
     assert check(evidence({})).findings == ()
+
+
+def test_the_first_non_finite_module_is_named_when_modules_were_watched():
+    recs = {r: [step_record(s, r) for s in range(1, 6)] for r in range(4)}
+    recs[2][3] = replace(recs[2][3], loss=float("nan"), nonfinite_module="blocks.2.ffn.router")
+    (finding,) = check_numerics(Evidence(recs, ())).findings
+    assert (finding.ranks, finding.step) == ((2,), 4)
+    assert "first non-finite output: blocks.2.ffn.router on rank 2" in finding.summary

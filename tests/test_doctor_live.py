@@ -17,11 +17,11 @@ def by_check(findings):
 
 def test_the_healthy_demo_job_comes_out_clean_and_the_results_stay_with_the_trace(live4):
     dt = live4
-    demo.attach(dt)
+    demo.attach(dt, num_samples=256)  # 8 steps an epoch: the epoch checks see 4 of them
     dt.step(30)
     results = dt.checks()
     assert [r.check for r in results] == [
-        "environment", "gradient_sync", "numerics", "data_order", "learning_rate",
+        "environment", "initial_state", "gradient_sync", "numerics", "data_order", "learning_rate",
         "memory", "stragglers",
     ]  # fmt: skip
     assert [f.summary for r in results for f in r.findings] == []
@@ -72,6 +72,7 @@ def test_dt_doctor_prints_ranked_findings_and_explains_its_checks(live4, capsys)
     out = capsys.readouterr().out
     assert out.startswith("no problem found: every check passed")
     assert "environment    passed" in out and "stragglers     passed" in out
+    assert "initial_state  passed" in out
     live4.execute(
         "from dtlab.agent.job import current\ncurrent().scheduler.base_lrs = [0.1]",
         ranks=[2],

@@ -22,7 +22,14 @@ from typing import Any
 import torch
 
 from dtlab.agent import recorder
-from dtlab.records import JobInfo, ParamInfo, StepRecord, StepTimes, combine_fingerprints
+from dtlab.records import (
+    InitialState,
+    JobInfo,
+    ParamInfo,
+    StepRecord,
+    StepTimes,
+    combine_fingerprints,
+)
 
 DEFAULT_CAPACITY = 10_000  # step records kept on the rank (~1-2 KB each with recording on)
 
@@ -116,6 +123,9 @@ class Job:
         self.step_count = 0
         self.epoch = 0
         self._iterator = iter(data)
+        self._watch_handles: list = []
+        self.initial: InitialState | None = None
+        self._bad_module: str | None = None
         self.info = self._describe(capacity)
 
     def _describe(self, capacity: int) -> JobInfo:
@@ -159,11 +169,14 @@ class Job:
     def step(self, record: bool | None = None) -> StepRecord:
         """Run one optimizer step and return (and keep) what it measured."""
         record = self.record if record is None else record
+        if self.step_count == 0 and self.initial is None:
+            self.initial = self._initial_state()  # what every rank starts from
         t0 = self._now()
         batch = self._next_batch()
         epoch = self.epoch  # the pass this batch came from
         t1 = self._now()
         self.optimizer.zero_grad(set_to_none=True)
+        self._bad_module = None
         loss = self.loss_fn(self.model, batch)
         t2 = self._now()
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -190,6 +203,7 @@ class Job:
             memory=recorder.memory(self.params, self.optimizer, self.device),
             indices=tuple(int(i) for i in self.indices(batch)),
             epoch=epoch,
+            nonfinite_module=self._bad_module,
             **grads,
             **params,
         )
@@ -230,6 +244,36 @@ class Job:
             "param_fingerprint": combine_fingerprints(fingerprints),
         }
 
+    def _initial_state(self) -> InitialState:
+        buffers = list(self.module.named_buffers())
+        return InitialState(
+            param_fingerprints=tuple(recorder.fingerprints(self.params)),
+            buffer_names=tuple(name for name, _ in buffers),
+            buffer_fingerprints=tuple(recorder.fingerprints([b for _, b in buffers])),
+        )
+
+    # --- watching modules ---------------------------------------------------------------
+    def watch_modules(self, on: bool) -> None:
+        """Check every module's forward output for inf/nan (costs ~20% of a step, so only
+        while asked): the step record then names the first module that produced one."""
+        if on and not self._watch_handles:
+            self._watch_handles = [
+                module.register_forward_hook(self._make_watcher(name))
+                for name, module in self.module.named_modules()
+                if name
+            ]
+        elif not on:
+            for handle in self._watch_handles:
+                handle.remove()
+            self._watch_handles = []
+
+    def _make_watcher(self, name: str):
+        def watcher(module, inputs, output):
+            if self._bad_module is None and not _all_finite(output):
+                self._bad_module = name
+
+        return watcher
+
     # --- looking closer -----------------------------------------------------------------
     def tensor(self, name: str, what: str = "grad") -> torch.Tensor | None:
         """A CPU copy of one parameter's gradient (``what="grad"``) or value (``"param"``)."""
@@ -258,6 +302,15 @@ class Job:
     def kept_steps(self) -> tuple[int, int]:
         """(first, last) step the buffer holds; (0, 0) when empty."""
         return (self.records[0].step, self.records[-1].step) if self.records else (0, 0)
+
+
+def _all_finite(output) -> bool:
+    tensors = output if isinstance(output, (tuple, list)) else (output,)
+    return all(
+        bool(torch.isfinite(t).all())
+        for t in tensors
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    )
 
 
 def _default_indices(batch) -> Iterable[int]:

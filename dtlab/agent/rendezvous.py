@@ -110,6 +110,12 @@ def join(plan: RankPlan) -> RankInfo:
     return describe_rank(plan, str(device), check_group())
 
 
+def describe_now() -> RankInfo:
+    """This rank as it is now (environment variables may have changed since the launch);
+    an all_reduce, so call it on every rank at once."""
+    return describe_rank(_state["plan"], str(_state["device"]), check_group())
+
+
 def check_group() -> int:
     """All-reduce the rank ids; the sum is world_size * (world_size - 1) / 2 when sound."""
     import torch

@@ -8,7 +8,8 @@ run on the main thread *between* ipyparallel requests, never beside a ``%%dt`` c
 Protocol, one JSON frame per message, every message carries the session ``key``:
 
 - notebook -> rank: ``{"op": "run", "id", "steps", "until": {"kind", "value"} | null,
-  "record": bool | null, "report_s", "agree_every", "regroup": bool}`` and
+  "record": bool | null, "report_s", "agree_every", "regroup": bool, "watch": bool}``
+  (watch: name the first module with a non-finite output; on for ``--until nonfinite``) and
   ``{"op": "pause"}``;
 - rank -> notebook: ``{"kind": "hello" | "progress" | "done" | "error", "id", "rank",
   "step", "attach", "records": [one steps.jsonl line per step, a summary],
@@ -258,8 +259,15 @@ class StepServer:
             job = jobs.current()
             state.record = job.record if msg.get("record") is None else bool(msg["record"])
             _check_condition(state)
-            with _interruptible():
-                self._loop(job, state)
+            watch = bool(msg.get("watch")) or (
+                state.until is not None and state.until.kind == "nonfinite"
+            )
+            job.watch_modules(watch)
+            try:
+                with _interruptible():
+                    self._loop(job, state)
+            finally:
+                job.watch_modules(False)
             self._report("done", state, job, stopped=state.stopped, hit=state.hit)
         except BaseException as e:  # KeyboardInterrupt too: it must not reach the event loop
             self._fail(e, job, state, msg.get("id"))

@@ -278,8 +278,13 @@ def _nonfinite_findings(records: Records) -> list[Finding]:
     if counts := [at[r].num_nonfinite for r in ranks if at[r].num_nonfinite]:
         parts.append(f"{sum(counts)} inf/nan gradient elements")
     summary = f"{label_ranks(ranks)} went non-finite at step {step}: {' and '.join(parts)}"
+    modules = {r: at[r].nonfinite_module for r in ranks if at[r].nonfinite_module}
+    if modules:  # modules were watched: where the first inf/nan came from, per rank
+        first = ", ".join(f"{m} on rank {r}" for r, m in modules.items())
+        summary += f"; first non-finite output: {first}"
     evidence = {"loss": {r: rec.loss for r, rec in at.items()},
-                "num_nonfinite": {r: rec.num_nonfinite for r, rec in at.items()}}  # fmt: skip
+                "num_nonfinite": {r: rec.num_nonfinite for r, rec in at.items()},
+                "module": modules}  # fmt: skip
     return [Finding("numerics", ranks, summary, step, evidence, NONFINITE_FIX, "error")]
 
 

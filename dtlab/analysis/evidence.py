@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dtlab.records import Finding, JobInfo, RankInfo, StepRecord
+from dtlab.records import Finding, InitialState, JobInfo, RankInfo, StepRecord
 
 SEVERITY_ORDER = {"error": 0, "warning": 1, "advice": 2}
 
@@ -25,6 +25,7 @@ class Evidence:
     cores_by_host: Mapping[str, int] = field(default_factory=dict)
     # per-parameter records of the steps some check asked for (e.g. where ranks differ)
     details: Mapping[int, Sequence[StepRecord]] = field(default_factory=dict)
+    initial: Mapping[int, InitialState] = field(default_factory=dict)  # before step 1
 
 
 @dataclass(frozen=True)

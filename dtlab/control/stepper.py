@@ -84,6 +84,7 @@ class Stepper:
         self._next_id = 0
         self._calls_seen = -1  # session.calls when the attached job was last looked at
         self._regroup = False  # the last run failed: ranks rebuild their control group
+        self.watch_modules = False  # name the first module with a non-finite output
 
     # --- connecting and tracing --------------------------------------------------------
     def _connect(self) -> None:
@@ -198,6 +199,7 @@ class Stepper:
             "record": record,
             "agree_every": self._agree_every(),
             "regroup": self._regroup,
+            "watch": self.watch_modules,
         }
         unreachable = self.channel.send(self.session.ranks, message)
         self.busy.update({r: run.id for r in self.session.ranks})

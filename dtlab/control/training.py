@@ -21,6 +21,15 @@ from dtlab.control.errors import DtlabError
 from dtlab.records import Condition, Finding, RunResult
 
 DEFAULT_MAX_STEPS = 100_000
+EVIDENCE_TIMEOUT_S = 60.0
+
+
+def _rank_now():
+    """(RankInfo as of now, InitialState of the attached job or None); on every rank."""
+    from dtlab.agent.job import current
+    from dtlab.agent.rendezvous import describe_now
+
+    return describe_now(), current().initial
 
 
 class TrainingMixin:
@@ -66,6 +75,12 @@ class TrainingMixin:
     def pause(self) -> None:
         """Ask a run in progress (the dashboard's) to stop at the next step boundary."""
         self.stepper.pause()
+
+    def watch_modules(self, on: bool = True) -> None:
+        """While on, every rank checks each module's forward output for inf/nan (~20% of a
+        step here) and the records name the first module that produced one. Always on
+        during ``run_until("nonfinite")``."""
+        self.stepper.watch_modules = bool(on)
 
     @property
     def trace(self):
@@ -138,8 +153,13 @@ class TrainingMixin:
             for rank, rec in self.step_details(step).items():
                 details[rank].append(rec)
         cores = {facts.host: facts.num_cpus for facts in self.facts.values()}
-        return Evidence(records=trace.records, names=trace.param_names, jobs=trace.jobs,
-                        ranks=self.infos, cores_by_host=cores, details=details)  # fmt: skip
+        now = self.run(_rank_now, timeout=EVIDENCE_TIMEOUT_S)  # env may have changed
+        return Evidence(
+            records=trace.records, names=trace.param_names, jobs=trace.jobs,
+            ranks={rank: info for rank, (info, _) in now.items()}, cores_by_host=cores,
+            details=details,
+            initial={rank: start for rank, (_, start) in now.items() if start is not None},
+        )  # fmt: skip
 
     def checks(self) -> list[CheckResult]:
         """Every doctor check on the records so far (kept with the trace)."""

@@ -1,0 +1,103 @@
+"""Classic distributed-training faults, made on purpose on the attached job (rank side).
+
+Call them on the rank(s) that should misbehave, from a ``%%dt --ranks R`` cell::
+
+    %%dt --ranks 2
+    dtlab.inject.perturb_param("blocks.0.attn.qkv.weight")
+
+Each changes this rank's job in place, so ``%dt_doctor`` can be seen finding it. The data
+faults (``share_shard``, ``skip_set_epoch``) act on the demo job's sampler.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from dtlab.agent.job import current
+
+
+def perturb_param(name: str, amount: float = 1e-3) -> None:
+    """Add ``amount`` to one parameter here only (an edit outside the optimizer)."""
+    with torch.no_grad():
+        dict(current().module.named_parameters())[name].add_(amount)
+
+
+def reinit_weights(seed: int) -> None:
+    """Re-initialise the weights from ``seed`` (per-rank seeding, a skipped broadcast);
+    call before the first step."""
+    torch.manual_seed(seed)
+    for module in current().module.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+
+def scale_lr(factor: float) -> None:
+    """A different learning rate here, from the next step on."""
+    job = current()
+    if job.scheduler is not None and hasattr(job.scheduler, "base_lrs"):
+        job.scheduler.base_lrs = [lr * factor for lr in job.scheduler.base_lrs]
+    for group in job.optimizer.param_groups:
+        group["lr"] *= factor
+
+
+def nan_at(module: str, step: int) -> None:
+    """Make ``module``'s forward output NaN at ``step`` (counted from 1)."""
+    job = current()
+    target = dict(job.module.named_modules())[module]
+
+    def poison(mod, inputs, output):
+        if job.step_count + 1 == step:
+            return output * float("nan")
+        return output
+
+    target.register_forward_hook(poison)
+
+
+def _wrap_loss(before) -> None:
+    job = current()
+    inner = job.loss_fn
+
+    def wrapped(model, batch):
+        before()
+        return inner(model, batch)
+
+    job.loss_fn = wrapped
+
+
+def leak(mib_per_step: float) -> None:
+    """Keep ``mib_per_step`` MiB of tensors alive every step (a growing list)."""
+    kept = []
+    numel = int(mib_per_step * 2**20 / 4)
+    _wrap_loss(lambda: kept.append(torch.ones(numel)))
+
+
+def slow(seconds: float) -> None:
+    """Spend ``seconds`` more in every forward here (a straggler)."""
+    _wrap_loss(lambda: time.sleep(seconds))
+
+
+def set_env(name: str, value: str) -> None:
+    """Set an environment variable here only (a mismatched setting)."""
+    os.environ[name] = value
+
+
+def share_shard(rank: int) -> None:
+    """Read rank ``rank``'s shard instead of this rank's own (overlapping samples), from
+    the next pass over the data, or at once before the first step."""
+    _demo_sampler().rank = rank
+
+
+def skip_set_epoch() -> None:
+    """Stop telling the sampler the epoch: every epoch comes in the same order."""
+    current().on_epoch = None
+
+
+def _demo_sampler():
+    from dtlab.agent import demo_job
+
+    if demo_job.last is None:
+        raise RuntimeError("this fault acts on the demo job's sampler: run %dt_demo first")
+    return demo_job.last.sampler

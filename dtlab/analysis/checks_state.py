@@ -1,0 +1,73 @@
+"""Doctor check: do data-parallel ranks start from the same weights and buffers?
+
+Each rank fingerprints its parameters and buffers just before its first step
+(:class:`dtlab.records.InitialState`); here they are compared across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from dtlab.analysis.evidence import CheckResult, Evidence
+from dtlab.analysis.grouping import group_by_value
+from dtlab.analysis.ranks import label_ranks
+from dtlab.records import Finding
+
+INIT_FIX = (
+    "build the model from the same seed on every rank and broadcast it from rank 0 before "
+    "training (DistributedDataParallel does both at construction; a model changed or "
+    "re-initialised after wrapping is not broadcast again)"
+)
+BUFFER_FIX = (
+    "buffers (BatchNorm running statistics, ...) must start equal too: broadcast them "
+    "from rank 0, or keep DDP's broadcast_buffers=True"
+)
+
+
+def _first_difference(
+    prints: Mapping[int, Sequence[int]], names: Sequence[str]
+) -> tuple[str, list, int] | None:
+    """(name of the first differing tensor, its rank groups, how many differ), or None."""
+    count = len(next(iter(prints.values()), ()))
+    differing = [i for i in range(count) if len({p[i] for p in prints.values()}) > 1]
+    if not differing:
+        return None
+    first = differing[0]
+    groups = group_by_value({rank: p[first] for rank, p in prints.items()})
+    groups.sort(key=lambda g: (-len(g[0]), g[0]))  # the largest group is the reference
+    name = names[first] if first < len(names) else f"#{first}"
+    return name, groups, len(differing)
+
+
+def _finding(what: str, found, total: int, fix: str) -> Finding:
+    name, groups, count = found
+    outliers = tuple(sorted(r for ranks, _ in groups[1:] for r in ranks))
+    agree = label_ranks(groups[0][0])
+    summary = (
+        f"{what} differ across ranks before the first step: {name} on "
+        f"{label_ranks(outliers)} is not what {agree} have; {count} of {total} differ"
+    )
+    groups_text = {label_ranks(ranks): str(fp) for ranks, fp in groups}
+    evidence = {"first": name, "groups": groups_text, "differing": count}
+    return Finding("initial_state", outliers, summary, 1, evidence, fix, "error")
+
+
+def check_initial_state(evidence: Evidence) -> CheckResult:
+    initial = evidence.initial
+    looked = f"{len(initial)} ranks' parameter and buffer fingerprints before step 1"
+    if len(initial) < 2:
+        return CheckResult("initial_state", "Same weights and buffers on every rank at start",
+                           (), looked, "fewer than two ranks recorded their start")  # fmt: skip
+    findings = []
+    params = {rank: state.param_fingerprints for rank, state in initial.items()}
+    found = _first_difference(params, evidence.names)
+    if found:
+        findings.append(_finding("parameters", found, len(evidence.names), INIT_FIX))
+    buffers = {rank: state.buffer_fingerprints for rank, state in initial.items()}
+    names = next(iter(initial.values())).buffer_names
+    found = _first_difference(buffers, names)
+    if found:
+        findings.append(_finding("buffers", found, len(names), BUFFER_FIX))
+    why = "" if findings else "every rank started from bitwise-identical parameters and buffers"
+    return CheckResult("initial_state", "Same weights and buffers on every rank at start",
+                       tuple(findings), looked, why)  # fmt: skip

@@ -1,0 +1,128 @@
+"""Each fault made on purpose with dtlab.inject on 4 live ranks, and %dt_doctor naming it:
+the check, the rank(s), the step and where."""
+
+import time
+
+import pytest
+
+from dtlab import demo
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
+
+# memory freed by earlier tests would hide a leak's first steps from RSS: give it back
+TRIM_HEAP = "import ctypes; ctypes.CDLL('libc.so.6').malloc_trim(0)"
+
+# name -> (demo options, [(ranks, code) before stepping], steps, [(ranks, code) after the
+#          first step, or None], expected (check, ranks, step), text the summary names)
+FAULTS = {
+    "perturbed parameter": (
+        {},
+        [],
+        2,
+        ([2], "dtlab.inject.perturb_param('blocks.1.attn.qkv.weight')"),
+        2,
+        ("divergence", (2,), 3),
+        "blocks.1.attn.qkv.weight",
+    ),
+    "per-rank initial weights": (
+        {},
+        [([1], "dtlab.inject.reinit_weights(seed=1234)")],
+        2,
+        None,
+        0,
+        ("initial_state", (1,), 1),
+        "embed.weight",
+    ),
+    "different learning rate": (
+        {},
+        [],
+        2,
+        ([1], "dtlab.inject.scale_lr(2.0)"),
+        3,
+        ("learning_rate", (1,), 3),
+        "rank 1",
+    ),
+    "NaN from a module": (
+        {"ddp": False},
+        [([3], "dtlab.inject.nan_at('blocks.2.ffn', step=4)")],
+        0,
+        None,
+        0,
+        ("numerics", (3,), 4),
+        "blocks.2.ffn on rank 3",
+    ),
+    "straggler": (
+        {},
+        [([3], "dtlab.inject.slow(0.04)")],
+        10,
+        None,
+        0,
+        ("straggler", (3,), None),
+        "rank 3",
+    ),
+    "memory leak": (
+        {},
+        [(None, TRIM_HEAP), ([1], "dtlab.inject.leak(4)")],
+        20,
+        None,
+        0,
+        ("leak", (1,), None),
+        "rank 1",
+    ),
+    "mismatched environment variable": (
+        {},
+        [([2], "dtlab.inject.set_env('NCCL_ALGO', 'Ring')")],
+        2,
+        None,
+        0,
+        ("environment", (2,), None),
+        "NCCL_ALGO",
+    ),
+    "overlapping shards": (
+        {},
+        [([3], "dtlab.inject.share_shard(0)")],
+        3,
+        None,
+        0,
+        ("data_order", (0, 3), 1),
+        "ranks 0,3",
+    ),
+    "no set_epoch": (
+        {"num_samples": 256},
+        [(None, "dtlab.inject.skip_set_epoch()")],
+        12,
+        None,
+        0,
+        ("data_order", (0, 1, 2, 3), 9),
+        "set_epoch",
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_the_doctor_finds_each_fault_where_it_was_made(live4, fault):
+    options, before, steps, after, more_steps, expected, named = FAULTS[fault]
+    dt = live4
+    demo.attach(dt, **options)
+    dt.execute("import dtlab")
+    for ranks, code in before:
+        dt.execute(code, ranks=ranks)
+    if fault == "NaN from a module":
+        dt.run_until("nonfinite", max_steps=10)  # watches modules while it runs
+    if steps:
+        dt.step(steps)
+    if after:
+        dt.execute(after[1], ranks=after[0])
+        dt.step(more_steps)
+    start = time.monotonic()
+    findings = dt.doctor()
+    took = time.monotonic() - start
+    kind, ranks, step = expected
+    hits = [f for f in findings if (f.kind, f.ranks) == (kind, ranks)]
+    assert hits, [(f.kind, f.ranks, f.step, f.summary) for f in findings]
+    if step is not None:
+        assert hits[0].step == step
+    assert named in hits[0].summary
+    assert took < 30
+    print(f"\nFOUND | {fault} | {kind} | {ranks} | {hits[0].step} | {dt.trace.last_step} "
+          f"steps | {took:.2f} s")  # fmt: skip
