@@ -108,6 +108,7 @@ class JobInfo:
     params: tuple[ParamInfo, ...]
     record: bool  # per-parameter statistics on by default?
     capacity: int  # how many step records the rank keeps
+    buffers: tuple[str, ...] = ()  # buffer names in module order (BatchNorm statistics...)
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,8 @@ class StepRecord:
     grad_fingerprint: int = 0  # of all gradients together
     param_fingerprint: int = 0  # of all parameters together
     num_nonfinite: int = 0  # non-finite gradient elements in all
+    buffer_fingerprints: tuple[int, ...] = ()  # per buffer, after the step (JobInfo.buffers)
+    buffer_fingerprint: int = 0  # of all buffers together
 
     @property
     def detailed(self) -> bool:
@@ -190,7 +193,7 @@ class StepRecord:
     def summary(self) -> StepRecord:
         """This record without the per-parameter tuples (what travels every step)."""
         return replace(self, grad_norms=(), grad_fingerprints=(), param_fingerprints=(),
-                       nonfinite=())  # fmt: skip
+                       nonfinite=(), buffer_fingerprints=())  # fmt: skip
 
 
 def combine_fingerprints(fingerprints: tuple[int, ...]) -> int:

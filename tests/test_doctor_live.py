@@ -21,8 +21,8 @@ def test_the_healthy_demo_job_comes_out_clean_and_the_results_stay_with_the_trac
     dt.step(30)
     results = dt.checks()
     assert [r.check for r in results] == [
-        "environment", "initial_state", "gradient_sync", "numerics", "data_order", "learning_rate",
-        "memory", "stragglers",
+        "environment", "initial_state", "gradient_sync", "buffers", "numerics", "data_order",
+        "learning_rate", "memory", "stragglers",
     ]  # fmt: skip
     assert [f.summary for r in results for f in r.findings] == []
     assert all(r.passed_because and r.looked_at for r in results)
@@ -85,3 +85,41 @@ def test_dt_doctor_prints_ranked_findings_and_explains_its_checks(live4, capsys)
     assert out.startswith("2 finding(s), most severe first:\n1. [error] ")
     assert "[error] the learning rate at step 7 is 0.07 on rank 2" in out
     assert "[error] parameters diverge from step 7: embed.weight differs on rank 2" in out
+
+
+BN_JOB = """
+import torch, dtlab
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                          torch.nn.Linear(16, 1))
+model = {wrap}
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+gen = torch.Generator().manual_seed(100 + rank)
+data = [{{"x": torch.randn(16, 8, generator=gen), "y": torch.randn(16, 1, generator=gen),
+          "index": torch.arange(16) + 16 * (rank + world_size * i)}} for i in range(10)]
+dtlab.attach(model, opt, data, lambda m, b: torch.nn.functional.mse_loss(m(b["x"]), b["y"]))
+"""
+
+
+@pytest.mark.parametrize(
+    "wrap, fault, drift",
+    [
+        ("DDP(net)", "", False),  # buffers broadcast from rank 0 before every forward
+        # (SyncBatchNorm, the other cure, works on GPU modules only)
+        ("DDP(net, broadcast_buffers=False)", "", True),  # each rank keeps its statistics
+        ("DDP(net)", "dtlab.inject.unsync_buffers()", True),
+    ],
+)
+def test_batchnorm_statistics_that_drift_apart_are_found_in_a_users_own_job(
+    live4, wrap, fault, drift
+):
+    dt = live4
+    dt.execute(BN_JOB.format(wrap=wrap) + fault)
+    dt.step(5)
+    findings = dt.doctor()
+    buffers = [(f.ranks, f.step, f.evidence["first"]) for f in findings if f.kind == "buffers"]
+    if drift:
+        assert buffers == [((1, 2, 3), 2, "1.running_mean")]
+    else:
+        assert findings == []

@@ -56,6 +56,15 @@ def nan_at(module: str, step: int) -> None:
     target.register_forward_hook(poison)
 
 
+def unsync_buffers() -> None:
+    """Stop DDP from broadcasting rank 0's buffers before each forward (BatchNorm
+    statistics then follow each rank's own data); call it on every rank."""
+    model = current().model
+    if not hasattr(model, "broadcast_buffers"):
+        raise RuntimeError("the attached model is not DistributedDataParallel: no broadcast")
+    model.broadcast_buffers = False
+
+
 def _wrap_loss(before) -> None:
     job = current()
     inner = job.loss_fn

@@ -124,6 +124,10 @@ class Job:
         self.epoch = 0
         self._iterator = iter(data)
         self._watch_handles: list = []
+        self._recording = False
+        self._buffer_prints: tuple[int, ...] = ()
+        if any(True for _ in self.module.buffers()):
+            self.module.register_forward_pre_hook(self._snapshot_buffers)
         self.initial: InitialState | None = None
         self._bad_module: str | None = None
         self.info = self._describe(capacity)
@@ -143,6 +147,7 @@ class Job:
             ),
             record=self.record,
             capacity=capacity,
+            buffers=tuple(name for name, _ in self.module.named_buffers()),
         )
 
     def _next_batch(self):
@@ -177,6 +182,7 @@ class Job:
         t1 = self._now()
         self.optimizer.zero_grad(set_to_none=True)
         self._bad_module = None
+        self._recording, self._buffer_prints = record, ()
         loss = self.loss_fn(self.model, batch)
         t2 = self._now()
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -239,10 +245,20 @@ class Job:
 
     def _param_fields(self) -> dict:
         fingerprints = tuple(recorder.fingerprints(self.params))
+        buffers = self._buffer_prints
         return {
             "param_fingerprints": fingerprints,
             "param_fingerprint": combine_fingerprints(fingerprints),
+            "buffer_fingerprints": buffers,
+            "buffer_fingerprint": combine_fingerprints(buffers),
         }
+
+    def _snapshot_buffers(self, module, inputs) -> None:
+        """Buffers as this step's forward sees them: after DDP's buffer broadcast (which
+        runs before the wrapped module), before the forward updates them on this rank."""
+        if self._recording:
+            buffers = [b for _, b in self.module.named_buffers()]
+            self._buffer_prints = tuple(recorder.fingerprints(buffers))
 
     def _initial_state(self) -> InitialState:
         buffers = list(self.module.named_buffers())

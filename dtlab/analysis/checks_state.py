@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from dtlab.analysis.divergence import first_divergent_step
 from dtlab.analysis.evidence import CheckResult, Evidence
 from dtlab.analysis.grouping import group_by_value
 from dtlab.analysis.ranks import label_ranks
@@ -71,3 +72,30 @@ def check_initial_state(evidence: Evidence) -> CheckResult:
     why = "" if findings else "every rank started from bitwise-identical parameters and buffers"
     return CheckResult("initial_state", "Same weights and buffers on every rank at start",
                        tuple(findings), looked, why)  # fmt: skip
+
+
+def check_buffers(evidence: Evidence) -> CheckResult:
+    """Buffers (BatchNorm running statistics...) must stay equal on data-parallel ranks:
+    without SyncBatchNorm or DDP's buffer broadcast each rank's statistics follow its own
+    data and drift apart."""
+    names = next(iter(evidence.jobs.values())).buffers if evidence.jobs else ()
+    looked = f"fingerprints of {len(names)} buffers as each step's forward saw them"
+    step = first_divergent_step(evidence.records, kind="buffer")
+    details = {rank: [r for r in recs if r.step == step] for rank, recs in evidence.details.items()}
+    if step is None or not all(details.values()):
+        why = "no buffers" if not names else "every rank's buffers stayed bitwise equal"
+        return CheckResult("buffers", "Buffers equal across ranks", (), looked, why)
+    prints = {rank: recs[0].buffer_fingerprints for rank, recs in details.items()}
+    name, groups, count = _first_difference(prints, names)
+    outliers = tuple(sorted(r for ranks, _ in groups[1:] for r in ranks))
+    summary = (
+        f"buffers drift apart from step {step}: {name} on {label_ranks(outliers)} differs "
+        f"from {label_ranks(groups[0][0])}; {count} of {len(names)} buffers differ"
+    )
+    fix = (
+        "keep DDP's broadcast_buffers=True (rank 0's buffers are sent before every "
+        "forward), or on GPUs use torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)"
+    )
+    evidence_ = {"first": name, "differing": count}
+    finding = Finding("buffers", outliers, summary, step, evidence_, fix, "warning")
+    return CheckResult("buffers", "Buffers equal across ranks", (finding,), looked, "")

@@ -118,7 +118,11 @@ def find_divergence(
     return None
 
 
-SUMMARY_FIELDS = {"grad": "grad_fingerprint", "param": "param_fingerprint"}
+SUMMARY_FIELDS = {
+    "grad": "grad_fingerprint",
+    "param": "param_fingerprint",
+    "buffer": "buffer_fingerprint",
+}
 
 
 def first_divergent_step(records: Mapping[int, Sequence[StepRecord]], *, kind: str = "grad"

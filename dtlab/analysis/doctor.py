@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from dtlab.analysis.checks_environment import check_environment
-from dtlab.analysis.checks_state import check_initial_state
+from dtlab.analysis.checks_state import check_buffers, check_initial_state
 from dtlab.analysis.checks_training import check_data_order, check_learning_rate, check_numerics
 from dtlab.analysis.divergence import divergence_findings
 from dtlab.analysis.evidence import CheckResult, Evidence, ranked
@@ -100,6 +100,7 @@ CHECKS: tuple[Check, ...] = (
     check_environment,
     check_initial_state,
     check_gradient_sync,
+    check_buffers,
     check_numerics,
     check_data_order,
     check_learning_rate,

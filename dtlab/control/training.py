@@ -147,7 +147,8 @@ class TrainingMixin:
         """What the doctor's checks read: the launch, the trace's summaries, and the
         per-parameter records of the steps where ranks' fingerprints first differ."""
         trace = self.require_trace()
-        steps = {first_divergent_step(trace.records, kind=kind) for kind in ("grad", "param")}
+        kinds = ("grad", "param", "buffer")
+        steps = {first_divergent_step(trace.records, kind=kind) for kind in kinds}
         details: dict[int, list] = {rank: [] for rank in trace.ranks}
         for step in sorted(steps - {None}):
             for rank, rec in self.step_details(step).items():
