@@ -184,6 +184,9 @@ class StepRecord:
     num_nonfinite: int = 0  # non-finite gradient elements in all
     buffer_fingerprints: tuple[int, ...] = ()  # per buffer, after the step (JobInfo.buffers)
     buffer_fingerprint: int = 0  # of all buffers together
+    micro_batches: int = 1  # gradient accumulation: forward/backward passes in this step
+    comm_calls: int | None = None  # DDP gradient all-reduces in this step (when counted)
+    comm_bytes: int | None = None
 
     @property
     def detailed(self) -> bool:

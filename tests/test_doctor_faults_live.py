@@ -87,6 +87,15 @@ FAULTS = {
         ("data_order", (0, 3), 1),
         "ranks 0,3",
     ),
+    "accumulation without no_sync": (
+        {"accumulate": 4, "no_sync": False},
+        [],
+        3,
+        None,
+        0,
+        ("accumulation", (0, 1, 2, 3), 1),
+        "every micro-batch",
+    ),
     "no set_epoch": (
         {"num_samples": 256},
         [(None, "dtlab.inject.skip_set_epoch()")],

@@ -21,12 +21,22 @@ def test_the_healthy_demo_job_comes_out_clean_and_the_results_stay_with_the_trac
     dt.step(30)
     results = dt.checks()
     assert [r.check for r in results] == [
-        "environment", "initial_state", "gradient_sync", "buffers", "numerics", "data_order",
-        "learning_rate", "memory", "stragglers",
+        "environment", "initial_state", "gradient_sync", "buffers", "accumulation",
+        "numerics", "data_order", "learning_rate", "memory", "stragglers",
     ]  # fmt: skip
     assert [f.summary for r in results for f in r.findings] == []
     assert all(r.passed_because and r.looked_at for r in results)
     assert Trace.load(dt.trace.folder).checks == results
+
+
+def test_accumulation_that_syncs_once_per_step_comes_out_clean(live4):
+    dt = live4
+    demo.attach(dt, accumulate=4)  # DDP's no_sync() on the first 3 micro-batches
+    dt.step(3)
+    rec = dt.trace.records[0][-1]
+    assert rec.micro_batches == 4 and len(rec.indices) == 32 and rec.comm_calls >= 1
+    assert rec.comm_bytes < 1.5 * rec.memory.param_bytes
+    assert dt.doctor() == []
 
 
 def test_a_different_learning_rate_on_rank_1_is_named(live4):

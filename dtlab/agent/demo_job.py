@@ -10,7 +10,8 @@ from dtlab.records import JobInfo
 last: DemoJob | None = None  # this rank's demo job, for a closer look from a %%dt cell
 
 
-def attach_demo(*, ddp: bool = True, record: bool = True, lr: float = 3e-3, **config) -> JobInfo:
+def attach_demo(*, ddp: bool = True, record: bool = True, lr: float = 3e-3, accumulate: int = 1,
+                no_sync: bool = True, **config) -> JobInfo:  # fmt: skip
     """Build the demo (same weights on every rank, data sharded by DistributedSampler) and
     attach it. ``ddp`` wraps it in DistributedDataParallel when there is more than one rank."""
     global last
@@ -25,4 +26,6 @@ def attach_demo(*, ddp: bool = True, record: bool = True, lr: float = 3e-3, **co
         scheduler=last.scheduler,
         record=record,
         on_epoch=last.sampler.set_epoch,
+        accumulate=accumulate,
+        no_sync=no_sync,
     )

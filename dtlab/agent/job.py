@@ -14,6 +14,7 @@ optimizer / scaler / scheduler step -> record parameters and memory.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -49,6 +50,8 @@ def attach(
     capacity: int = DEFAULT_CAPACITY,
     indices: Callable[[Any], Iterable[int]] | None = None,
     on_epoch: Callable[[int], None] | None = None,
+    accumulate: int = 1,
+    no_sync: bool = True,
 ) -> JobInfo:
     """Hand this rank's training job to dtlab (call it on every rank).
 
@@ -56,6 +59,8 @@ def attach(
     says which samples a batch holds (default: ``batch["index"]`` when there is one).
     ``on_epoch(epoch)`` is called when ``data`` is exhausted, before it is iterated again
     (e.g. ``sampler.set_epoch``). ``record=False`` keeps only loss, LR, times and memory.
+    ``accumulate=k`` makes each step k micro-batches; with DDP only the last one syncs
+    gradients unless ``no_sync=False`` (DDP's all-reduces are then counted each step).
     """
     global _job, _attach_count
     if not isinstance(model, torch.nn.Module):
@@ -68,10 +73,12 @@ def attach(
         raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> loss tensor")
     if capacity < 1:
         raise ValueError(f"capacity must be at least 1 step, got {capacity}")
+    if accumulate < 1:
+        raise ValueError(f"accumulate must be at least 1 micro-batch, got {accumulate}")
     _attach_count += 1
-    _job = Job(
-        model, optimizer, data, loss_fn, scheduler, scaler, record, capacity, indices, on_epoch
-    )
+    _job = Job(model, optimizer, data, loss_fn, scheduler=scheduler, scaler=scaler,
+               record=record, capacity=capacity, indices=indices, on_epoch=on_epoch,
+               accumulate=accumulate, no_sync=no_sync)  # fmt: skip
     return _job.info
 
 
@@ -91,19 +98,9 @@ def attach_count() -> int:
 class Job:
     """One rank's attached training job; ``step()`` runs and records one optimizer step."""
 
-    def __init__(
-        self,
-        model,
-        optimizer,
-        data,
-        loss_fn,
-        scheduler,
-        scaler,
-        record,
-        capacity,
-        indices,
-        on_epoch,
-    ):
+    def __init__(self, model, optimizer, data, loss_fn, *, scheduler=None, scaler=None,
+                 record=True, capacity=DEFAULT_CAPACITY, indices=None, on_epoch=None,
+                 accumulate=1, no_sync=True):  # fmt: skip
         self.model = model
         self.module = getattr(model, "module", model)  # the user's model inside DDP
         self.optimizer = optimizer
@@ -123,6 +120,11 @@ class Job:
         self.step_count = 0
         self.epoch = 0
         self._iterator = iter(data)
+        self.accumulate = accumulate
+        self.no_sync = no_sync
+        self._comm = [0, 0]  # all-reduce calls and bytes in this step
+        # only where it is asked about: a hook is a change to the user's DDP object
+        self._comm_counted = accumulate > 1 and self._count_communication()
         self._watch_handles: list = []
         self._recording = False
         self._buffer_prints: tuple[int, ...] = ()
@@ -176,16 +178,11 @@ class Job:
         record = self.record if record is None else record
         if self.step_count == 0 and self.initial is None:
             self.initial = self._initial_state()  # what every rank starts from
-        t0 = self._now()
-        batch = self._next_batch()
-        epoch = self.epoch  # the pass this batch came from
-        t1 = self._now()
         self.optimizer.zero_grad(set_to_none=True)
         self._bad_module = None
         self._recording, self._buffer_prints = record, ()
-        loss = self.loss_fn(self.model, batch)
-        t2 = self._now()
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        self._comm = [0, 0]
+        loss, indices, epoch, (data_s, forward_s, backward_s) = self._accumulate()
         t3 = self._now()
         lr = self.optimizer.param_groups[0].get("lr")
         scale = float(self.scaler.get_scale()) if self.scaler is not None else None
@@ -198,23 +195,68 @@ class Job:
         t5 = self._now()
         params = self._param_fields() if record else {}
         t6 = self._now()
+        counted = self._comm_counted
         rec = StepRecord(
             step=self.step_count,
             time=time.time(),
-            loss=float(loss.detach()),
+            loss=loss,
             lr=float(lr) if lr is not None else None,
             scale=scale,
             skipped=skipped,
-            times=StepTimes(t1 - t0, t2 - t1, t3 - t2, t5 - t4, (t4 - t3) + (t6 - t5)),
+            times=StepTimes(data_s, forward_s, backward_s, t5 - t4, (t4 - t3) + (t6 - t5)),
             memory=recorder.memory(self.params, self.optimizer, self.device),
-            indices=tuple(int(i) for i in self.indices(batch)),
+            indices=indices,
             epoch=epoch,
             nonfinite_module=self._bad_module,
+            micro_batches=self.accumulate,
+            comm_calls=self._comm[0] if counted else None,
+            comm_bytes=self._comm[1] if counted else None,
             **grads,
             **params,
         )
         self.records.append(rec)
         return rec
+
+    def _accumulate(self):
+        """Forward and backward of ``accumulate`` micro-batches; only the last one syncs
+        gradients when ``no_sync`` (DDP's ``no_sync()`` skips the all-reduce)."""
+        losses, indices, epoch, times = [], [], None, [0.0, 0.0, 0.0]
+        for micro in range(self.accumulate):
+            t0 = self._now()
+            batch = self._next_batch()
+            epoch = self.epoch if epoch is None else epoch  # the pass the step began in
+            t1 = self._now()
+            last = micro == self.accumulate - 1
+            quiet = not last and self.no_sync and hasattr(self.model, "no_sync")
+            with self.model.no_sync() if quiet else contextlib.nullcontext():
+                loss = self.loss_fn(self.model, batch)
+                t2 = self._now()
+                share = loss / self.accumulate if self.accumulate > 1 else loss
+                (self.scaler.scale(share) if self.scaler is not None else share).backward()
+            t3 = self._now()
+            for i, spent in enumerate((t1 - t0, t2 - t1, t3 - t2)):
+                times[i] += spent
+            losses.append(float(loss.detach()))
+            indices.extend(int(i) for i in self.indices(batch))
+        return math.fsum(losses) / len(losses), tuple(indices), epoch, times
+
+    def _count_communication(self) -> bool:
+        """Count DDP's gradient all-reduces (calls, bytes) with a comm hook that does what
+        DDP does by default; False when the model is not DDP or has a hook already."""
+        if not hasattr(self.model, "register_comm_hook"):
+            return False
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def counting_allreduce(state, bucket):
+            self._comm[0] += 1
+            self._comm[1] += bucket.buffer().numel() * bucket.buffer().element_size()
+            return default_hooks.allreduce_hook(state, bucket)
+
+        try:
+            self.model.register_comm_hook(None, counting_allreduce)
+        except RuntimeError:  # the user registered a hook of their own: leave it be
+            return False
+        return True
 
     def _optimizer_step(self) -> bool:
         if self.scaler is None:

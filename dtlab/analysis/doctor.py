@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 
 from dtlab.analysis.checks_environment import check_environment
@@ -21,6 +22,7 @@ from dtlab.analysis.trends import aligned_steps, find_leaks, find_stragglers
 from dtlab.records import Finding
 
 Check = Callable[[Evidence], CheckResult]
+ACCUMULATION_RATIO = 1.5  # bytes all-reduced per gradient byte above which syncs repeat
 
 
 def _shape(evidence: Evidence) -> str:
@@ -73,6 +75,43 @@ def _missing_gradients(evidence: Evidence) -> list[Finding]:
     return findings
 
 
+def check_accumulation(evidence: Evidence) -> CheckResult:
+    """With gradient accumulation, DDP should all-reduce once per step (the last
+    micro-batch), not once per micro-batch: compare the bytes sent with the gradients'."""
+    ratios: dict[int, list[float]] = {}
+    micro = 1
+    for rank, recs in evidence.records.items():
+        for rec in recs:
+            if rec.micro_batches > 1 and rec.comm_bytes is not None and rec.memory.param_bytes:
+                ratios.setdefault(rank, []).append(rec.comm_bytes / rec.memory.param_bytes)
+                micro = rec.micro_batches
+    looked = (
+        f"gradient bytes all-reduced per step against the gradients' size ({micro} micro-batches)"
+    )
+    if not ratios:
+        why = "no step accumulated gradients over micro-batches with DDP"
+        return CheckResult("accumulation", "One gradient sync per step", (), looked, why)
+    median = {rank: statistics.median(values) for rank, values in ratios.items()}
+    chatty = tuple(sorted(r for r, x in median.items() if x > ACCUMULATION_RATIO))
+    findings = ()
+    if chatty:
+        first = min(
+            rec.step for r in chatty for rec in evidence.records[r] if rec.micro_batches > 1
+        )
+        x = max(median[r] for r in chatty)
+        findings = (Finding(
+            "accumulation", chatty,
+            f"{label_ranks(chatty)} all-reduce gradients on every micro-batch: {x:.1f}x the "
+            f"communication of one sync per step ({micro} micro-batches per step)",
+            first, {"bytes_per_gradient_byte": {r: round(median[r], 2) for r in chatty}},
+            "run all but the last micro-batch inside `with model.no_sync():` "
+            "(dtlab.attach(..., accumulate=k) does this unless no_sync=False)",
+            "warning",
+        ),)  # fmt: skip
+    why = "" if findings else "DDP sent about one copy of the gradients per step"
+    return CheckResult("accumulation", "One gradient sync per step", findings, looked, why)
+
+
 def check_memory(evidence: Evidence) -> CheckResult:
     findings = tuple(find_leaks(evidence.records))
     return CheckResult(
@@ -101,6 +140,7 @@ CHECKS: tuple[Check, ...] = (
     check_initial_state,
     check_gradient_sync,
     check_buffers,
+    check_accumulation,
     check_numerics,
     check_data_order,
     check_learning_rate,
