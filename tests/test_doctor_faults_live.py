@@ -12,6 +12,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 # memory freed by earlier tests would hide a leak's first steps from RSS: give it back
 TRIM_HEAP = "import ctypes; ctypes.CDLL('libc.so.6').malloc_trim(0)"
 
+# what outlives the job (the process environment) is put back after the test
+UNDO = {"mismatched environment variable": "import os; os.environ.pop('NCCL_ALGO', None)"}
+
 # name -> (demo options, [(ranks, code) before stepping], steps, [(ranks, code) after the
 #          first step, or None], expected (check, ranks, step), text the summary names)
 FAULTS = {
@@ -69,6 +72,15 @@ FAULTS = {
         ("leak", (1,), None),
         "rank 1",
     ),
+    "memory held on one rank": (
+        {},
+        [([2], "dtlab.inject.hold(600)")],
+        2,
+        None,
+        0,
+        ("memory", (2,), 2),
+        "rank 2 holds much more memory",
+    ),
     "mismatched environment variable": (
         {},
         [([2], "dtlab.inject.set_env('NCCL_ALGO', 'Ring')")],
@@ -124,8 +136,12 @@ def test_the_doctor_finds_each_fault_where_it_was_made(live4, fault):
         dt.execute(after[1], ranks=after[0])
         dt.step(more_steps)
     start = time.monotonic()
-    findings = dt.doctor()
-    took = time.monotonic() - start
+    try:
+        findings = dt.doctor()
+        took = time.monotonic() - start
+    finally:
+        if fault in UNDO:
+            dt.execute(UNDO[fault])
     kind, ranks, step = expected
     hits = [f for f in findings if (f.kind, f.ranks) == (kind, ranks)]
     assert hits, [(f.kind, f.ranks, f.step, f.summary) for f in findings]

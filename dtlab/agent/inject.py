@@ -83,6 +83,13 @@ def leak(mib_per_step: float) -> None:
     _wrap_loss(lambda: kept.append(torch.ones(numel)))
 
 
+def hold(mib: float) -> None:
+    """Keep ``mib`` MiB alive here while this job is attached (memory only this rank holds;
+    attaching a job again lets it go)."""
+    job = current()
+    job.injected_memory = [*getattr(job, "injected_memory", []), torch.ones(int(mib * 2**20 / 4))]
+
+
 def slow(seconds: float) -> None:
     """Spend ``seconds`` more in every forward here (a straggler)."""
     _wrap_loss(lambda: time.sleep(seconds))

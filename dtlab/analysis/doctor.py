@@ -23,6 +23,8 @@ from dtlab.records import Finding
 
 Check = Callable[[Evidence], CheckResult]
 ACCUMULATION_RATIO = 1.5  # bytes all-reduced per gradient byte above which syncs repeat
+IMBALANCE_SHARE = 0.25  # memory beyond the model state over the median by this share...
+IMBALANCE_MIN_BYTES = 256 * 2**20  # ... and at least this many bytes
 
 
 def _shape(evidence: Evidence) -> str:
@@ -113,14 +115,50 @@ def check_accumulation(evidence: Evidence) -> CheckResult:
 
 
 def check_memory(evidence: Evidence) -> CheckResult:
-    findings = tuple(find_leaks(evidence.records))
+    findings = (*find_leaks(evidence.records), *_imbalance(evidence))
     return CheckResult(
         "memory",
-        "no memory that keeps growing on some ranks",
+        "no memory that keeps growing on some ranks, or stands out",
         findings,
-        f"{_shape(evidence)} of process RSS (CUDA allocated where there is CUDA)",
-        "" if findings else "no rank's memory grows steadily faster than the others'",
+        f"{_shape(evidence)} of process RSS (CUDA allocated where there is CUDA), and the "
+        "bytes of parameters, gradients and optimizer state",
+        ""
+        if findings
+        else "no rank's memory grows steadily faster than the others', and "
+        "none holds much more than its share of model state explains",
     )
+
+
+def _imbalance(evidence: Evidence) -> list[Finding]:
+    """A rank holding far more than the others at the last common step, beyond what its
+    own parameters, gradients and optimizer state explain (sharding, pipeline stages)."""
+    steps = aligned_steps(evidence.records)
+    if len(evidence.records) < 2 or not steps:
+        return []
+    step, at = steps[-1]
+    cuda = all(rec.memory.cuda_allocated is not None for rec in at.values())
+    held = {r: rec.memory.cuda_allocated if cuda else rec.memory.rss for r, rec in at.items()}
+    state = {r: rec.memory.param_bytes + rec.memory.grad_bytes + rec.memory.optimizer_bytes
+             for r, rec in at.items()}  # fmt: skip
+    unexplained = {r: held[r] - state[r] for r in at}
+    typical = statistics.median(unexplained.values())
+    margin = max(IMBALANCE_SHARE * typical, IMBALANCE_MIN_BYTES)
+    heavy = tuple(sorted(r for r, extra in unexplained.items() if extra - typical > margin))
+    if not heavy:
+        return []
+    mib = {r: round(held[r] / 2**20) for r in heavy}
+    what = "CUDA allocated" if cuda else "RSS"
+    return [Finding(
+        "memory", heavy,
+        f"{label_ranks(heavy)} hold{'s' if len(heavy) == 1 else ''} much more memory ({what} "
+        f"{', '.join(f'{m} MiB' for m in mib.values())}) than the others "
+        f"(median {round((typical + statistics.median(state.values())) / 2**20)} MiB) at "
+        "step " f"{step}, beyond what their model state explains",
+        step, {"held_mib": mib, "field": what},
+        "look for what only these ranks keep: rank-0-only logging or evaluation, cached "
+        "batches, a larger shard; %dt_plot memory shows when it began",
+        "warning",
+    )]  # fmt: skip
 
 
 def check_stragglers(evidence: Evidence) -> CheckResult:
