@@ -89,7 +89,9 @@ def test_quickstart_runs_top_to_bottom():
     assert "steps 1-5 in " in by_source["%dt_step 5"]  # after a progress bar if it was slow
     assert "stopped: step>=20 on ranks 0-7" in by_source["%dt_run --until step>=20"]
     assert by_source["dash.num_steps.value = 10"].strip() == "30"
-    assert "no problem found in the records so far" in by_source["%dt_findings"]
+    doctor = by_source["%dt_doctor --explain"]
+    assert doctor.startswith("no problem found: every check passed")
+    assert "gradient_sync  passed" in doctor and "stragglers     passed" in doctor
     assert "<dtlab Trace: 8 ranks, 30 steps" in by_source["import dtlab"]
     assert by_source["%dt_shutdown"].startswith("stopped 8 ranks in ")
     assert left == []
