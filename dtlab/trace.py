@@ -40,6 +40,7 @@ def job_from_json(data: Mapping) -> JobInfo:
     fields["params"] = tuple(
         ParamInfo(p["name"], tuple(p["shape"]), p["dtype"], p["numel"]) for p in data["params"]
     )
+    fields["buffers"] = tuple(data.get("buffers", ()))
     return JobInfo(**fields)
 
 
