@@ -131,6 +131,7 @@ class StepMemory:
     cuda_allocated: int | None = None
     cuda_reserved: int | None = None
     cuda_peak: int | None = None
+    dtlab_bytes: int = 0  # about what dtlab's own record buffer holds (part of rss)
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,7 @@ class StepRecord:
     memory: StepMemory
     indices: tuple[int, ...] = ()  # sample indices this rank consumed
     epoch: int = 0  # passes over the data before this batch (0 during the first)
+    epoch_starts: tuple[int, ...] = ()  # positions in ``indices`` where a new epoch began
     # while modules are watched: the first module whose forward output was not finite
     nonfinite_module: str | None = None
     grad_norms: tuple[float, ...] = ()  # L2 norm per parameter (nan: no gradient)

@@ -271,7 +271,8 @@ def test_batch_table_is_informational():
     result = check_learning_rate(evidence(ddp_job()))
     assert result.findings == ()
     assert "global batch 4 ranks x 8 = 32" in result.looked_at
-    assert "0.008" in result.looked_at  # linear: 1e-3 * 256 / 32
+    assert "0.004 (linear rule) or 0.002 (square-root rule)" in result.looked_at  # 1e-3 x 4, x 2
+    assert "Advice, not a verdict" in result.looked_at
     no_indices = {r: [replace(x, indices=()) for x in recs] for r, recs in ddp_job().items()}
     assert "unknown" in check_learning_rate(evidence(no_indices)).looked_at
 
@@ -287,3 +288,29 @@ def test_the_first_non_finite_module_is_named_when_modules_were_watched():
     (finding,) = check_numerics(Evidence(recs, ())).findings
     assert (finding.ranks, finding.step) == ((2,), 4)
     assert "first non-finite output: blocks.2.ffn.router on rank 2" in finding.summary
+
+
+def test_an_endless_iterator_that_reshuffles_itself_is_not_an_overlap():
+    # the user's generator calls set_epoch itself: dtlab never sees an epoch end
+    records = {r: [replace(rec, epoch=0) for rec in recs] for r, recs in ddp_job().items()}
+    assert check_data_order(evidence(records)).findings == ()
+
+
+def test_accumulation_across_the_end_of_an_epoch_is_not_an_overlap():
+    # steps of 2 micro-batches: the step spanning two epochs starts a new one midway
+    records = {rank: [] for rank in range(NUM_RANKS)}
+    for rank, recs in ddp_job().items():
+        for first, second in zip(recs[::2], recs[1::2], strict=False):
+            crossing = second.epoch != first.epoch
+            records[rank].append(replace(
+                first, step=len(records[rank]) + 1, indices=first.indices + second.indices,
+                epoch_starts=(len(first.indices),) if crossing else (),
+            ))  # fmt: skip
+    assert any(rec.epoch_starts for rec in records[0])
+    assert check_data_order(evidence(records)).findings == ()
+
+
+def test_an_unshuffled_padded_sampler_is_not_a_missing_set_epoch():
+    size = NUM_RANKS * STEPS_PER_EPOCH * BATCH - 2  # the last batch wraps to the start
+    result = check_data_order(evidence(ddp_job(size, shuffle=False)))
+    assert [f.severity for f in result.findings] == ["advice"]  # the padding, nothing more

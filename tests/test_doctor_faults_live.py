@@ -78,7 +78,7 @@ FAULTS = {
         2,
         None,
         0,
-        ("memory", (2,), 2),
+        ("memory", (2,), 1),
         "rank 2 holds much more memory",
     ),
     "mismatched environment variable": (
@@ -128,7 +128,7 @@ def test_the_doctor_finds_each_fault_where_it_was_made(live4, fault):
     dt.execute("import dtlab")
     for ranks, code in before:
         dt.execute(code, ranks=ranks)
-    if fault == "NaN from a module":
+    if fault.startswith("NaN from a module"):
         dt.run_until("nonfinite", max_steps=10)  # watches modules while it runs
     if steps:
         dt.step(steps)

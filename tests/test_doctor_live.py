@@ -1,6 +1,8 @@
 """%dt_doctor on 4 live ranks: clean on the healthy demo job; each fault made on purpose
 is found with its ranks and step."""
 
+import re
+
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
@@ -9,6 +11,14 @@ from dtlab.trace import Trace
 from tests.test_stepping_live import wrap_loss
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
+
+
+def _check_order(finding):
+    from dtlab.analysis.doctor import CHECKS
+
+    names = [c.__name__.removeprefix("check_") for c in CHECKS]
+    kinds = {"divergence": "gradient_sync", "straggler": "stragglers", "leak": "memory"}
+    return names.index(kinds.get(finding.kind, finding.kind))
 
 
 def by_check(findings):
@@ -49,7 +59,13 @@ def test_a_different_learning_rate_on_rank_1_is_named(live4):
         ranks=[1],
     )
     dt.step(3)
-    assert ("learning_rate", (1,), 4, "error") in by_check(dt.doctor())
+    findings = dt.doctor()
+    assert ("learning_rate", (1,), 4, "error") in by_check(findings)
+    # kept with the run: another notebook reads the same findings back
+    kept = [f for r in Trace.load(dt.trace.folder).checks for f in r.findings]
+    assert [(f.kind, f.ranks, f.step, f.summary) for f in kept] == [
+        (f.kind, f.ranks, f.step, f.summary) for f in sorted(findings, key=_check_order)
+    ]
 
 
 def test_overlapping_shards_are_named_with_the_ranks_that_share_samples(live4):
@@ -81,8 +97,9 @@ def test_dt_doctor_prints_ranked_findings_and_explains_its_checks(live4, capsys)
     ip.run_line_magic("dt_doctor", "--explain")
     out = capsys.readouterr().out
     assert out.startswith("no problem found: every check passed")
-    assert "environment    passed" in out and "stragglers     passed" in out
-    assert "initial_state  passed" in out
+    verdicts = dict(re.findall(r"^(\w+) +(passed|not checked)", out, re.M))
+    assert verdicts["environment"] == verdicts["initial_state"] == "passed"
+    assert verdicts["stragglers"] == "not checked"  # 5 steps are too few to judge
     live4.execute(
         "from dtlab.agent.job import current\ncurrent().scheduler.base_lrs = [0.1]",
         ranks=[2],

@@ -22,9 +22,10 @@ def modules_after(import_line: str) -> set[str]:
     [
         "import dtlab.analysis.ranks, dtlab.analysis.consistency, dtlab.analysis.grouping",
         "import dtlab.analysis.conditions, dtlab.analysis.divergence, dtlab.analysis.trends",
+        "import dtlab.analysis.doctor, dtlab.analysis.evidence",
         "import dtlab.agent.identity, dtlab.agent.rendezvous",
         "import dtlab.agent.job, dtlab.agent.recorder, dtlab.agent.stepping",
-        "import dtlab.agent.demo_job, dtlab.agent.demo_model",
+        "import dtlab.agent.demo_job, dtlab.agent.demo_model, dtlab.agent.inject",
         "import dtlab.records, dtlab.trace",
     ],
 )
@@ -36,7 +37,7 @@ def test_pure_and_rank_side_code_import_no_notebook_library(line):
 def test_analysis_does_not_import_torch():
     loaded = modules_after(
         "import dtlab.analysis.consistency, dtlab.analysis.ranks, dtlab.analysis.conditions, "
-        "dtlab.analysis.divergence, dtlab.analysis.trends, dtlab.trace"
+        "dtlab.analysis.divergence, dtlab.analysis.trends, dtlab.analysis.doctor, dtlab.trace"
     )
     assert "torch" not in loaded
 

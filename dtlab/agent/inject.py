@@ -22,7 +22,7 @@ from dtlab.agent.job import current
 def perturb_param(name: str, amount: float = 1e-3) -> None:
     """Add ``amount`` to one parameter here only (an edit outside the optimizer)."""
     with torch.no_grad():
-        dict(current().module.named_parameters())[name].add_(amount)
+        _named(dict(current().module.named_parameters()), name, "parameter").add_(amount)
 
 
 def reinit_weights(seed: int) -> None:
@@ -46,7 +46,7 @@ def scale_lr(factor: float) -> None:
 def nan_at(module: str, step: int) -> None:
     """Make ``module``'s forward output NaN at ``step`` (counted from 1)."""
     job = current()
-    target = dict(job.module.named_modules())[module]
+    target = _named(dict(job.module.named_modules()), module, "module")
 
     def poison(mod, inputs, output):
         if job.step_count + 1 == step:
@@ -109,6 +109,14 @@ def share_shard(rank: int) -> None:
 def skip_set_epoch() -> None:
     """Stop telling the sampler the epoch: every epoch comes in the same order."""
     current().on_epoch = None
+
+
+def _named(found: dict, name: str, what: str):
+    if name not in found:
+        close = [n for n in found if name.split(".")[-1] in n][:5]
+        raise KeyError(f"no {what} {name!r} in the attached model; some that exist: "
+                       f"{close or list(found)[:5]}")  # fmt: skip
+    return found[name]
 
 
 def _demo_sampler():

@@ -127,6 +127,7 @@ class Job:
         self._comm_counted = accumulate > 1 and self._count_communication()
         self._watch_handles: list = []
         self._recording = False
+        self._record_size: dict[bool, int] = {}
         self._buffer_prints: tuple[int, ...] = ()
         if any(True for _ in self.module.buffers()):
             self.module.register_forward_pre_hook(self._snapshot_buffers)
@@ -204,9 +205,10 @@ class Job:
             scale=scale,
             skipped=skipped,
             times=StepTimes(data_s, forward_s, backward_s, t5 - t4, (t4 - t3) + (t6 - t5)),
-            memory=recorder.memory(self.params, self.optimizer, self.device),
+            memory=recorder.memory(self.params, self.optimizer, self.device, self._buffer_bytes()),
             indices=indices,
             epoch=epoch,
+            epoch_starts=self._epoch_starts,
             nonfinite_module=self._bad_module,
             micro_batches=self.accumulate,
             comm_calls=self._comm[0] if counted else None,
@@ -221,10 +223,15 @@ class Job:
         """Forward and backward of ``accumulate`` micro-batches; only the last one syncs
         gradients when ``no_sync`` (DDP's ``no_sync()`` skips the all-reduce)."""
         losses, indices, epoch, times = [], [], None, [0.0, 0.0, 0.0]
+        starts = []  # where in ``indices`` a new epoch began (accumulation across the end)
         for micro in range(self.accumulate):
             t0 = self._now()
+            before = self.epoch
             batch = self._next_batch()
-            epoch = self.epoch if epoch is None else epoch  # the pass the step began in
+            if epoch is None:
+                epoch = self.epoch  # the pass the step began in
+            elif self.epoch != before:
+                starts.append(len(indices))
             t1 = self._now()
             last = micro == self.accumulate - 1
             quiet = not last and self.no_sync and hasattr(self.model, "no_sync")
@@ -238,6 +245,7 @@ class Job:
                 times[i] += spent
             losses.append(float(loss.detach()))
             indices.extend(int(i) for i in self.indices(batch))
+        self._epoch_starts = tuple(starts)
         return math.fsum(losses) / len(losses), tuple(indices), epoch, times
 
     def _count_communication(self) -> bool:
@@ -257,6 +265,17 @@ class Job:
         except RuntimeError:  # the user registered a hook of their own: leave it be
             return False
         return True
+
+    def _buffer_bytes(self) -> int:
+        """About what the record buffer holds: records x the size of the newest one
+        (measured once; recording on and off make records of two sizes)."""
+        if not self.records:
+            return 0
+        last = self.records[-1]
+        key = last.detailed
+        if key not in self._record_size:
+            self._record_size[key] = recorder.object_bytes(last)
+        return len(self.records) * self._record_size[key]
 
     def _optimizer_step(self) -> bool:
         if self.scaler is None:
@@ -298,7 +317,8 @@ class Job:
     def _snapshot_buffers(self, module, inputs) -> None:
         """Buffers as this step's forward sees them: after DDP's buffer broadcast (which
         runs before the wrapped module), before the forward updates them on this rank."""
-        if self._recording:
+        if self._recording and not self._buffer_prints:  # the first micro-batch only:
+            # inside no_sync() DDP does not broadcast buffers before the last one
             buffers = [b for _, b in self.module.named_buffers()]
             self._buffer_prints = tuple(recorder.fingerprints(buffers))
 

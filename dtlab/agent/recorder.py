@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -103,7 +104,18 @@ def rss_bytes() -> int:
         return psutil.Process().memory_info().rss
 
 
-def memory(params: Sequence[torch.Tensor], optimizer, device: torch.device) -> StepMemory:
+def object_bytes(record) -> int:
+    """Bytes of a step record with its tuples and numbers (sys.getsizeof, one level down)."""
+    total = sys.getsizeof(record) + sys.getsizeof(record.__dict__)
+    for value in record.__dict__.values():
+        total += sys.getsizeof(value)
+        if isinstance(value, tuple):
+            total += sum(sys.getsizeof(v) for v in value)
+    return total
+
+
+def memory(params: Sequence[torch.Tensor], optimizer, device: torch.device,
+           dtlab_bytes: int = 0) -> StepMemory:  # fmt: skip
     cuda = {}
     if device.type == "cuda":
         cuda = {
@@ -116,5 +128,6 @@ def memory(params: Sequence[torch.Tensor], optimizer, device: torch.device) -> S
         param_bytes=tensor_bytes(params),
         grad_bytes=tensor_bytes(p.grad for p in params),
         optimizer_bytes=optimizer_bytes(optimizer),
+        dtlab_bytes=dtlab_bytes,
         **cuda,
     )

@@ -107,13 +107,14 @@ def join(plan: RankPlan) -> RankInfo:
             "gloo", store=store, rank=plan.rank, world_size=plan.world_size, timeout=timeout
         )
     _state.update(store=store, plan=plan, device=device)
-    return describe_rank(plan, str(device), check_group())
+    _state["allreduce_sum"] = check_group()
+    return describe_rank(plan, str(device), _state["allreduce_sum"])
 
 
 def describe_now() -> RankInfo:
-    """This rank as it is now (environment variables may have changed since the launch);
-    an all_reduce, so call it on every rank at once."""
-    return describe_rank(_state["plan"], str(_state["device"]), check_group())
+    """This rank as it is now (environment variables may have changed since the launch).
+    No collective: it must answer even when the group is stuck."""
+    return describe_rank(_state["plan"], str(_state["device"]), _state["allreduce_sum"])
 
 
 def check_group() -> int:

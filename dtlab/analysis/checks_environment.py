@@ -43,17 +43,22 @@ def _pure(backend: str) -> Callable[[str, RankInfo], bool]:
     return lambda value, info: info.backend == backend
 
 
+INFORMATIONAL = {"NCCL_VERSION"}  # set by container images to describe, not to configure
+
+
+def _on_gloo_not_informational(value: str, info: RankInfo) -> bool:
+    return info.backend == "gloo"
+
+
 def _nccl_debug_verbose(value: str, info: RankInfo) -> bool:
     return "nccl" in info.backend and value.upper() in ("INFO", "TRACE")
 
 
 ENV_RULES: tuple[EnvRule, ...] = (
-    EnvRule("NCCL_*", _pure("gloo"), "advice",
+    # (no GLOO_* rule for NCCL jobs: CPU tensors, and dtlab's own agreement, use gloo there)
+    EnvRule("NCCL_*", _on_gloo_not_informational, "advice",
             "has no effect on a gloo group",
             "unset it, or launch with --backend nccl if NCCL was meant"),
-    EnvRule("GLOO_*", _pure("nccl"), "advice",
-            "has no effect on a pure nccl group",
-            "unset it, or launch with a backend that uses gloo"),
     EnvRule("CUDA_LAUNCH_BLOCKING", "1", "warning",
             "serialises CUDA kernels, so every timing is distorted and steps run slower",
             "unset it once the failing kernel is found"),
@@ -143,7 +148,8 @@ def _values(groups) -> dict[str, object]:
 def _env_rule_findings(infos: Mapping[int, RankInfo]) -> list[Finding]:
     findings = []
     for rule in ENV_RULES:
-        names = sorted({n for info in infos.values() for n in info.env if _names(rule, n)})
+        names = sorted({n for info in infos.values() for n in info.env
+                        if _names(rule, n) and n not in INFORMATIONAL})  # fmt: skip
         for name in names:
             hits = {
                 r: info.env[name]

@@ -56,9 +56,13 @@ def _finding(what: str, found, total: int, fix: str) -> Finding:
 def check_initial_state(evidence: Evidence) -> CheckResult:
     initial = evidence.initial
     looked = f"{len(initial)} ranks' parameter and buffer fingerprints before step 1"
+    title = "Same weights and buffers on every rank at start"
+    if any(job.wrapper not in (None, "DistributedDataParallel") for job in evidence.jobs.values()):
+        why = "not checked: the model is sharded or wrapped, so ranks hold different tensors"
+        return CheckResult("initial_state", title, (), looked, why, checked=False)
     if len(initial) < 2:
-        return CheckResult("initial_state", "Same weights and buffers on every rank at start",
-                           (), looked, "fewer than two ranks recorded their start")  # fmt: skip
+        why = "not checked: fewer than two ranks recorded their start"
+        return CheckResult("initial_state", title, (), looked, why, checked=False)
     findings = []
     params = {rank: state.param_fingerprints for rank, state in initial.items()}
     found = _first_difference(params, evidence.names)
@@ -67,11 +71,18 @@ def check_initial_state(evidence: Evidence) -> CheckResult:
     buffers = {rank: state.buffer_fingerprints for rank, state in initial.items()}
     names = next(iter(initial.values())).buffer_names
     found = _first_difference(buffers, names)
-    if found:
+    if found and not _buffers_agree_at_step_1(evidence):
+        # (a forward before step 1 changes buffers per rank; DDP's broadcast then evens them)
         findings.append(_finding("buffers", found, len(names), BUFFER_FIX))
     why = "" if findings else "every rank started from bitwise-identical parameters and buffers"
     return CheckResult("initial_state", "Same weights and buffers on every rank at start",
                        tuple(findings), looked, why)  # fmt: skip
+
+
+def _buffers_agree_at_step_1(evidence: Evidence) -> bool:
+    first = [recs[0] for recs in evidence.records.values() if recs and recs[0].step == 1]
+    prints = {rec.buffer_fingerprint for rec in first}
+    return len(first) == len(evidence.records) and len(prints) == 1 and 0 not in prints
 
 
 def check_buffers(evidence: Evidence) -> CheckResult:

@@ -33,7 +33,6 @@ MAX_SKIP_RUN = 2  # GradScaler: more skipped steps in a row than this ...
 SCALER_WARMUP_STEPS = 10  # ... unless the run ends while the scaler calibrates
 MIN_SCALE = 1.0  # a scale under 1 shrinks gradients: the overflow is not the scaler's
 LR_REL_TOL = 1e-12
-REFERENCE_BATCH = 256
 
 OVERLAP_FIX = (
     "give every rank its own shard: DataLoader(dataset, sampler=DistributedSampler(dataset, "
@@ -49,8 +48,9 @@ DATA_WAIT_FIX = (
     "decoding/augmentation off the critical path, check that rank's disk or network"
 )
 NONFINITE_FIX = (
-    "with fp16 use torch.amp.GradScaler (it skips overflowing steps); else lower the LR (or add "
-    "warm-up / clipping) and find the module whose output turns inf/nan first"
+    "find the module whose output turns inf/nan first: dt.watch_modules() or %dt_run --until "
+    "nonfinite names it; with fp16 use torch.amp.GradScaler (it skips overflowing steps); "
+    "else lower the LR (or add warm-up / clipping)"
 )
 SCALER_FIX = (
     "gradients overflow even at a small scale, so they are inf/nan before scaling: find the "
@@ -98,22 +98,39 @@ _E, _I, _R, _S, _FIRST, _LAST = range(6)  # columns of the index table
 
 
 def _index_table(records: Records) -> np.ndarray:
-    """One row per sample read: epoch, index, rank, step, first batch of epoch?, last?"""
-    meta, lengths, indices = [], [], []
+    """One row per sample read: epoch, index, rank, step, first batch of the epoch?, last?
+
+    The epoch of each sample is dtlab's count, split inside a step where
+    ``StepRecord.epoch_starts`` says a new one began. Where a rank reads again a sample it
+    already read in the same epoch, dtlab missed an epoch's end (an endless iterator that
+    reshuffles on its own): that epoch is compared only up to the first such step."""
+    rows = []
     for rank, recs in records.items():
-        bounds: dict[int, list[int]] = {}
         for rec in recs:
-            if rec.indices:
-                bounds.setdefault(rec.epoch, [rec.step, rec.step])[1] = rec.step
-        for rec in recs:
-            if rec.indices:
-                first, last = bounds[rec.epoch]
-                meta.append((rec.epoch, 0, rank, rec.step, rec.step == first, rec.step == last))
-                lengths.append(len(rec.indices))
-                indices.append(rec.indices)
-    table = np.repeat(np.array(meta, dtype=np.int64).reshape(-1, 6), lengths, axis=0)
-    table[:, _I] = np.fromiter(chain.from_iterable(indices), dtype=np.int64, count=len(table))
+            starts, epoch = set(rec.epoch_starts), rec.epoch
+            for position, index in enumerate(rec.indices):
+                epoch += position in starts
+                rows.append((epoch, index, rank, rec.step, 0, 0))
+    table = np.array(rows, dtype=np.int64).reshape(-1, 6)
+    table = _before_first_reread(table)
+    for key in {(int(e), int(r)) for e, r in table[:, [_E, _R]]}:
+        rows_of = (table[:, _E] == key[0]) & (table[:, _R] == key[1])
+        steps = table[rows_of, _S]
+        table[rows_of, _FIRST] = steps == steps.min()
+        table[rows_of, _LAST] = steps == steps.max()
     return table
+
+
+def _before_first_reread(table: np.ndarray) -> np.ndarray:
+    order = np.lexsort((table[:, _S], table[:, _I], table[:, _R], table[:, _E]))
+    t = table[order]
+    again = np.zeros(len(t), dtype=bool)
+    again[1:] = np.all(t[1:, :3] == t[:-1, :3], axis=1)  # same epoch, index, rank
+    keep = np.ones(len(table), dtype=bool)
+    for epoch in np.unique(t[again, _E]):
+        cutoff = t[again & (t[:, _E] == epoch), _S].min()
+        keep &= ~((table[:, _E] == epoch) & (table[:, _S] >= cutoff))
+    return table[keep]
 
 
 def _shared_groups(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -209,7 +226,9 @@ def _same_order_findings(records: Records) -> list[Finding]:
 
 
 def _sequential(recs: Sequence[StepRecord]) -> bool:
-    """In ascending order: shuffle=False, where set_epoch changes nothing."""
+    """In ascending order: shuffle=False, where set_epoch changes nothing. The last batch
+    may wrap around to the start (DistributedSampler's padding), so it is left out."""
+    recs = recs[:-1] if len(recs) > 2 else recs
     flat = np.fromiter(chain.from_iterable(r.indices for r in recs), dtype=np.int64)
     return bool(np.all(np.diff(flat) > 0))
 
@@ -271,13 +290,21 @@ def _nonfinite_findings(records: Records) -> list[Finding]:
         return []
     step = min(bad_steps)
     at = {r: rec for r, recs in sorted(records.items()) for rec in recs if rec.step == step}
-    ranks = tuple(r for r, rec in at.items() if _bad(rec))
+    bad = tuple(r for r, rec in at.items() if _bad(rec))
+    # under DDP one rank's inf/nan reaches every rank through the gradient all-reduce: the
+    # source is where the loss (or a watched module's output) went non-finite
+    source = tuple(r for r in bad if not math.isfinite(at[r].loss) or at[r].nonfinite_module)
+    ranks = source or bad
     parts = []
     if losses := [at[r].loss for r in ranks if not math.isfinite(at[r].loss)]:
         parts.append(f"loss {', '.join(map(str, sorted(set(losses), key=str)))}")
     if counts := [at[r].num_nonfinite for r in ranks if at[r].num_nonfinite]:
         parts.append(f"{sum(counts)} inf/nan gradient elements")
     summary = f"{label_ranks(ranks)} went non-finite at step {step}: {' and '.join(parts)}"
+    received = tuple(r for r in bad if r not in ranks)
+    if received:
+        summary += (f"; {label_ranks(received)} only received inf/nan gradients "
+                    "(through the all-reduce)")  # fmt: skip
     modules = {r: at[r].nonfinite_module for r in ranks if at[r].nonfinite_module}
     if modules:  # modules were watched: where the first inf/nan came from, per rank
         first = ", ".join(f"{m} on rank {r}" for r, m in modules.items())
@@ -337,7 +364,7 @@ def check_learning_rate(evidence: Evidence) -> CheckResult:
     """Ranks whose LR differs from the others' at a step (relative tolerance 1e-12).
 
     Also reports, for information only, the global batch and what the current LR would be
-    at a batch of 256 under linear and square-root scaling (in ``looked_at``).
+    for the world size under linear and square-root scaling (in ``looked_at``).
     """
     records = evidence.records
     steps = aligned_steps(records)
@@ -392,10 +419,13 @@ def _batch_table(records: Records, lr: float | None) -> str:
     batch = f"global batch {each} = {total}"
     if lr is None:
         return f"{batch}; LR not recorded"
-    linear, sqrt = lr * REFERENCE_BATCH / total, lr * math.sqrt(REFERENCE_BATCH / total)
+    world = len(sizes)
+    linear, sqrt = lr * world, lr * math.sqrt(world)
     return (
-        f"{batch}; LR at the last step {lr:.3g}, scaled to a batch of {REFERENCE_BATCH}: "
-        f"{linear:.3g} (linear rule) or {sqrt:.3g} (square-root rule)"
+        f"{batch}; LR at the last step {lr:.3g}. Advice, not a verdict: if that LR was "
+        f"tuned for one rank's batch, {world} ranks would call for {linear:.3g} (linear "
+        f"rule) or {sqrt:.3g} (square-root rule), with a warm-up; if it was tuned for the "
+        "global batch, keep it"
     )
 
 

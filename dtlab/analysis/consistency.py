@@ -23,7 +23,10 @@ COMPARED_FIELDS = (
     "num_threads",
 )
 # Launchers that give each process one GPU set these per rank on purpose.
-EXPECTED_PER_RANK = frozenset({"CUDA_VISIBLE_DEVICES"})
+# set per rank on purpose (device and CPU pinning)
+EXPECTED_PER_RANK = frozenset(
+    {"CUDA_VISIBLE_DEVICES", "OMP_PLACES", "KMP_AFFINITY", "GOMP_CPU_AFFINITY"}
+)
 UNSET = None
 
 

@@ -23,6 +23,8 @@ from dtlab.records import Finding
 
 Check = Callable[[Evidence], CheckResult]
 ACCUMULATION_RATIO = 1.5  # bytes all-reduced per gradient byte above which syncs repeat
+LEAK_MIN_RECORDS = 11  # find_leaks: 3 warm-up steps, then 8 points for a trend
+STRAGGLER_MIN_STEPS = 7  # find_stragglers: 2 warm-up steps, then 5 to compare
 IMBALANCE_SHARE = 0.25  # memory beyond the model state over the median by this share...
 IMBALANCE_MIN_BYTES = 256 * 2**20  # ... and at least this many bytes
 
@@ -91,8 +93,17 @@ def check_accumulation(evidence: Evidence) -> CheckResult:
         f"gradient bytes all-reduced per step against the gradients' size ({micro} micro-batches)"
     )
     if not ratios:
-        why = "no step accumulated gradients over micro-batches with DDP"
-        return CheckResult("accumulation", "One gradient sync per step", (), looked, why)
+        accumulates = any(r.micro_batches > 1 for recs in evidence.records.values() for r in recs)
+        why = (
+            (
+                "not checked: DDP's communication was not counted (the model is not DDP, or "
+                "has a comm hook of its own)"
+            )
+            if accumulates
+            else "the job does not accumulate"
+        )
+        return CheckResult("accumulation", "One gradient sync per step", (), looked, why,
+                           checked=not accumulates)  # fmt: skip
     median = {rank: statistics.median(values) for rank, values in ratios.items()}
     chatty = tuple(sorted(r for r, x in median.items() if x > ACCUMULATION_RATIO))
     findings = ()
@@ -115,18 +126,40 @@ def check_accumulation(evidence: Evidence) -> CheckResult:
 
 
 def check_memory(evidence: Evidence) -> CheckResult:
-    findings = (*find_leaks(evidence.records), *_imbalance(evidence))
-    return CheckResult(
-        "memory",
-        "no memory that keeps growing on some ranks, or stands out",
-        findings,
-        f"{_shape(evidence)} of process RSS (CUDA allocated where there is CUDA), and the "
-        "bytes of parameters, gradients and optimizer state",
-        ""
-        if findings
-        else "no rank's memory grows steadily faster than the others', and "
-        "none holds much more than its share of model state explains",
-    )
+    cuda = any(r.memory.cuda_allocated is not None for recs in evidence.records.values()
+               for r in recs)  # fmt: skip
+    leaks = find_leaks(evidence.records, field="cuda_allocated" if cuda else "rss")
+    findings = (*leaks, *_imbalance(evidence))
+    counter = "CUDA allocated" if cuda else "process RSS (less dtlab's own record buffer)"
+    looked = (f"{_shape(evidence)} of {counter}, and the bytes of parameters, gradients "
+              "and optimizer state")  # fmt: skip
+    enough = _num_steps(evidence) >= LEAK_MIN_RECORDS
+    if findings:
+        why = ""
+    elif enough:
+        why = ("no rank's memory grows steadily faster than the others', and none holds "
+               "much more than its model state explains")  # fmt: skip
+    else:
+        why = (f"leaks not checked: {LEAK_MIN_RECORDS} steps are needed to tell a trend from "
+               "noise; no rank holds much more than its model state explains")  # fmt: skip
+    title = "no memory that keeps growing on some ranks, or stands out"
+    return CheckResult("memory", title, findings, looked, why, checked=enough or bool(findings))
+
+
+def _num_steps(evidence: Evidence) -> int:
+    return len(aligned_steps(evidence.records))
+
+
+def _first_heavy_step(steps, heavy, cuda: bool, margin: float) -> int:
+    """The first step at which the heavy ranks already stood out."""
+    for step, at in steps:
+        unexplained = {r: (rec.memory.cuda_allocated if cuda else rec.memory.rss)
+                       - rec.memory.param_bytes - rec.memory.grad_bytes
+                       - rec.memory.optimizer_bytes for r, rec in at.items()}  # fmt: skip
+        typical = statistics.median(unexplained.values())
+        if all(unexplained[r] - typical > margin for r in heavy):
+            return step
+    return steps[-1][0]
 
 
 def _imbalance(evidence: Evidence) -> list[Finding]:
@@ -146,14 +179,15 @@ def _imbalance(evidence: Evidence) -> list[Finding]:
     heavy = tuple(sorted(r for r, extra in unexplained.items() if extra - typical > margin))
     if not heavy:
         return []
+    step = _first_heavy_step(steps, heavy, cuda, margin)
     mib = {r: round(held[r] / 2**20) for r in heavy}
     what = "CUDA allocated" if cuda else "RSS"
     return [Finding(
         "memory", heavy,
         f"{label_ranks(heavy)} hold{'s' if len(heavy) == 1 else ''} much more memory ({what} "
         f"{', '.join(f'{m} MiB' for m in mib.values())}) than the others "
-        f"(median {round((typical + statistics.median(state.values())) / 2**20)} MiB) at "
-        "step " f"{step}, beyond what their model state explains",
+        f"(median {round((typical + statistics.median(state.values())) / 2**20)} MiB) "
+        f"from step {step}, beyond what their model state explains",
         step, {"held_mib": mib, "field": what},
         "look for what only these ranks keep: rank-0-only logging or evaluation, cached "
         "batches, a larger shard; %dt_plot memory shows when it began",
@@ -163,13 +197,21 @@ def _imbalance(evidence: Evidence) -> list[Finding]:
 
 def check_stragglers(evidence: Evidence) -> CheckResult:
     findings = tuple(find_stragglers(evidence.records))
+    enough = _num_steps(evidence) >= STRAGGLER_MIN_STEPS and len(evidence.records) > 1
+    if findings:
+        why = ""
+    elif enough:
+        why = "no rank's compute time is 1.3x the median in most steps"
+    else:
+        why = f"not checked: needs two ranks and {STRAGGLER_MIN_STEPS} steps"
     return CheckResult(
         "stragglers",
         "no rank consistently slower",
         findings,
-        f"{_shape(evidence)} of data + forward + optimizer time (backward holds the wait "
-        "for the slowest rank under DDP)",
-        "" if findings else "no rank's compute time is 1.3x the median in most steps",
+        f"{_shape(evidence)} of data + forward + optimizer time (under DDP backward holds "
+        "the wait for the slowest rank)",
+        why,
+        checked=enough or bool(findings),
     )
 
 
@@ -188,7 +230,16 @@ CHECKS: tuple[Check, ...] = (
 
 
 def run_checks(evidence: Evidence, checks: Sequence[Check] = CHECKS) -> list[CheckResult]:
-    return [check(evidence) for check in checks]
+    """Every check; one that fails is reported as not run, the others still run."""
+    results = []
+    for check in checks:
+        try:
+            results.append(check(evidence))
+        except Exception as e:  # a bug or odd input in one check must not hide the rest
+            name = check.__name__.removeprefix("check_")
+            results.append(CheckResult(name, name, (), "", f"not checked: {type(e).__name__}: {e}",
+                                       checked=False))  # fmt: skip
+    return results
 
 
 def all_findings(results: Sequence[CheckResult]) -> list[Finding]:

@@ -37,10 +37,17 @@ class CheckResult:
     findings: tuple[Finding, ...]
     looked_at: str  # what it read, e.g. "4 ranks x 40 steps of sample indices"
     passed_because: str = ""  # when there is no finding: why that means healthy
+    checked: bool = True  # False: it could not look (recording off, too few steps, ...)
 
     @property
     def passed(self) -> bool:
         return not self.findings
+
+    @property
+    def verdict(self) -> str:
+        if self.findings:
+            return f"{len(self.findings)} finding(s)"
+        return "passed" if self.checked else "not checked"
 
 
 def ranked(findings: Sequence[Finding]) -> list[Finding]:

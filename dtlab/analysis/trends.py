@@ -218,6 +218,12 @@ class MemoryTrend:
         return self.growing and self.steady
 
 
+def _held(rec: StepRecord, field: str) -> int:
+    """The counter, less what dtlab's own record buffer holds (it grows until full)."""
+    value = getattr(rec.memory, field)
+    return value - rec.memory.dtlab_bytes if field == "rss" else value
+
+
 def memory_trends(
     records: Mapping[int, Sequence[StepRecord]],
     *,
@@ -233,7 +239,7 @@ def memory_trends(
     trends = {}
     for rank, recs in sorted(records.items()):
         points = [
-            (rec.step, getattr(rec.memory, field))
+            (rec.step, _held(rec, field))
             for rec in recs[skip_first:]
             if getattr(rec.memory, field) is not None
         ]

@@ -151,9 +151,15 @@ class TrainingMixin:
         steps = {first_divergent_step(trace.records, kind=kind) for kind in kinds}
         details: dict[int, list] = {rank: [] for rank in trace.ranks}
         for step in sorted(steps - {None}):
-            for rank, rec in self.step_details(step).items():
+            try:
+                found = self.step_details(step)
+            except DtlabError:  # evicted from a rank's buffer: the summaries still tell
+                continue
+            for rank, rec in found.items():
                 details[rank].append(rec)
-        cores = {facts.host: facts.num_cpus for facts in self.facts.values()}
+        cores: dict[str, int] = {}
+        for facts in self.facts.values():  # engines of a host may see different cores
+            cores[facts.host] = max(cores.get(facts.host, 0), facts.num_cpus)
         now = self.run(_rank_now, timeout=EVIDENCE_TIMEOUT_S)  # env may have changed
         return Evidence(
             records=trace.records, names=trace.param_names, jobs=trace.jobs,

@@ -52,7 +52,7 @@ def findings_table(findings: Sequence[Finding]) -> Table:
         for f in findings
     )  # fmt: skip
     notes = () if findings else ("no problem found in the records so far",)
-    headers = ("severity", "check", "ranks", "since step", "what", "fix")
+    headers = ("severity", "kind", "ranks", "since step", "what", "fix")
     return Table("findings", headers, rows, notes)
 
 
@@ -62,7 +62,8 @@ def doctor_summary(findings: Sequence[Finding]) -> str:
         return "no problem found: every check passed (--explain shows what each looked at)"
     lines = [f"{len(findings)} finding(s), most severe first:"]
     for number, f in enumerate(findings, 1):
-        since = f" (since step {f.step})" if f.step is not None else ""
+        named = f.step is None or f"step {f.step}" in f.summary
+        since = "" if named else f" (since step {f.step})"
         lines.append(f"{number}. [{f.severity}] {f.summary}{since}")
     return "\n".join(lines)
 
@@ -72,7 +73,7 @@ def checks_table(results: Sequence) -> Table:
     rows = tuple(
         (
             r.check,
-            "passed" if r.passed else f"{len(r.findings)} finding(s)",
+            r.verdict,
             r.looked_at,
             r.passed_because if r.passed else "; ".join(f.summary for f in r.findings),
         )
