@@ -54,6 +54,15 @@ FAULTS = {
         ("numerics", (3,), 4),
         "blocks.2.ffn on rank 3",
     ),
+    "NaN from a module under DDP": (
+        {},
+        [([3], "dtlab.inject.nan_at('blocks.2.ffn', step=4)")],
+        0,
+        None,
+        0,
+        ("numerics", (3,), 4),
+        "ranks 0-2 only received inf/nan gradients",
+    ),
     "straggler": (
         {},
         [([3], "dtlab.inject.slow(0.04)")],
@@ -61,7 +70,7 @@ FAULTS = {
         None,
         0,
         ("straggler", (3,), None),
-        "rank 3",
+        "forward",
     ),
     "memory leak": (
         {},
