@@ -32,7 +32,8 @@ from dtlab.records import (
     combine_fingerprints,
 )
 
-DEFAULT_CAPACITY = 10_000  # step records kept on the rank (~1-2 KB each with recording on)
+DEFAULT_CAPACITY = 1_000  # full step records kept on the rank: ~6 KB each for the demo,
+# ~150 KB for a model of 1,000 parameter tensors, so the default stays well under 200 MB
 
 _job: Job | None = None
 _attach_count = 0
