@@ -8,6 +8,12 @@ or, in Python::
     import dtlab
     with dtlab.launch(4) as dt:
         print(dt.run(lambda: 1 + 1))   # {0: 2, 1: 2, 2: 2, 3: 2}
+        dtlab.demo.attach(dt)          # or dtlab.attach(model, opt, data, loss_fn) on ranks
+        dt.step(10)                    # RunResult; the records are in dt.trace
+        print(dt.doctor())             # findings, most severe first ([] when healthy)
+
+On the ranks: ``dtlab.attach`` hands over a training job, ``dtlab.inject`` makes faults
+on purpose. ``dtlab.Trace.load(folder)`` reads a run folder back.
 
 Layers (see STYLE in the repository): ``control`` (notebook side, the only user of
 ipyparallel), ``agent`` (rank side, torch only), ``analysis`` (pure), ``views`` (IPython,
@@ -84,6 +90,10 @@ def __getattr__(name: str):
         from dtlab.trace import Trace
 
         return Trace
+    if name == "demo":  # the built-in demo job, attached from the notebook
+        import dtlab.demo as demo
+
+        return demo
     if name == "inject":  # rank side: faults made on purpose (dtlab.agent.inject)
         from dtlab.agent import inject
 
