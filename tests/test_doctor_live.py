@@ -1,13 +1,16 @@
 """%dt_doctor on 4 live ranks: clean on the healthy demo job; each fault made on purpose
 is found with its ranks and step."""
 
+import os
 import re
 
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
+import dtlab
 from dtlab import demo
 from dtlab.trace import Trace
+from tests.conftest import quiet
 from tests.test_stepping_live import wrap_loss
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
@@ -150,3 +153,16 @@ def test_batchnorm_statistics_that_drift_apart_are_found_in_a_users_own_job(
         assert buffers == [((1, 2, 3), 2, "1.running_mean")]
     else:
         assert findings == []
+
+
+def test_more_threads_than_cores_is_named_with_the_ranks_on_that_host(cluster_cleanup):
+    threads = max(2, len(os.sched_getaffinity(0)))  # 4 ranks x this > the cores, always
+    dt = dtlab.launch(4, threads=threads, progress=quiet)
+    try:
+        demo.attach(dt)
+        dt.step(2)
+        env = [f for f in dt.doctor() if f.kind == "environment"]
+        assert [(f.ranks, f.severity) for f in env] == [((0, 1, 2, 3), "warning")]
+        assert "cores" in env[0].summary and "--threads 1" in env[0].fix
+    finally:
+        dtlab.launch(4, progress=quiet)  # one thread per rank again for the tests after

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from dtlab.agent import job as jobs
 from dtlab.agent.demo_model import DemoConfig, DemoJob, build_demo
 from dtlab.agent.rendezvous import identity
@@ -11,19 +13,23 @@ last: DemoJob | None = None  # this rank's demo job, for a closer look from a %%
 
 
 def attach_demo(*, ddp: bool = True, record: bool = True, lr: float = 3e-3, accumulate: int = 1,
-                no_sync: bool = True, **config) -> JobInfo:  # fmt: skip
+                no_sync: bool = True, scaler: bool = False, **config) -> JobInfo:  # fmt: skip
     """Build the demo (same weights on every rank, data sharded by DistributedSampler) and
-    attach it. ``ddp`` wraps it in DistributedDataParallel when there is more than one rank."""
+    attach it. ``ddp`` wraps it in DistributedDataParallel when there is more than one rank;
+    ``scaler`` adds a GradScaler; ``accumulate``/``no_sync`` as for dtlab.attach."""
     global last
     me = identity()
     last = build_demo(DemoConfig(**config), rank=me.rank, world_size=me.world_size,
                       ddp=ddp and me.world_size > 1, lr=lr, device=me.device)  # fmt: skip
+    # a GradScaler as mixed-precision jobs use it (it scales the loss on CPU too)
+    grad_scaler = torch.amp.GradScaler(me.device.split(":")[0], init_scale=2.0**10)
     return jobs.attach(
         last.model,
         last.optimizer,
         last.data,
         last.loss_fn,
         scheduler=last.scheduler,
+        scaler=grad_scaler if scaler else None,
         record=record,
         on_epoch=last.sampler.set_epoch,
         accumulate=accumulate,

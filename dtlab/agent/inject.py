@@ -43,14 +43,17 @@ def scale_lr(factor: float) -> None:
         group["lr"] *= factor
 
 
-def nan_at(module: str, step: int) -> None:
-    """Make ``module``'s forward output NaN at ``step`` (counted from 1)."""
+def nan_at(module: str, step: int, *, until: int | None = None, value: float = float("nan")
+           ) -> None:  # fmt: skip
+    """Make ``module``'s forward output NaN (or ``value``, e.g. inf) at ``step`` (counted
+    from 1), or at every step from ``step`` to ``until``."""
     job = current()
     target = _named(dict(job.module.named_modules()), module, "module")
+    last = step if until is None else until
 
     def poison(mod, inputs, output):
-        if job.step_count + 1 == step:
-            return output * float("nan")
+        if step <= job.step_count + 1 <= last:
+            return output * value
         return output
 
     target.register_forward_hook(poison)
@@ -93,6 +96,18 @@ def hold(mib: float) -> None:
 def slow(seconds: float) -> None:
     """Spend ``seconds`` more in every forward here (a straggler)."""
     _wrap_loss(lambda: time.sleep(seconds))
+
+
+def slow_data(seconds: float) -> None:
+    """Make every batch take ``seconds`` longer to arrive here (a slow input pipeline)."""
+    job = current()
+    inner = job._next_batch
+
+    def slower():
+        time.sleep(seconds)
+        return inner()
+
+    job._next_batch = slower
 
 
 def set_env(name: str, value: str) -> None:
