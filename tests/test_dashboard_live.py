@@ -5,9 +5,11 @@ import asyncio
 
 import pytest
 
+import dtlab
 from dtlab import demo
 from dtlab.control.errors import DtlabError
 from dtlab.views.figures import dashboard_trace_index
+from tests.conftest import quiet
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
@@ -124,3 +126,8 @@ def test_a_pause_that_a_rank_cannot_reach_ends_in_sigint_not_a_hang(live4, monke
     dash = asyncio.run(asyncio.wait_for(drive(), timeout=60))
     assert dash.status.value == "failed: RankTimeoutError" and not dash.running
     assert dt.step(2).stopped == "steps"  # SIGINT broke the sleep; the group is rebuilt
+    # but an agreement the SIGINT cut off may never complete, and tearing the group down
+    # would wait for it: the next %dt_launch replaces the engines instead of reusing them
+    assert dt.collectives_may_hang()
+    fresh = dtlab.launch(4, progress=quiet)
+    assert fresh is not dt and not fresh.collectives_may_hang()

@@ -68,6 +68,8 @@ def launch(config: LaunchConfig, progress: Progress, *, restart: bool = False) -
 def _reusable(session: Session, config: LaunchConfig) -> bool:
     if session.config.engine_settings() != config.engine_settings():
         return False
+    if session.collectives_may_hang():  # leaving their group could block: new engines
+        return False
     try:
         return set(session.status().values()) == {"idle"}
     except DtlabError:  # e.g. the controller died: nothing of it can be reused

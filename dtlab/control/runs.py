@@ -146,6 +146,8 @@ class Run:
 
     def _raise(self) -> None:
         unfinished = sorted(self.pending)
+        if unfinished:  # SIGINT can leave a gloo collective issued that never completes
+            self.stepper.interrupted = True
         stuck = self.session.interrupt_and_wait(unfinished, self._poll_late)
         ranks = dict(finished=sorted(self.done), stopped=[r for r in unfinished if r not in stuck],
                      stuck=stuck)  # fmt: skip

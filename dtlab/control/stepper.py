@@ -86,6 +86,7 @@ class Stepper:
         self._calls_seen = -1  # session.calls when the attached job was last looked at
         self._regroup = False  # the last run failed: ranks rebuild their control group
         self.watch_modules = False  # name the first module with a non-finite output
+        self.interrupted = False  # a run was ended by SIGINT: collectives may hang on
 
     # --- connecting and tracing --------------------------------------------------------
     def _connect(self) -> None:

@@ -76,6 +76,11 @@ class TrainingMixin:
         """Ask a run in progress (the dashboard's) to stop at the next step boundary."""
         self.stepper.pause()
 
+    def collectives_may_hang(self) -> bool:
+        """A run was ended by SIGINT: a collective it issued may never complete, and
+        tearing the process group down would wait for it (relaunch must replace engines)."""
+        return self._stepper is not None and self._stepper.interrupted
+
     def watch_modules(self, on: bool = True) -> None:
         """While on, every rank checks each module's forward output for inf/nan (~20% of a
         step here) and the records name the first module that produced one. Always on
