@@ -42,7 +42,7 @@ def torchrun_worker(steps: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from dtlab.agent.demo_model import build_demo
+    from dtlab.agent.demo_model import build_demo, demo_step
 
     dist.init_process_group("gloo")
     job = build_demo(rank=dist.get_rank(), world_size=dist.get_world_size(), ddp=True)
@@ -55,12 +55,7 @@ def torchrun_worker(steps: int) -> None:
         except StopIteration:
             batches = iter(job.data)
             batch = next(batches)
-        job.optimizer.zero_grad(set_to_none=True)
-        loss = job.loss_fn(job.model, batch)
-        loss.backward()
-        job.optimizer.step()
-        job.scheduler.step()
-        return loss.item()
+        return demo_step(job, batch)
 
     for _ in range(WARMUP):
         step()
@@ -96,23 +91,15 @@ def _plain_loop(steps: int) -> float:
 
     import torch.distributed as dist
 
+    from dtlab.agent import demo_job
+    from dtlab.agent.demo_model import demo_step
     from dtlab.agent.job import current
 
-    job = current()
-
-    def step():
-        batch = job._next_batch()
-        job.optimizer.zero_grad(set_to_none=True)
-        loss = job.loss_fn(job.model, batch)
-        loss.backward()
-        job.optimizer.step()
-        job.scheduler.step()
-        return loss.item()
-
+    job = current()  # its data iterator, so epochs roll over as under dtlab
     dist.barrier()
     start = time.perf_counter()
     for _ in range(steps):
-        step()
+        demo_step(demo_job.last, job._next_batch())
     dist.barrier()
     return (time.perf_counter() - start) / steps * 1e3
 
