@@ -13,6 +13,7 @@ import time
 
 import psutil
 import pytest
+from IPython.core.interactiveshell import InteractiveShell
 
 import dtlab
 from dtlab.control import lifecycle
@@ -64,6 +65,14 @@ def cluster_cleanup():
         pids = session.pids()
         session.shutdown()
         assert running(pids) == [], "processes left after the last test"
+
+
+@pytest.fixture(scope="module")
+def ip():
+    """An IPython shell with the extension loaded, driven as a notebook would drive it."""
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "dtlab")
+    return shell
 
 
 @pytest.fixture

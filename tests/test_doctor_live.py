@@ -5,7 +5,6 @@ import os
 import re
 
 import pytest
-from IPython.core.interactiveshell import InteractiveShell
 
 import dtlab
 from dtlab import demo
@@ -91,9 +90,7 @@ def test_the_first_non_finite_step_and_rank_are_named(live4):
     assert ("numerics", (3,), 5, "error") in by_check(dt.doctor())
 
 
-def test_dt_doctor_prints_ranked_findings_and_explains_its_checks(live4, capsys):
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "dtlab")
+def test_dt_doctor_prints_ranked_findings_and_explains_its_checks(ip, live4, capsys):
     ip.user_ns["dt"] = live4
     demo.attach(live4)
     live4.step(5)

@@ -2,20 +2,12 @@
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 
 from dtlab.control.cluster import running
 from dtlab.control.errors import RankError, RankTimeoutError
 from dtlab.control.session import Session
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
-
-
-@pytest.fixture(scope="module")
-def ip():
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "dtlab")
-    return shell
 
 
 @pytest.fixture

@@ -2,16 +2,8 @@
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
-
-
-@pytest.fixture(scope="module")
-def ip():
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "dtlab")
-    return shell
 
 
 @pytest.fixture
