@@ -16,7 +16,7 @@ from dtlab.analysis.checks_environment import check_environment
 from dtlab.analysis.checks_state import check_buffers, check_initial_state
 from dtlab.analysis.checks_training import check_data_order, check_learning_rate, check_numerics
 from dtlab.analysis.divergence import divergence_findings
-from dtlab.analysis.evidence import CheckResult, Evidence, ranked
+from dtlab.analysis.evidence import CheckResult, Evidence, ranked, shape_of
 from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.trends import aligned_steps, find_leaks, find_stragglers
 from dtlab.records import Finding
@@ -29,11 +29,6 @@ IMBALANCE_SHARE = 0.25  # memory beyond the model state over the median by this 
 IMBALANCE_MIN_BYTES = 256 * 2**20  # ... and at least this many bytes
 
 
-def _shape(evidence: Evidence) -> str:
-    steps = max((len(recs) for recs in evidence.records.values()), default=0)
-    return f"{len(evidence.records)} ranks x {steps} steps"
-
-
 def check_gradient_sync(evidence: Evidence) -> CheckResult:
     """Gradients after the all-reduce and parameters after the step must be bitwise equal
     on data-parallel ranks; a parameter must not lack a gradient on some ranks only."""
@@ -43,7 +38,7 @@ def check_gradient_sync(evidence: Evidence) -> CheckResult:
         "gradient_sync",
         "gradients and parameters identical across ranks",
         tuple(findings),
-        f"{_shape(evidence)} of gradient and parameter fingerprints; which parameters "
+        f"{shape_of(evidence.records)} of gradient and parameter fingerprints; which parameters "
         "had no gradient",
         ""
         if findings
@@ -131,7 +126,7 @@ def check_memory(evidence: Evidence) -> CheckResult:
     leaks = find_leaks(evidence.records, field="cuda_allocated" if cuda else "rss")
     findings = (*leaks, *_imbalance(evidence))
     counter = "CUDA allocated" if cuda else "process RSS (less dtlab's own record buffer)"
-    looked = (f"{_shape(evidence)} of {counter}, and the bytes of parameters, gradients "
+    looked = (f"{shape_of(evidence.records)} of {counter}, and the bytes of parameters, gradients "
               "and optimizer state")  # fmt: skip
     enough = _num_steps(evidence) >= LEAK_MIN_RECORDS
     if findings:
@@ -208,8 +203,8 @@ def check_stragglers(evidence: Evidence) -> CheckResult:
         "stragglers",
         "no rank consistently slower",
         findings,
-        f"{_shape(evidence)} of data + forward + optimizer time (under DDP backward holds "
-        "the wait for the slowest rank)",
+        f"{shape_of(evidence.records)} of data + forward + optimizer time (under DDP "
+        "backward holds the wait for the slowest rank)",
         why,
         checked=enough or bool(findings),
     )

@@ -50,6 +50,11 @@ class CheckResult:
         return "passed" if self.checked else "not checked"
 
 
+def shape_of(records: Mapping[int, Sequence[StepRecord]]) -> str:
+    """E.g. "4 ranks x 40 steps", for what a check looked at."""
+    return f"{len(records)} ranks x {max((len(r) for r in records.values()), default=0)} steps"
+
+
 def ranked(findings: Sequence[Finding]) -> list[Finding]:
     """Most severe first, then earliest step, then lowest rank."""
     return sorted(
