@@ -22,9 +22,9 @@ def modules_after(import_line: str) -> set[str]:
     [
         "import dtlab.analysis.ranks, dtlab.analysis.consistency, dtlab.analysis.grouping",
         "import dtlab.analysis.conditions, dtlab.analysis.divergence, dtlab.analysis.trends",
-        "import dtlab.analysis.doctor, dtlab.analysis.evidence",
+        "import dtlab.analysis.doctor, dtlab.analysis.evidence, dtlab.analysis.checks_data",
         "import dtlab.agent.identity, dtlab.agent.rendezvous",
-        "import dtlab.agent.job, dtlab.agent.recorder, dtlab.agent.stepping",
+        "import dtlab.agent.job, dtlab.agent.recorder, dtlab.agent.stepping, dtlab.agent.hooks",
         "import dtlab.agent.demo_job, dtlab.agent.demo_model, dtlab.agent.inject",
         "import dtlab.records, dtlab.trace",
     ],

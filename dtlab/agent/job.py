@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from dtlab.agent import recorder
+from dtlab.agent.hooks import CommCounter, ModuleWatcher
 from dtlab.records import (
     InitialState,
     JobInfo,
@@ -123,17 +124,15 @@ class Job:
         self._iterator = iter(data)
         self.accumulate = accumulate
         self.no_sync = no_sync
-        self._comm = [0, 0]  # all-reduce calls and bytes in this step
-        # only where it is asked about: a hook is a change to the user's DDP object
-        self._comm_counted = accumulate > 1 and self._count_communication()
-        self._watch_handles: list = []
+        # only where it is asked about: a comm hook is a change to the user's DDP object
+        self.comm = CommCounter(model) if accumulate > 1 else None
+        self.watcher = ModuleWatcher(self.module)
         self._recording = False
         self._record_size: dict[bool, int] = {}
         self._buffer_prints: tuple[int, ...] = ()
         if any(True for _ in self.module.buffers()):
             self.module.register_forward_pre_hook(self._snapshot_buffers)
         self.initial: InitialState | None = None
-        self._bad_module: str | None = None
         self.info = self._describe(capacity)
 
     def _describe(self, capacity: int) -> JobInfo:
@@ -181,9 +180,10 @@ class Job:
         if self.step_count == 0 and self.initial is None:
             self.initial = self._initial_state()  # what every rank starts from
         self.optimizer.zero_grad(set_to_none=True)
-        self._bad_module = None
+        self.watcher.reset()
         self._recording, self._buffer_prints = record, ()
-        self._comm = [0, 0]
+        if self.comm is not None:
+            self.comm.reset()
         loss, indices, epoch, (data_s, forward_s, backward_s) = self._accumulate()
         t3 = self._now()
         lr = self.optimizer.param_groups[0].get("lr")
@@ -197,7 +197,7 @@ class Job:
         t5 = self._now()
         params = self._param_fields() if record else {}
         t6 = self._now()
-        counted = self._comm_counted
+        counted = self.comm is not None and self.comm.installed
         rec = StepRecord(
             step=self.step_count,
             time=time.time(),
@@ -210,10 +210,10 @@ class Job:
             indices=indices,
             epoch=epoch,
             epoch_starts=self._epoch_starts,
-            nonfinite_module=self._bad_module,
+            nonfinite_module=self.watcher.first_bad,
             micro_batches=self.accumulate,
-            comm_calls=self._comm[0] if counted else None,
-            comm_bytes=self._comm[1] if counted else None,
+            comm_calls=self.comm.calls if counted else None,
+            comm_bytes=self.comm.bytes if counted else None,
             **grads,
             **params,
         )
@@ -248,24 +248,6 @@ class Job:
             indices.extend(int(i) for i in self.indices(batch))
         self._epoch_starts = tuple(starts)
         return math.fsum(losses) / len(losses), tuple(indices), epoch, times
-
-    def _count_communication(self) -> bool:
-        """Count DDP's gradient all-reduces (calls, bytes) with a comm hook that does what
-        DDP does by default; False when the model is not DDP or has a hook already."""
-        if not hasattr(self.model, "register_comm_hook"):
-            return False
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        def counting_allreduce(state, bucket):
-            self._comm[0] += 1
-            self._comm[1] += bucket.buffer().numel() * bucket.buffer().element_size()
-            return default_hooks.allreduce_hook(state, bucket)
-
-        try:
-            self.model.register_comm_hook(None, counting_allreduce)
-        except RuntimeError:  # the user registered a hook of their own: leave it be
-            return False
-        return True
 
     def _buffer_bytes(self) -> int:
         """About what the record buffer holds: records x the size of the newest one
@@ -331,27 +313,10 @@ class Job:
             buffer_fingerprints=tuple(recorder.fingerprints([b for _, b in buffers])),
         )
 
-    # --- watching modules ---------------------------------------------------------------
     def watch_modules(self, on: bool) -> None:
-        """Check every module's forward output for inf/nan (costs ~20% of a step, so only
-        while asked): the step record then names the first module that produced one."""
-        if on and not self._watch_handles:
-            self._watch_handles = [
-                module.register_forward_hook(self._make_watcher(name))
-                for name, module in self.module.named_modules()
-                if name
-            ]
-        elif not on:
-            for handle in self._watch_handles:
-                handle.remove()
-            self._watch_handles = []
-
-    def _make_watcher(self, name: str):
-        def watcher(module, inputs, output):
-            if self._bad_module is None and not _all_finite(output):
-                self._bad_module = name
-
-        return watcher
+        """Name the first module with a non-finite output in each step's record (~20% of
+        a step, so only while asked)."""
+        self.watcher.watch(on)
 
     # --- looking closer -----------------------------------------------------------------
     def tensor(self, name: str, what: str = "grad") -> torch.Tensor | None:
@@ -381,15 +346,6 @@ class Job:
     def kept_steps(self) -> tuple[int, int]:
         """(first, last) step the buffer holds; (0, 0) when empty."""
         return (self.records[0].step, self.records[-1].step) if self.records else (0, 0)
-
-
-def _all_finite(output) -> bool:
-    tensors = output if isinstance(output, (tuple, list)) else (output,)
-    return all(
-        bool(torch.isfinite(t).all())
-        for t in tensors
-        if isinstance(t, torch.Tensor) and t.is_floating_point()
-    )
 
 
 def _default_indices(batch) -> Iterable[int]:

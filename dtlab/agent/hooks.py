@@ -1,0 +1,80 @@
+"""Hooks dtlab puts on the user's model, each only while it is asked for.
+
+- :class:`ModuleWatcher`: forward hooks that name the first module whose output is not
+  finite (they cost ~20% of a demo step, so they are on only while watching);
+- :class:`CommCounter`: a DDP comm hook that counts the gradient all-reduces (calls,
+  bytes) and then does what DDP does by default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ModuleWatcher:
+    """``first_bad``: the first module (by name) with an inf/nan output since ``reset``."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.handles: list = []
+        self.first_bad: str | None = None
+
+    def reset(self) -> None:
+        self.first_bad = None
+
+    def watch(self, on: bool) -> None:
+        if on and not self.handles:
+            self.handles = [
+                module.register_forward_hook(self._hook(name))
+                for name, module in self.model.named_modules()
+                if name
+            ]
+        elif not on:
+            for handle in self.handles:
+                handle.remove()
+            self.handles = []
+
+    def _hook(self, name: str):
+        def check(module, inputs, output):
+            if self.first_bad is None and not _all_finite(output):
+                self.first_bad = name
+
+        return check
+
+
+def _all_finite(output) -> bool:
+    tensors = output if isinstance(output, (tuple, list)) else (output,)
+    return all(
+        bool(torch.isfinite(t).all())
+        for t in tensors
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    )
+
+
+class CommCounter:
+    """Counts DDP's gradient all-reduces; ``installed`` is False when the model is not DDP
+    or already has a comm hook of its own (DDP allows one)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.calls = 0
+        self.bytes = 0
+        self.installed = self._install(model)
+
+    def reset(self) -> None:
+        self.calls = self.bytes = 0
+
+    def _install(self, model: torch.nn.Module) -> bool:
+        if not hasattr(model, "register_comm_hook"):
+            return False
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def counting_allreduce(state, bucket):
+            self.calls += 1
+            self.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+            return default_hooks.allreduce_hook(state, bucket)
+
+        try:
+            model.register_comm_hook(None, counting_allreduce)
+        except RuntimeError:  # the user registered a hook of their own: leave it be
+            return False
+        return True
