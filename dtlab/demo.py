@@ -24,4 +24,6 @@ def attach(
     from dtlab.control import lifecycle
 
     session = session or lifecycle.current()
-    return session.run(_attach_on_rank, ddp, record, lr, dict(config))
+    infos = session.run(_attach_on_rank, ddp, record, lr, dict(config))
+    session.set_job_setup(_attach_on_rank, ddp, record, lr, dict(config))  # fresh engines
+    return infos

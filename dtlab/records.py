@@ -189,6 +189,11 @@ class StepRecord:
     micro_batches: int = 1  # gradient accumulation: forward/backward passes in this step
     comm_calls: int | None = None  # DDP gradient all-reduces in this step (when counted)
     comm_bytes: int | None = None
+    # ((generator, fingerprint), ...) of every RNG as the step began (dtlab.agent.rng)
+    rng: tuple[tuple[str, int], ...] = ()
+    # while outputs are recorded: ((module, fingerprint of its output), ...) in the order
+    # modules finished their forward (every micro-batch)
+    module_outputs: tuple[tuple[str, int], ...] = ()
 
     @property
     def detailed(self) -> bool:
@@ -198,7 +203,7 @@ class StepRecord:
     def summary(self) -> StepRecord:
         """This record without the per-parameter tuples (what travels every step)."""
         return replace(self, grad_norms=(), grad_fingerprints=(), param_fingerprints=(),
-                       nonfinite=(), buffer_fingerprints=())  # fmt: skip
+                       nonfinite=(), buffer_fingerprints=(), module_outputs=())  # fmt: skip
 
 
 def combine_fingerprints(fingerprints: tuple[int, ...]) -> int:
@@ -270,4 +275,6 @@ def step_record_from_dict(data: dict) -> tuple[int, StepRecord]:
     for name, value in fields.items():
         if isinstance(value, list):
             fields[name] = tuple(value)
+    for pairs in ("rng", "module_outputs"):
+        fields[pairs] = tuple((str(name), int(value)) for name, value in fields.get(pairs, ()))
     return rank, StepRecord(**fields)

@@ -50,11 +50,15 @@ class DemoConfig:
     batch_size: int = 8  # per rank
     num_samples: int = 4096
     seed: int = 0
+    # residual dropout: steps then draw from torch's RNG, which a resume must restore
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_FIELDS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         if self.num_shared_experts < 0:
             raise ValueError(f"num_shared_experts={self.num_shared_experts} must be >= 0")
         if self.dim % self.num_heads or (self.dim // self.num_heads) % 2:
@@ -168,10 +172,11 @@ class Block(nn.Module):
         else:
             # As wide as the experts a token passes through in the MoE block: same compute.
             self.ffn = SwiGLU(c.dim, c.expert_dim * (c.top_k + c.num_shared_experts))
+        self.dropout = c.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.ffn(self.ffn_norm(x))
+        x = x + F.dropout(self.attn(self.attn_norm(x)), self.dropout, self.training)
+        return x + F.dropout(self.ffn(self.ffn_norm(x)), self.dropout, self.training)
 
 
 class DemoLM(nn.Module):

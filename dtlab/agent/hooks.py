@@ -2,6 +2,9 @@
 
 - :class:`ModuleWatcher`: forward hooks that name the first module whose output is not
   finite (they cost ~20% of a demo step, so they are on only while watching);
+- :class:`OutputRecorder`: forward hooks that fingerprint every module's output, in the
+  order modules finish (for bisection: which module's output first differs between a run
+  and its replay); ~10-20% of a step, so only while asked for;
 - :class:`CommCounter`: a DDP comm hook that counts the gradient all-reduces (calls,
   bytes) and then does what DDP does by default.
 """
@@ -49,6 +52,39 @@ def _all_finite(output) -> bool:
         for t in tensors
         if isinstance(t, torch.Tensor) and t.is_floating_point()
     )
+
+
+class OutputRecorder:
+    """``prints``: ``[(module name, fingerprint of its output), ...]`` since ``reset``."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.handles: list = []
+        self.prints: list[tuple[str, int]] = []
+
+    def reset(self) -> None:
+        self.prints = []
+
+    def record(self, on: bool) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if on:  # (re-)registered last, so they see outputs after other hooks changed them
+            self.handles = [
+                module.register_forward_hook(self._hook(name))
+                for name, module in self.model.named_modules()
+                if name
+            ]
+
+    def _hook(self, name: str):
+        from dtlab.agent.recorder import fingerprints
+
+        def keep(module, inputs, output):
+            tensors = output if isinstance(output, (tuple, list)) else (output,)
+            prints = fingerprints([t for t in tensors if isinstance(t, torch.Tensor)])
+            self.prints.append((name, hash(tuple(prints)) & ((1 << 63) - 1)))
+
+        return keep
 
 
 class CommCounter:

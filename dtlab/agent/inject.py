@@ -126,6 +126,55 @@ def skip_set_epoch() -> None:
     current().on_epoch = None
 
 
+def corrupt_once(module: str, step: int, *, amount: float = 1e-2) -> None:
+    """Add ``amount`` to ``module``'s forward output at ``step`` only, once (a transient
+    fault such as silent data corruption: a replay of that step does not meet it)."""
+    job = current()
+    target = _named(dict(job.module.named_modules()), module, "module")
+    fired = []
+
+    def corrupt(mod, inputs, output):
+        if job.step_count + 1 == step and not fired:
+            fired.append(step)
+            return output + amount
+        return output
+
+    target.register_forward_hook(corrupt)
+
+
+def checkpoint_without(*parts: str) -> None:
+    """Leave ``parts`` out of this rank's checkpoints, as a hand-written save might forget
+    them: any of "model", "optimizer", "scheduler", "scaler", "data", "python", "numpy",
+    "torch", "cuda" (the last four are RNGs). No parts: save everything again."""
+    from dtlab.agent import checkpoint
+
+    unknown = set(parts) - set(checkpoint.PARTS)
+    if unknown:
+        raise ValueError(f"unknown parts {sorted(unknown)}; parts are {list(checkpoint.PARTS)}")
+    checkpoint.omitted.clear()
+    checkpoint.omitted.update(parts)
+
+
+def stall_save(seconds: float) -> None:
+    """Wait ``seconds`` after writing this rank's files and before the checkpoint is
+    committed (time to kill the rank mid-save); 0 stops it."""
+    from dtlab.agent import checkpoint
+
+    checkpoint.before_commit = (lambda: time.sleep(seconds)) if seconds else None
+
+
+def limit_file_size(num_bytes: int | None) -> None:
+    """Make every write past ``num_bytes`` in a file fail here with "File too large"
+    (RLIMIT_FSIZE), as a disk that fills mid-save does; None lifts the limit."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing us
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    limit = resource.RLIM_INFINITY if num_bytes is None else num_bytes
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+
+
 def _named(found: dict, name: str, what: str):
     if name not in found:
         close = [n for n in found if name.split(".")[-1] in n][:5]

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from dtlab.agent import recorder
-from dtlab.agent.hooks import CommCounter, ModuleWatcher
+from dtlab.agent import recorder, rng
+from dtlab.agent.hooks import CommCounter, ModuleWatcher, OutputRecorder
 from dtlab.records import (
     InitialState,
     JobInfo,
@@ -121,12 +121,16 @@ class Job:
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=capacity)
         self.step_count = 0
         self.epoch = 0
+        self.offset = 0  # batches drawn in this epoch (the data position a checkpoint keeps)
         self._iterator = iter(data)
         self.accumulate = accumulate
         self.no_sync = no_sync
         # only where it is asked about: a comm hook is a change to the user's DDP object
         self.comm = CommCounter(model) if accumulate > 1 else None
         self.watcher = ModuleWatcher(self.module)
+        self.outputs = OutputRecorder(self.module)
+        self.recording_outputs = False
+        self.autosave: tuple[str, int] | None = None  # (checkpoint root, every k steps)
         self._recording = False
         self._record_size: dict[bool, int] = {}
         self._buffer_prints: tuple[int, ...] = ()
@@ -155,19 +159,36 @@ class Job:
 
     def _next_batch(self):
         try:
-            return next(self._iterator)
+            batch = next(self._iterator)
         except StopIteration:
-            self.epoch += 1
-            if self.on_epoch is not None:
-                self.on_epoch(self.epoch)
-            self._iterator = iter(self.data)
+            self._start_epoch(self.epoch + 1)
             try:
-                return next(self._iterator)
+                batch = next(self._iterator)
             except StopIteration:
                 raise RuntimeError(
                     "the data yields no batch (an empty dataset, or a DistributedSampler "
                     "with drop_last and fewer samples than ranks x batch size)"
                 ) from None
+        self.offset += 1
+        return batch
+
+    def _start_epoch(self, epoch: int) -> None:
+        self.epoch, self.offset = epoch, 0
+        if self.on_epoch is not None:
+            self.on_epoch(epoch)
+        self._iterator = iter(self.data)
+
+    def seek(self, epoch: int, offset: int) -> None:
+        """Put the data position at batch ``offset`` of pass ``epoch`` (a restored
+        checkpoint's). Skips by drawing batches: an iterator cannot jump."""
+        self._start_epoch(epoch)
+        for _ in range(offset):
+            if next(self._iterator, None) is None:
+                raise ValueError(
+                    f"the data has fewer than {offset} batches in epoch {epoch}: it is not "
+                    "the data the checkpoint was taken with"
+                )
+        self.offset = offset
 
     def _now(self) -> float:
         if self.device.type == "cuda":  # kernels run asynchronously; time them, not launches
@@ -181,7 +202,9 @@ class Job:
             self.initial = self._initial_state()  # what every rank starts from
         self.optimizer.zero_grad(set_to_none=True)
         self.watcher.reset()
+        self.outputs.reset()
         self._recording, self._buffer_prints = record, ()
+        rngs = rng.fingerprints() if record else ()  # before the step draws from them
         if self.comm is not None:
             self.comm.reset()
         loss, indices, epoch, (data_s, forward_s, backward_s) = self._accumulate()
@@ -214,6 +237,8 @@ class Job:
             micro_batches=self.accumulate,
             comm_calls=self.comm.calls if counted else None,
             comm_bytes=self.comm.bytes if counted else None,
+            rng=rngs,
+            module_outputs=tuple(self.outputs.prints) if self.recording_outputs else (),
             **grads,
             **params,
         )
@@ -317,6 +342,11 @@ class Job:
         """Name the first module with a non-finite output in each step's record (~20% of
         a step, so only while asked)."""
         self.watcher.watch(on)
+
+    def record_outputs(self, on: bool) -> None:
+        """Fingerprint every module's forward output in each step's record (for bisection)."""
+        self.recording_outputs = on
+        self.outputs.record(on)
 
     # --- looking closer -----------------------------------------------------------------
     def tensor(self, name: str, what: str = "grad") -> torch.Tensor | None:

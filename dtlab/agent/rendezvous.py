@@ -151,9 +151,12 @@ def identity() -> Identity:
 
 
 def rank_namespace() -> dict:
-    """Names every rank's notebook namespace gets: rank, world_size, device, torch, dist."""
+    """Names every rank's notebook namespace gets: rank, world_size, device, torch, dist,
+    and dtlab itself (for ``dtlab.attach`` and ``dtlab.inject`` in ``%%dt`` cells)."""
     import torch
     import torch.distributed as dist
+
+    import dtlab
 
     plan: RankPlan = _state["plan"]
     return {
@@ -164,6 +167,7 @@ def rank_namespace() -> dict:
         "device": _state["device"],
         "torch": torch,
         "dist": dist,
+        "dtlab": dtlab,
     }
 
 

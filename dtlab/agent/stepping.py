@@ -8,8 +8,9 @@ run on the main thread *between* ipyparallel requests, never beside a ``%%dt`` c
 Protocol, one JSON frame per message, every message carries the session ``key``:
 
 - notebook -> rank: ``{"op": "run", "id", "steps", "until": {"kind", "value"} | null,
-  "record": bool | null, "report_s", "agree_every", "regroup": bool, "watch": bool}``
-  (watch: name the first module with a non-finite output; on for ``--until nonfinite``) and
+  "record": bool | null, "report_s", "agree_every", "regroup": bool, "watch": bool,
+  "outputs": bool}`` (watch: name the first module with a non-finite output; on for
+  ``--until nonfinite``; outputs: fingerprint every module's output) and
   ``{"op": "pause"}``;
 - rank -> notebook: ``{"kind": "hello" | "progress" | "done" | "error", "id", "rank",
   "step", "attach", "records": [one steps.jsonl line per step, a summary],
@@ -24,6 +25,7 @@ after the same step, and "diverged" means the fingerprints were not all equal.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import signal
@@ -201,6 +203,7 @@ class StepServer:
         from zmq.eventloop.zmqstream import ZMQStream
 
         self.key = key
+        self.token = hashlib.sha256(key.encode()).hexdigest()[:8]  # names, not the secret
         self.rank = rank
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, str(rank).encode())
@@ -263,11 +266,13 @@ class StepServer:
                 state.until is not None and state.until.kind == "nonfinite"
             )
             job.watch_modules(watch)
+            job.record_outputs(bool(msg.get("outputs")))
             try:
                 with _interruptible():
                     self._loop(job, state)
             finally:
                 job.watch_modules(False)
+                job.record_outputs(False)
             self._report("done", state, job, stopped=state.stopped, hit=state.hit)
         except BaseException as e:  # KeyboardInterrupt too: it must not reach the event loop
             self._fail(e, job, state, msg.get("id"))
@@ -278,6 +283,10 @@ class StepServer:
             state.index = index
             rec = job.step(state.record)
             state.pending.append(rec)
+            if job.autosave is not None and job.step_count % job.autosave[1] == 0:
+                from dtlab.agent.checkpoint import save  # every rank: the same step
+
+                save(job.autosave[0], f"auto-{self.token}-{state.msg_id}", tag="auto")
             state.hit = condition_holds(state.until, rec)
             if state.must_agree(index):
                 pause = self._pause_asked()

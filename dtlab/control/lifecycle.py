@@ -65,6 +65,24 @@ def launch(config: LaunchConfig, progress: Progress, *, restart: bool = False) -
     return _current
 
 
+def renew(session: Session, progress: Progress) -> Session:
+    """Replace every engine of ``session`` with a fresh process (same config, same world
+    size) and rejoin them; the Session object stays the one the user holds."""
+    global _current
+    if session._stepper is not None:
+        session._stepper.close()
+        session._stepper = None
+    if not session.closed:
+        session.engines.stop()
+    fresh = start(session.config, progress)
+    for name in ("engines", "rank_map", "facts", "infos", "_stuck"):
+        setattr(session, name, getattr(fresh, name))
+    session.closed = False
+    session.calls += 1  # the job attached before lives no more
+    _current = session
+    return session
+
+
 def _reusable(session: Session, config: LaunchConfig) -> bool:
     if session.config.engine_settings() != config.engine_settings():
         return False

@@ -16,10 +16,12 @@ from typing import Any
 from dtlab.analysis.consistency import Inconsistency, find_inconsistencies
 from dtlab.analysis.ranks import label_ranks, parse_rank_spec
 from dtlab.control.calls import gather
+from dtlab.control.checkpointing import CheckpointMixin
 from dtlab.control.cluster import EngineCluster
 from dtlab.control.config import LaunchConfig
 from dtlab.control.errors import DtlabError, RankError
 from dtlab.control.rankmap import RankMap
+from dtlab.control.replays import ReplayMixin
 from dtlab.control.training import TrainingMixin
 from dtlab.records import CellOutput, EngineFacts, RankInfo, RemoteFailure
 
@@ -31,7 +33,7 @@ STATUS_SETTLE_TRIES = 4
 STATUS_SETTLE_S = 0.05
 
 
-class Session(TrainingMixin):
+class Session(TrainingMixin, CheckpointMixin, ReplayMixin):
     """N torch.distributed ranks living in ipyparallel engines.
 
     Use ``run``/``execute``/``pull``/``push`` to work on the ranks and ``shutdown`` (or a

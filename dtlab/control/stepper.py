@@ -86,6 +86,7 @@ class Stepper:
         self._calls_seen = -1  # session.calls when the attached job was last looked at
         self._regroup = False  # the last run failed: ranks rebuild their control group
         self.watch_modules = False  # name the first module with a non-finite output
+        self.record_outputs = False  # fingerprint every module's output (bisection)
         self.interrupted = False  # a run was ended by SIGINT: collectives may hang on
 
     # --- connecting and tracing --------------------------------------------------------
@@ -134,6 +135,22 @@ class Stepper:
             meta = {"backend": self.session.backend}
             self.trace = Trace(infos, folder=new_run_folder(), meta=meta)
             self.attach_counts = counts
+
+    @contextmanager
+    def tracing(self, trace: Trace):
+        """Records of the runs inside go to ``trace`` (a replay's), not the job's own."""
+        old, self.trace = self.trace, trace
+        try:
+            yield trace
+        finally:
+            self.trace = old
+
+    def new_trace(self, **meta) -> None:
+        """Start the job's trace afresh (a checkpoint was loaded: a new timeline)."""
+        self._sync_job()
+        self.trace.close()
+        self.trace = Trace(self.trace.jobs, folder=new_run_folder(),
+                           meta={"backend": self.session.backend, **meta})  # fmt: skip
 
     def close(self) -> None:
         if self.trace is not None:
@@ -202,6 +219,7 @@ class Stepper:
             "agree_every": self._agree_every(),
             "regroup": self._regroup,
             "watch": self.watch_modules,
+            "outputs": self.record_outputs,
         }
         unreachable = self.channel.send(self.session.ranks, message)
         self.busy.update({r: run.id for r in self.session.ranks})

@@ -80,3 +80,29 @@ def checks_table(results: Sequence) -> Table:
         for r in results
     )
     return Table("checks", ("check", "verdict", "looked at", "why"), rows)
+
+
+def checkpoints_table(infos: Sequence) -> Table:
+    """``dt.checkpoints()`` as a table: complete ones, and what is wrong with the others."""
+    rows = tuple(
+        (str(c.step), c.status, "-" if c.loss is None else f"{c.loss:.4f}",
+         f"{c.size_bytes / 2**20:.1f} MiB", label_ranks(c.ranks) if c.ranks else "-",
+         c.tag or "", c.path.name, c.problem or "")
+        for c in infos
+    )  # fmt: skip
+    notes = () if infos else ("no checkpoint yet: %dt_checkpoint saves one",)
+    headers = ("step", "status", "loss", "size", "written by", "tag", "folder", "problem")
+    return Table("checkpoints", headers, rows, notes)
+
+
+def replay_summary(result) -> str:
+    """One paragraph for ``dt.replay``: identical or where it first differs, and speed."""
+    head = (f"replayed steps {result.first_step}-{result.last_step} from the checkpoint of "
+            f"step {result.checkpoint.step}: ")  # fmt: skip
+    text = head + ("identical to the original run" if result.identical
+                   else result.comparison.summary())  # fmt: skip
+    if result.original_step_s and result.replay_step_s:
+        ratio = result.replay_step_s / result.original_step_s
+        text += (f" (median step {result.replay_step_s * 1e3:.1f} ms, the original "
+                 f"{result.original_step_s * 1e3:.1f} ms: {ratio:.2f}x)")  # fmt: skip
+    return text

@@ -1,0 +1,202 @@
+"""Checkpoints of the attached job, as the notebook drives them. Mixed into Session.
+
+``dt.checkpoint()`` / ``%dt_checkpoint`` save now, ``dt.checkpoint_every(k)`` during runs,
+``dt.checkpoints()`` lists them (a partial or corrupt one is marked, never loaded),
+``dt.load_checkpoint(step)`` rewinds the job. Ranks write and read their own parts
+(:mod:`dtlab.agent.checkpoint`, :mod:`dtlab.agent.restore`); the notebook only names the
+folder, lists the catalogue (:mod:`dtlab.checkpoint_format`) and reports.
+
+The checkpoint root is ``$DTLAB_CHECKPOINT_DIR``, else ``<runs dir>/checkpoints``; with
+ranks on several hosts it must be a filesystem every host and the notebook share.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dtlab.checkpoint_format import CheckpointInfo, catalogue, describe
+from dtlab.control.errors import DtlabError, RankError
+from dtlab.trace import RUNS_DIR_ENV
+
+CHECKPOINT_DIR_ENV = "DTLAB_CHECKPOINT_DIR"
+CHECKPOINT_TIMEOUT_S = 900.0  # a save is collective: a dead rank must not hold it forever
+
+
+class CheckpointFailed(DtlabError):
+    """A checkpoint was not written, or was refused; the job is as it was."""
+
+
+# --- on the ranks ---------------------------------------------------------------------
+def _save(root: str, token: str, tag: str | None) -> dict:
+    from dtlab.agent.checkpoint import save
+
+    return save(root, token, tag=tag)
+
+
+def _load(path: str) -> dict:
+    from dtlab.agent.restore import load
+
+    return load(path)
+
+
+def _set_autosave(root: str | None, every: int | None) -> None:
+    from dtlab.agent.job import current
+
+    current().autosave = (root, every) if every else None
+
+
+def _stash(on: bool) -> None:
+    """Put the rank's step records aside (a replay's records must not mix with them)."""
+    import collections
+
+    from dtlab.agent.job import current
+
+    job = current()
+    if on:
+        job.stashed_records, job.records = job.records, collections.deque(maxlen=job.records.maxlen)
+    else:
+        job.records = job.stashed_records
+
+
+def _records(first: int, last: int) -> list:
+    """The full records of steps first..last the rank's buffer still holds."""
+    from dtlab.agent.job import current
+
+    return [r for r in current().records if first <= r.step <= last]
+
+
+def _set_up(setup: Callable, args: tuple) -> Any:
+    return setup(*args)
+
+
+class CheckpointMixin:
+    """Checkpoint control for a Session (needs ``run``, ``stepper``, ``require_trace``)."""
+
+    job_setup: tuple[Callable | str, tuple] | None = None
+    _checkpoint_root: Path | None = None
+
+    # --- where ------------------------------------------------------------------------
+    @property
+    def checkpoint_root(self) -> Path:
+        if self._checkpoint_root is not None:
+            return self._checkpoint_root
+        env = os.environ.get(CHECKPOINT_DIR_ENV)
+        base = Path(env) if env else Path(os.environ.get(RUNS_DIR_ENV) or "runs") / "checkpoints"
+        return base.absolute()
+
+    @checkpoint_root.setter
+    def checkpoint_root(self, path: str | os.PathLike) -> None:
+        self._checkpoint_root = Path(path).absolute()
+
+    # --- save ---------------------------------------------------------------------------
+    def checkpoint(self, tag: str | None = None) -> CheckpointInfo:
+        """Save the job's full state now, on every rank; the checkpoint exists only when
+        every rank wrote its part (else CheckpointFailed, earlier ones untouched)."""
+        self.stepper._sync_job()  # a job must be attached; also starts the trace
+        root = self.checkpoint_root
+        saved = self._on_ranks(_save, str(root), secrets.token_hex(4), tag, what="save")
+        return describe(Path(saved[0]["path"]))
+
+    def checkpoint_every(self, steps: int | None) -> None:
+        """Save every ``steps`` steps during runs (None or 0: stop). A failed save stops
+        the run with its error; the job stays as it was after the step."""
+        if steps is not None and steps < 0:
+            raise ValueError(f"steps must be positive (or 0/None to stop), got {steps}")
+        self.run(_set_autosave, str(self.checkpoint_root), steps or None)
+
+    def checkpoints(self, *, verify: bool = False) -> list[CheckpointInfo]:
+        """Every checkpoint under the root, oldest step first. ``verify`` reads each file
+        for its CRC-32 (else sizes only)."""
+        return catalogue(self.checkpoint_root, verify=verify)
+
+    # --- load -------------------------------------------------------------------------
+    def find_checkpoint(self, which: int | str | os.PathLike = "latest") -> CheckpointInfo:
+        """A checkpoint by step (the newest of that step), ``"latest"``, or path."""
+        found = self.checkpoints()
+        if which == "latest":
+            done = [c for c in found if c.status != "partial"]
+            if not done:
+                raise CheckpointFailed(f"no checkpoint under {self.checkpoint_root} yet: "
+                                       "take one with %dt_checkpoint")  # fmt: skip
+            return max(done, key=lambda c: (c.step, c.created))
+        if isinstance(which, int):
+            same = [c for c in found if c.step == which and c.status != "partial"]
+            if not same:
+                steps = sorted({c.step for c in found if c.ok})
+                raise CheckpointFailed(f"no checkpoint of step {which}; complete ones: "
+                                       f"steps {steps or 'none'}")  # fmt: skip
+            return max(same, key=lambda c: c.created)
+        info = describe(Path(which))
+        if info is None:
+            raise CheckpointFailed(f"{which} is not a dtlab checkpoint folder")
+        return info
+
+    def load_checkpoint(self, which: int | str | os.PathLike = "latest") -> dict:
+        """Rewind the job to a checkpoint on every rank (a new trace starts there).
+        A partial, corrupt or foreign checkpoint is refused and the job is unchanged."""
+        info = self.find_checkpoint(which)
+        result = self._load_into_job(info)
+        self.stepper.new_trace(resumed_from=str(info.path), step=info.step)
+        return result
+
+    def _load_into_job(self, info: CheckpointInfo) -> dict:
+        if info.status == "partial":
+            raise CheckpointFailed(f"{info.path} is partial ({info.problem}): "
+                                   f"{self._previous_good(info)}")  # fmt: skip
+        self.stepper._sync_job()
+        try:
+            loaded = self._on_ranks(_load, str(info.path), what="load")
+        except CheckpointFailed as e:
+            raise CheckpointFailed(f"{e}. {self._previous_good(info)}") from None
+        missing: dict[str, list[int]] = {}
+        for rank, said in sorted(loaded.items()):
+            for part in said["missing"]:
+                missing.setdefault(part, []).append(rank)
+        return loaded[0] | {"path": str(info.path), "ranks": loaded, "missing": missing}
+
+    def _previous_good(self, bad: CheckpointInfo) -> str:
+        good = [c for c in self.checkpoints() if c.ok and c.path != bad.path
+                and (c.step, c.created) < (bad.step, bad.created)]  # fmt: skip
+        if not good:
+            return "there is no earlier complete checkpoint"
+        step = good[-1].step
+        return f"the previous complete one is step {step}: dt.load_checkpoint({step})"
+
+    def _on_ranks(self, fn: Callable, *args, what: str) -> dict:
+        try:
+            return self.run(fn, *args, timeout=CHECKPOINT_TIMEOUT_S)
+        except RankError as e:
+            said = list(dict.fromkeys(f.evalue for f in e.failures.values()))
+            if said and all(f.ename == "CheckpointError" for f in e.failures.values()):
+                raise CheckpointFailed(" / ".join(said)) from None
+            raise
+
+    # --- building the job on fresh engines ---------------------------------------------
+    def set_job_setup(self, setup: Callable | str, *args) -> None:
+        """How to build and attach the job on every rank (a function called with ``args``
+        on each rank, or the source of a %%dt cell); used where dtlab needs the job on
+        fresh engines (``dt.resume_check``). ``%dt_demo`` sets it for the demo job."""
+        if not (callable(setup) or isinstance(setup, str)):
+            raise TypeError("setup must be a function run on every rank, or %%dt cell source")
+        self.job_setup = (setup, args)
+
+    def set_up_job(self) -> None:
+        if self.job_setup is None:
+            raise DtlabError(
+                "dtlab does not know how to build your job on fresh engines: call "
+                "dt.set_job_setup(fn) with a function that attaches it on every rank "
+                "(or pass fresh=False to check on the live engines)"
+            )
+        setup, args = self.job_setup
+        if isinstance(setup, str):
+            self.execute(setup)
+        else:
+            self.run(_set_up, setup, args)
+
+    def remove_checkpoint(self, info: CheckpointInfo) -> None:
+        shutil.rmtree(info.path, ignore_errors=True)

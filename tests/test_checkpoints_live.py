@@ -1,0 +1,169 @@
+"""Checkpoints on live ranks: bit-identical resume, a forgotten RNG named, corrupt and
+partial checkpoints refused, resharding 4 -> 2 ranks, a full disk, a rank killed mid-save,
+and bisection naming an injected fault's step and module."""
+
+import glob
+import math
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import dtlab
+from dtlab import demo
+from dtlab.control.checkpointing import CheckpointFailed
+from dtlab.control.errors import RankError
+from tests.conftest import quiet
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def dt(live4, tmp_path):
+    live4.checkpoint_root = tmp_path / "checkpoints"
+    demo.attach(live4, dropout=0.1, num_samples=512)  # dropout: steps draw from torch's RNG
+    yield live4
+    live4.record_outputs(False)
+
+
+def mean_loss(session, step):
+    recs = session.trace.at(step)
+    return math.fsum(r.loss for r in recs.values()) / len(recs)
+
+
+def test_resume_on_fresh_engines_is_bit_identical(dt):
+    dt.step(5)
+    pids_before = set(dt.pids())
+    report = dt.resume_check(10)
+    assert report.identical, report.summary()
+    assert report.comparison.steps == tuple(range(6, 16))
+    assert report.loaded["missing"] == {}
+    assert {"model", "optimizer", "scheduler", "data", "torch", "python"} <= set(
+        report.loaded["restored"]
+    )
+    assert not pids_before & set(dt.pids()), "fresh engines must be new processes"
+    assert dt.trace.last_step == 15  # the job goes on from the resumed state
+    (saved,) = [c for c in dt.checkpoints() if c.tag == "resume-check"]
+    assert saved.ok and saved.step == 5 and saved.ranks == (0, 1, 2, 3)
+
+
+def test_a_forgotten_rng_is_caught_and_named(dt):
+    dt.step(3)
+    dt.execute("dtlab.inject.checkpoint_without('torch')", ranks=[3])
+    report = dt.resume_check(4)
+    first = report.comparison.first
+    assert not report.identical
+    assert (first.field, first.ranks, first.step) == ("rng:torch", (3,), 4)
+    assert "torch CPU RNG" in first.explanation and "rank 3" in first.explanation
+    assert report.loaded["missing"] == {"torch": [3]}
+    assert "lacks torch (rank 3)" in report.summary()
+
+
+def test_truncated_and_corrupted_checkpoints_are_refused(dt):
+    dt.step(2)
+    good = dt.checkpoint()
+    dt.step(2)
+    bad = dt.checkpoint()
+    loss_after_good = mean_loss(dt, 3)
+    victim = sorted(bad.path.glob("__1_*.distcp"))[0]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointFailed, match=r"rank 1's file .*__1_0\.distcp has \d+ bytes"):
+        dt.load_checkpoint(bad.step)
+    assert "corrupt" == {c.path: c for c in dt.checkpoints()}[bad.path].status
+    victim.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])  # same size
+    with pytest.raises(CheckpointFailed, match=r"CRC-32 .* the manifest says") as refused:
+        dt.load_checkpoint(bad.step)
+    assert f"dt.load_checkpoint({good.step})" in str(refused.value)
+    assert dt.trace.last_step == 4  # refused: the job did not move
+    dt.load_checkpoint(good.step)
+    dt.step(1)
+    assert mean_loss(dt, 3) == loss_after_good  # replayed from the good one, bit for bit
+
+
+def test_a_checkpoint_of_another_model_is_refused(dt):
+    dt.step(1)
+    saved = dt.checkpoint()
+    demo.attach(dt, num_layers=3)
+    with pytest.raises(CheckpointFailed, match="from another model .*blocks.3"):
+        dt.load_checkpoint(saved.step)
+
+
+def test_resharding_4_ranks_onto_2_keeps_the_loss(live4, tmp_path):
+    root = tmp_path / "checkpoints"
+    live4.checkpoint_root = root
+    demo.attach(live4, num_samples=512)  # 4 ranks x 8 samples a step
+    live4.step(3)
+    saved = live4.checkpoint()
+    live4.step(2)
+    expected = [mean_loss(live4, s) for s in (4, 5)]
+    two = dtlab.launch(2, progress=quiet)
+    two.checkpoint_root = root
+    demo.attach(two, num_samples=512, batch_size=16)  # 2 x 16: the same samples a step
+    loaded = two.load_checkpoint(saved.step)
+    assert "world size 4 -> 2" in loaded["notes"][0]
+    two.step(2)
+    got = [mean_loss(two, s) for s in (4, 5)]
+    assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_a_full_disk_on_one_rank_fails_the_save_and_loses_nothing(dt):
+    dt.step(1)
+    good = dt.checkpoint()
+    dt.execute("dtlab.inject.limit_file_size(64 * 1024)", ranks=[2])
+    try:
+        with pytest.raises(CheckpointFailed, match=r"rank 2: .*came up short: a full disk"):
+            dt.checkpoint()
+    finally:
+        dt.execute("dtlab.inject.limit_file_size(None)", ranks=[2])
+    assert [c.step for c in dt.checkpoints()] == [good.step]  # no partial left behind
+    dt.step(1)  # the job goes on
+    assert dt.trace.last_step == 2
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(dt, tmp_path):
+    dt.step(2)
+    good = dt.checkpoint()
+    dt.step(1)
+    dt.execute("dtlab.inject.stall_save(60)", ranks=[1])
+    pid = dt.run(os.getpid, ranks=[1])[1]
+    pattern = str(dt.checkpoint_root / ".partial-*" / "rank-1.pt")
+
+    def kill_when_written():
+        deadline = time.monotonic() + 60
+        while not glob.glob(pattern) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_written, daemon=True)
+    killer.start()
+    t0 = time.monotonic()
+    with pytest.raises(RankError):
+        dt.checkpoint()
+    assert time.monotonic() - t0 < 60
+    killer.join(5)
+    statuses = {c.step: c.status for c in dt.checkpoints()}
+    assert statuses == {good.step: "complete", good.step + 1: "partial"}
+    fresh = dtlab.launch(4, restart=True, progress=quiet)
+    fresh.checkpoint_root = dt.checkpoint_root
+    demo.attach(fresh, dropout=0.1, num_samples=512)
+    assert fresh.load_checkpoint("latest")["step"] == good.step
+    fresh.step(1)
+    assert fresh.trace.last_step == good.step + 1
+
+
+def test_bisect_finds_the_step_and_module_of_a_transient_fault(dt):
+    dt.record_outputs(True)
+    dt.step(3)
+    dt.checkpoint()
+    dt.execute("dtlab.inject.corrupt_once('blocks.1.ffn', step=6)", ranks=[2])
+    dt.step(5)
+    found = dt.bisect(3, 8)
+    assert found.step == 6, found.verdict
+    assert found.module == "blocks.1.ffn", found.verdict
+    assert found.ranks == (2,)
+    assert not found.nondeterministic
+    assert found.replay.replay_step_s is not None
+    assert dt.trace.last_step == 8  # the job is back where it was
