@@ -33,7 +33,6 @@ import torch
 
 from dtlab.agent import job as jobs
 from dtlab.agent import rng
-from dtlab.agent.recorder import fingerprints
 from dtlab.agent.rendezvous import identity
 from dtlab.checkpoint_format import (
     FORMAT,
@@ -45,7 +44,6 @@ from dtlab.checkpoint_format import (
     partial_name,
     write_atomic,
 )
-from dtlab.records import combine_fingerprints
 
 PARTS = ("model", "optimizer", "scheduler", "scaler", "data", *rng.NAMES)
 
@@ -145,15 +143,6 @@ def _extras(job, omit: set[str]) -> dict:
     return extras
 
 
-def _state_prints(job) -> dict[str, int]:
-    tensors, _ = _optimizer_split(job)
-    flat = [t for name in sorted(tensors) for _, t in sorted(tensors[name].items())]
-    return {
-        "model": combine_fingerprints(tuple(fingerprints(job.module.state_dict().values()))),
-        "optimizer": combine_fingerprints(tuple(fingerprints(flat))),
-    }
-
-
 def _safe_bytes(extras: dict, rank: int) -> bytes:
     """``extras`` as torch.save bytes, refused now if weights_only loading could not read
     them back (a scheduler holding a lambda object, say)."""
@@ -198,7 +187,6 @@ def save(root: str, token: str, *, tag: str | None = None) -> dict:
             if before_commit is not None:
                 before_commit()
             report["files"] = _describe_files(folder, me.rank)
-            report["prints"] = _state_prints(job)
             report["loss"] = job.records[-1].loss if job.records else None
             report["data"] = (
                 None
@@ -260,7 +248,7 @@ def _commit(root: Path, folder: Path, job, reports: list[dict], tag: str | None)
             "model": {"name": type(job.module).__name__,
                       "params": [[n, list(p.shape)] for n, p in job.module.named_parameters()]},
             "files": [f for r in reports for f in r["files"]],
-            "ranks": {str(r["rank"]): {"prints": r["prints"], "data": r["data"]} for r in reports},
+            "ranks": {str(r["rank"]): {"data": r["data"]} for r in reports},
         }  # fmt: skip
         write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
         fsync_dir(folder)

@@ -88,6 +88,13 @@ def _step_s(records: dict, first: int, last: int) -> float | None:
 class ReplayMixin:
     """Resume checks, replays and bisection (needs CheckpointMixin and TrainingMixin)."""
 
+    def checkpoint_browser(self, resume_steps: int = 10):
+        """The loss curve with a marker per checkpoint: select one and replay from it, or
+        check that resuming now is exact (an ipywidgets panel)."""
+        from dtlab.views.checkpoint_widgets import CheckpointBrowser  # a view, made lazily
+
+        return CheckpointBrowser(self, resume_steps=resume_steps)
+
     def record_outputs(self, on: bool = True) -> None:
         """While on, every step's record keeps a fingerprint of each module's forward
         output, so ``dt.bisect`` can name the module whose output first differed."""

@@ -61,8 +61,7 @@ class CheckpointMagics(Magics):
         if args.every is not None:
             session.checkpoint_every(args.every)
             print(f"saving every {args.every} steps" if args.every else "periodic saves off")
-            if args.every:
-                return
+            return
         saved = session.checkpoint(tag=args.tag)
         print(f"checkpoint of step {saved.step}: {saved.path} "
               f"({saved.size_bytes / 2**20:.1f} MiB, ranks {list(saved.ranks)})")  # fmt: skip
