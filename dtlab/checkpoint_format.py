@@ -5,14 +5,15 @@ neither torch nor a cluster. A checkpoint is one folder under the checkpoint roo
 
     step-0000040/                 complete: renamed into place only after every rank wrote
         manifest.json             step, loss, world size, model, every file with its
-                                  size, CRC-32 and writer rank, state fingerprints per rank
+                                  size, XXH3-64 checksum and writer rank, the data position
         .metadata, __R_0.distcp   model and optimizer tensors (torch.distributed.checkpoint)
         rank-R.pt                 RNGs, data position, scheduler, scaler, optimizer groups:
                                   tensors and plain data, read with weights_only=True
     .partial-step-0000050-TOKEN/  a save that has not finished (or never will): never loaded
 
-CRC-32 finds truncation and corruption (it is ~3x faster than SHA-256 here); it is not a
-defence against tampering: loading never unpickles arbitrary objects instead.
+The XXH3-64 checksum finds truncation and corruption at ~10 GB/s (CRC-32 runs at 3, SHA-256
+at 1.4 here); it is no defence against tampering: loading never unpickles arbitrary objects
+instead.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
+
+import xxhash
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -50,12 +52,17 @@ def final_name(root: Path, step: int) -> str:
     return name
 
 
-def file_crc32(path: str | os.PathLike) -> str:
-    crc = 0
+def checksum_text(value: int) -> str:
+    return f"{value:016x}"
+
+
+def file_checksum(path: str | os.PathLike) -> str:
+    """The XXH3-64 of a file's bytes, as 16 hex digits."""
+    hasher = xxhash.xxh3_64()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return f"{crc:08x}"
+            hasher.update(chunk)
+    return checksum_text(hasher.intdigest())
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -101,9 +108,9 @@ def file_problem(folder: Path, entry: dict, *, checksum: bool = True) -> str | N
     if size != entry["size"]:
         return f"{writer} has {size} bytes, the manifest says {entry['size']} (truncated?)"
     if checksum:
-        crc = file_crc32(path)
-        if crc != entry["crc32"]:
-            return f"{writer} has CRC-32 {crc}, the manifest says {entry['crc32']} (corrupted)"
+        found = file_checksum(path)
+        if found != entry["xxh3"]:
+            return f"{writer} has checksum {found}, the manifest says {entry['xxh3']} (corrupted)"
     return None
 
 

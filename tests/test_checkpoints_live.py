@@ -74,7 +74,7 @@ def test_truncated_and_corrupted_checkpoints_are_refused(dt):
         dt.load_checkpoint(bad.step)
     assert "corrupt" == {c.path: c for c in dt.checkpoints()}[bad.path].status
     victim.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])  # same size
-    with pytest.raises(CheckpointFailed, match=r"CRC-32 .* the manifest says") as refused:
+    with pytest.raises(CheckpointFailed, match=r"has checksum .* the manifest says") as refused:
         dt.load_checkpoint(bad.step)
     assert f"dt.load_checkpoint({good.step})" in str(refused.value)
     assert dt.trace.last_step == 4  # refused: the job did not move

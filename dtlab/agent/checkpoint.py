@@ -7,17 +7,18 @@ Save (:func:`save`, called on all ranks with the same arguments):
 2. everything else the step depends on (every RNG, the data position, scheduler,
    GradScaler, optimizer hyper-parameters, the step counter) -> ``rank-R.pt``, tensors
    and plain data only;
-3. each rank's files are fsynced and CRC-32'd; all ranks report (one all_gather);
+3. each rank's files are fsynced and checksummed (XXH3-64, as they are written); all
+   ranks report (one all_gather);
 4. rank 0 writes ``manifest.json`` and renames the partial folder into place, or
    removes it when any rank failed. Until that rename, the checkpoint does not exist.
 
-Load (:func:`load`): manifest -> same model? -> every file's size and CRC (shared out
+Load (:func:`load`): manifest -> same model? -> every file's size and checksum (shared out
 across ranks) -> all ranks agree -> tensors read into fresh memory -> all ranks agree ->
 only then is the job's state replaced. A refused checkpoint leaves the job as it was.
 
 Nothing is unpickled beyond tensors and plain data: ``rank-R.pt`` is read with
 ``weights_only=True`` and DCP's ``.metadata`` with an unpickler that knows only DCP's own
-metadata classes (:mod:`dtlab.agent.safe_dcp`).
+metadata classes (:mod:`dtlab.agent.dcp_io`).
 """
 
 from __future__ import annotations
@@ -30,15 +31,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import xxhash
 
 from dtlab.agent import job as jobs
 from dtlab.agent import rng
+from dtlab.agent.dcp_io import ChecksummingFileSystem
 from dtlab.agent.rendezvous import identity
 from dtlab.checkpoint_format import (
     FORMAT,
     MANIFEST,
     CheckpointError,
-    file_crc32,
+    checksum_text,
+    file_checksum,
     final_name,
     fsync_dir,
     partial_name,
@@ -182,11 +186,13 @@ def save(root: str, token: str, *, tag: str | None = None) -> dict:
     if not any(p["error"] for p in problems):
         try:
             writer = dcp.FileSystemWriter(str(folder), sync_files=True)
+            writer.fs = written = ChecksummingFileSystem()  # checksums without reading back
             dcp.save(state, storage_writer=writer, process_group=_group())  # raises on all
             write_atomic(folder / f"rank-{me.rank}.pt", extras)
             if before_commit is not None:
                 before_commit()
-            report["files"] = _describe_files(folder, me.rank)
+            written.sums[str(folder / f"rank-{me.rank}.pt")] = xxhash.xxh3_64_intdigest(extras)
+            report["files"] = _describe_files(folder, me.rank, written.sums)
             report["loss"] = job.records[-1].loss if job.records else None
             report["data"] = (
                 None
@@ -226,13 +232,19 @@ def _by_error(failed: list[dict]) -> list[str]:
             else f"rank {ranks[0]}: {t}" for t, ranks in texts.items()]  # fmt: skip
 
 
-def _describe_files(folder: Path, rank: int) -> list[dict]:
+def _describe_files(folder: Path, rank: int, sums: dict[str, int]) -> list[dict]:
+    """This rank's files with size and checksum (known from writing them; else read)."""
     names = [p.name for p in folder.iterdir() if p.name.startswith(f"__{rank}_")]
     names.append(f"rank-{rank}.pt")
     if rank == 0:
         names.append(".metadata")  # DCP's coordinator wrote it when dcp.save returned
-    return [{"name": n, "rank": rank, "size": (folder / n).stat().st_size,
-             "crc32": file_crc32(folder / n)} for n in sorted(names)]  # fmt: skip
+    files = []
+    for name in sorted(names):
+        path = folder / name
+        known = sums.get(str(path))
+        digest = checksum_text(known) if known is not None else file_checksum(path)
+        files.append({"name": name, "rank": rank, "size": path.stat().st_size, "xxh3": digest})
+    return files
 
 
 def _commit(root: Path, folder: Path, job, reports: list[dict], tag: str | None) -> str | None:

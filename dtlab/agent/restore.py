@@ -5,9 +5,12 @@ one rank is refused on all and no rank's job has changed:
 
 1. check: the manifest, the model (names and shapes), the world size (RNG streams are per
    rank; the data position is converted to another world size when batches allow), and
-   this rank's share of the files (size and CRC-32);
-2. read: the tensors into fresh memory (``torch.distributed.checkpoint``, any world size)
-   and this rank's ``rank-R.pt`` (``weights_only``);
+   this rank's share of the files (size and checksum), and read ``rank-R.pt``
+   (``weights_only``);
+2. read the tensors (``torch.distributed.checkpoint``, any world size) straight into the
+   model's parameters and the optimizer's state: only files that every rank has just
+   verified, so only an I/O error mid-read can leave the job half-loaded (the error says
+   so); fresh buffers for everything would cost a copy of the whole state (~1.3x the read);
 3. apply: model, optimizer, scheduler, scaler, step counter, data position, and the RNGs
    last (re-creating the data iterator draws from torch's RNG).
 """
@@ -26,6 +29,7 @@ from dtlab.agent.checkpoint import (
     _gather,
     _group,
     _optimizer_names,
+    _optimizer_split,
     failure_text,
 )
 from dtlab.agent.rendezvous import identity
@@ -40,7 +44,7 @@ def load(path: str) -> dict:
     """
     import torch.distributed.checkpoint as dcp
 
-    from dtlab.agent.safe_dcp import SafeFileSystemReader
+    from dtlab.agent.dcp_io import SafeFileSystemReader
 
     job, me = jobs.current(), identity()
     folder = Path(path)
@@ -59,7 +63,7 @@ def load(path: str) -> dict:
     source = me.rank if me.rank < manifest["world_size"] else 0
     try:
         extras = torch.load(folder / f"rank-{source}.pt", weights_only=True)
-        tensors = _templates(job, extras)
+        tensors = _targets(job, extras)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         error = _say(e, folder)
     _agree(error, folder)
@@ -69,7 +73,12 @@ def load(path: str) -> dict:
                      process_group=_group())  # fmt: skip
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         error = _say(e, folder)
-    _agree(error, folder)
+    _agree(
+        error,
+        folder,
+        after="verified files could not be read; the model and optimizer "
+        "may be partly overwritten: load another checkpoint",
+    )
 
     same_world = manifest["world_size"] == me.world_size
     restored = _apply(job, tensors, extras, position, same_world)
@@ -87,9 +96,11 @@ def _say(e: BaseException, folder: Path) -> str:
     return failure_text(e, folder)
 
 
-def _agree(error: str | None, folder: Path) -> None:
+def _agree(error: str | None, folder: Path, *, after: str | None = None) -> None:
     errors = _gather(error)
     said = [e for e in dict.fromkeys(errors) if e]
+    if said and after:
+        raise CheckpointError(f"checkpoint {folder}: {after} ({'; '.join(said)})")
     if said:
         raise CheckpointError(
             f"checkpoint {folder} refused: {'; '.join(said)}. The job is unchanged; "
@@ -139,26 +150,32 @@ def _position(manifest: dict, job, world_size: int) -> tuple[int, int] | None:
     return data["epoch"], samples // (new_batch * world_size)
 
 
-def _templates(job, extras: dict) -> dict:
-    """Fresh tensors of the saved shapes for DCP to read into (the job's own stay intact
-    until every rank has read everything)."""
+def _targets(job, extras: dict) -> dict:
+    """Where DCP reads the tensors to: the model's own parameters and buffers, and the
+    optimizer's own state tensors where they have the saved shape (new ones elsewhere,
+    e.g. a fresh optimizer that has no state yet)."""
     tensors = {}
     if "model" in extras["parts"]:
-        tensors["model"] = {k: torch.empty_like(v) for k, v in job.module.state_dict().items()}
+        tensors["model"] = {k: v.detach() for k, v in job.module.state_dict().items()}
     if "optimizer" in extras["parts"]:
-        shapes = extras["optimizer"]["shapes"]
+        live, _ = _optimizer_split(job)
         tensors["optim"] = {
-            name: {k: torch.empty(shape, dtype=getattr(torch, dtype))
+            name: {k: _reuse(live.get(name, {}).get(k), shape, dtype)
                    for k, (shape, dtype) in s.items()}
-            for name, s in shapes.items()
+            for name, s in extras["optimizer"]["shapes"].items()
         }  # fmt: skip
     return tensors
 
 
+def _reuse(tensor, shape: list[int], dtype: str):
+    if tensor is not None and list(tensor.shape) == shape and tensor.dtype == getattr(torch, dtype):
+        return tensor
+    return torch.empty(shape, dtype=getattr(torch, dtype))
+
+
 def _apply(job, tensors: dict, extras: dict, position, same_world: bool) -> list[str]:
     restored = []
-    if "model" in tensors:
-        job.module.load_state_dict(tensors["model"])
+    if "model" in tensors:  # read in place already
         restored.append("model")
     if "optim" in tensors:
         index = {name: i for i, name in enumerate(_optimizer_names(job))}

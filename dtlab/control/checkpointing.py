@@ -111,7 +111,7 @@ class CheckpointMixin:
 
     def checkpoints(self, *, verify: bool = False) -> list[CheckpointInfo]:
         """Every checkpoint under the root, oldest step first. ``verify`` reads each file
-        for its CRC-32 (else sizes only)."""
+        for its checksum (else sizes only)."""
         return catalogue(self.checkpoint_root, verify=verify)
 
     # --- load -------------------------------------------------------------------------

@@ -37,7 +37,7 @@ class CheckpointMagics(Magics):
     @argument("--every", type=int, default=None, metavar="K",
               help="also save every K steps during runs (0 stops)")  # fmt: skip
     @argument("--list", action="store_true", help="list the checkpoints instead of saving")
-    @argument("--verify", action="store_true", help="with --list: read every file's CRC-32")
+    @argument("--verify", action="store_true", help="with --list: read every file's checksum")
     @argument("--load", default=None, metavar="STEP",
               help="rewind the job to the checkpoint of STEP, 'latest', or a folder")  # fmt: skip
     @argument("--tag", default=None, help="a label kept in the manifest")
