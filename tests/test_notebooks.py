@@ -97,3 +97,22 @@ def test_quickstart_runs_top_to_bottom():
     assert "<dtlab Trace: 8 ranks, 30 steps" in by_source["import dtlab"]
     assert by_source["%dt_shutdown"].startswith("stopped 8 ranks in ")
     assert left == []
+
+
+def test_resume_runbook_names_the_missing_rng_then_matches():
+    before = descendants()
+    nb, seen, left = execute("08_resume_does_not_match.ipynb", lambda: descendants() - before)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    errors = [o for c in code for o in c.get("outputs", []) if o["output_type"] == "error"]
+    assert errors == []
+    checks = [text_of(c) for c in code if c.source.startswith("report = %dt_resume_check")]
+    assert "first difference at step 6: torch CPU RNG of ranks 0-3 not restored" in checks[0]
+    assert "lacks torch (ranks 0-3)" in checks[0]
+    assert checks[1].strip().endswith("identical")
+    explained = next(text_of(c) for c in code if "at_first_step" in c.source)
+    assert explained.startswith("torch CPU RNG of ranks 0-3 not restored")
+    replayed = next(text_of(c) for c in code if "%dt_replay" in c.source)
+    assert "replayed steps" in replayed and "identical to the original run" in replayed
+    listed = next(text_of(c) for c in code if c.source == "%dt_checkpoint --list")
+    assert "resume-check" in listed and "complete" in listed
+    assert left == []

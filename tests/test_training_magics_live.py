@@ -21,8 +21,10 @@ def test_dt_demo_attaches_and_says_what(ip, live4, capsys):
     assert "AdamW, LambdaLR; per-parameter recording on" in out
     with pytest.raises(UsageError, match="KEY=VALUE"):
         ip.run_line_magic("dt_demo", "--set num_layers")
-    with pytest.raises(UsageError, match="not a whole number"):
+    with pytest.raises(UsageError, match="not a number"):
         ip.run_line_magic("dt_demo", "--set num_layers=two")
+    with pytest.raises(UsageError, match="num_layers=2.5 must be a whole number"):
+        ip.run_line_magic("dt_demo", "--set num_layers=2.5")
     with pytest.raises(UsageError, match="moe_layer=2 must be in range"):
         ip.run_line_magic("dt_demo", "--set num_layers=2")
 

@@ -42,7 +42,10 @@ def _config_items(pairs: list[str]) -> dict:
         try:
             config[key] = int(value)
         except ValueError:
-            raise UsageError(f"--set {key}: {value!r} is not a whole number") from None
+            try:
+                config[key] = float(value)  # e.g. dropout=0.1
+            except ValueError:
+                raise UsageError(f"--set {key}: {value!r} is not a number") from None
     return config
 
 
@@ -59,7 +62,7 @@ class TrainingMagics(Magics):
         action="extend",
         default=[],
         metavar="KEY=N",
-        help="DemoConfig fields, e.g. --set num_layers=6 batch_size=4",
+        help="DemoConfig fields, e.g. --set num_layers=6 dropout=0.1",
     )
     def dt_demo(self, line):
         """Attach the built-in demo job (tiny DeepSeek-style MoE LM) on every rank."""
