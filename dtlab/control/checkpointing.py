@@ -78,6 +78,7 @@ class CheckpointMixin:
     """Checkpoint control for a Session (needs ``run``, ``stepper``, ``require_trace``)."""
 
     job_setup: tuple[Callable | str, tuple] | None = None
+    autosave_every: int | None = None
     _checkpoint_root: Path | None = None
 
     # --- where ------------------------------------------------------------------------
@@ -108,6 +109,12 @@ class CheckpointMixin:
         if steps is not None and steps < 0:
             raise ValueError(f"steps must be positive (or 0/None to stop), got {steps}")
         self.run(_set_autosave, str(self.checkpoint_root), steps or None)
+        self.autosave_every = steps or None  # re-applied where dtlab rebuilds the job
+
+    def _autosave(self, on: bool) -> None:
+        """Periodic saves off during a replay (its steps are not the job's), back after."""
+        if self.autosave_every:
+            self.run(_set_autosave, str(self.checkpoint_root), self.autosave_every if on else None)
 
     def checkpoints(self, *, verify: bool = False) -> list[CheckpointInfo]:
         """Every checkpoint under the root, oldest step first. ``verify`` reads each file
@@ -116,14 +123,15 @@ class CheckpointMixin:
 
     # --- load -------------------------------------------------------------------------
     def find_checkpoint(self, which: int | str | os.PathLike = "latest") -> CheckpointInfo:
-        """A checkpoint by step (the newest of that step), ``"latest"``, or path."""
+        """A checkpoint by step (the newest of that step), ``"latest"`` (the last written),
+        or path."""
         found = self.checkpoints()
         if which == "latest":
             done = [c for c in found if c.status != "partial"]
             if not done:
                 raise CheckpointFailed(f"no checkpoint under {self.checkpoint_root} yet: "
                                        "take one with %dt_checkpoint")  # fmt: skip
-            return max(done, key=lambda c: (c.step, c.created))
+            return max(done, key=lambda c: c.created)  # the last written, whatever its step
         if isinstance(which, int):
             same = [c for c in found if c.step == which and c.status != "partial"]
             if not same:

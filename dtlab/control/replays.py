@@ -122,6 +122,7 @@ class ReplayMixin:
         elif self.job_setup is not None:
             self.set_up_job()
         loaded = self.load_checkpoint(start.path)
+        self._autosave(True)  # fresh engines do not know the job saved periodically
         self.step(steps, record=True)
         resumed = self._full_records(k + 1, k + steps)
         comparison = compare_runs(reference, resumed, steps=range(k + 1, k + steps + 1))
@@ -149,6 +150,7 @@ class ReplayMixin:
         back = self.checkpoint(tag="before-replay")
         replayed = Trace(trace.jobs, meta={"replay_of": str(trace.folder), "from": start.step})
         self.run(_stash, True)
+        self._autosave(False)
         saved_outputs = self.stepper.record_outputs
         try:
             self._load_into_job(start)
@@ -168,14 +170,20 @@ class ReplayMixin:
             self.stepper.record_outputs = saved_outputs
             self._load_into_job(back)
             self.run(_stash, False)
+            self._autosave(True)
             self.remove_checkpoint(back)
         return ReplayResult(start, start.step + 1, to_step, replayed, comparison, details,
                             _step_s(trace.records, start.step + 1, to_step),
                             _step_s(replayed.records, start.step + 1, to_step))  # fmt: skip
 
     def _checkpoint_before(self, step: int) -> CheckpointInfo:
+        """The newest complete checkpoint of this job's timeline (written since its trace
+        began, or the one it resumed from) at or before ``step - 1``."""
+        trace = self.require_trace()
+        resumed_from = trace.meta.get("resumed_from")
         good = [c for c in self.checkpoints() if c.ok and c.step <= step - 1
-                and c.tag != "before-replay"]  # fmt: skip
+                and c.tag != "before-replay"
+                and (c.created >= trace.created or str(c.path) == resumed_from)]  # fmt: skip
         if not good:
             raise DtlabError(f"no complete checkpoint at or before step {step - 1} to replay "
                              "from: take them with dt.checkpoint_every(k) before the steps "
