@@ -180,10 +180,10 @@ def worker(rank: int, world: int, port: int, root: str, args: dict) -> None:
     import torch.distributed.checkpoint  # noqa: F401  imported here, not in a timed save
 
     from dtlab.agent import restore  # noqa: F401
-    from dtlab.agent.stepping import _control_group
+    from dtlab.agent.stepping import control_group
 
     job = build_job(args["params"], args["width"])
-    _control_group()  # dtlab's gloo group is made on first use: not inside a timed save
+    control_group()  # dtlab's gloo group is made on first use: not inside a timed save
     expected = signature(job)
     runs: dict = {m: [] for m in METHODS}
     for repeat in range(args["repeats"]):

@@ -83,11 +83,14 @@ def test_checkpoint_browser_selects_replays_and_checks_resume(dt):
 def test_replay_figure_marks_the_first_difference(dt):
     dt.step(3)
     dt.checkpoint()
-    dt.step(2)
-    result = dt.replay(4, 5)
-    fig = replay_figure(dt.trace, result.trace, first_difference=5)
+    dt.execute("dtlab.inject.corrupt_once('blocks.1.ffn', step=5)", ranks=[1])
+    dt.step(3)
+    result = dt.replay(4, 6)
+    first = result.comparison.first
+    assert (first.step, first.ranks, first.field) == (5, (1,), "loss")
+    fig = replay_figure(dt.trace, result.trace, first_difference=first.step)
     assert len(fig.data) == 2 * dt.world_size
     assert {t.line.dash for t in fig.data} == {None, "dash"}
     assert fig.layout.shapes[0].x0 == 5 and "step 5" in fig.layout.title.text
-    same = replay_figure(dt.trace, result.trace)
+    same = replay_figure(dt.trace, dt.replay(4, 4).trace)
     assert "identical" in same.layout.title.text and not same.layout.shapes

@@ -28,6 +28,12 @@ def dt(live4, tmp_path):
     live4.record_outputs(False)
 
 
+def rank_steps(session):
+    from dtlab.agent.job import current
+
+    return session.run(lambda: current().step_count)
+
+
 def mean_loss(session, step):
     recs = session.trace.at(step)
     return math.fsum(r.loss for r in recs.values()) / len(recs)
@@ -78,6 +84,7 @@ def test_truncated_and_corrupted_checkpoints_are_refused(dt):
         dt.load_checkpoint(bad.step)
     assert f"dt.load_checkpoint({good.step})" in str(refused.value)
     assert dt.trace.last_step == 4  # refused: the job did not move
+    assert set(rank_steps(dt).values()) == {4}
     dt.load_checkpoint(good.step)
     dt.step(1)
     assert mean_loss(dt, 3) == loss_after_good  # replayed from the good one, bit for bit
@@ -87,8 +94,27 @@ def test_a_checkpoint_of_another_model_is_refused(dt):
     dt.step(1)
     saved = dt.checkpoint()
     demo.attach(dt, num_layers=3)
+    dt.step(2)
     with pytest.raises(CheckpointFailed, match="from another model .*blocks.3"):
         dt.load_checkpoint(saved.step)
+    assert set(rank_steps(dt).values()) == {2}
+    dt.step(1)  # and it still steps
+    assert dt.trace.last_step == 3
+
+
+def test_ranks_that_diverged_are_saved_apart_and_stay_diverged(dt):
+    dt.step(2)
+    dt.execute("dtlab.inject.perturb_param('blocks.0.attn.qkv.weight')", ranks=[2])
+    saved = dt.checkpoint()
+    import json
+
+    assert json.loads((saved.path / "manifest.json").read_text())["replicated"] is False
+    dt.step(1)
+    original = {r: rec.param_fingerprint for r, rec in dt.trace.at(3).items()}
+    assert original[2] != original[0] == original[1] == original[3]
+    dt.load_checkpoint(saved.step)
+    dt.step(1)
+    assert {r: rec.param_fingerprint for r, rec in dt.trace.at(3).items()} == original
 
 
 def test_resharding_4_ranks_onto_2_keeps_the_loss(live4, tmp_path):
@@ -140,7 +166,7 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(dt, tmp_path):
     killer = threading.Thread(target=kill_when_written, daemon=True)
     killer.start()
     t0 = time.monotonic()
-    with pytest.raises(RankError):
+    with pytest.raises(RankError, match="rank 1 died"):
         dt.checkpoint()
     assert time.monotonic() - t0 < 60
     killer.join(5)

@@ -26,7 +26,8 @@ def modules_after(import_line: str) -> set[str]:
         "import dtlab.agent.identity, dtlab.agent.rendezvous",
         "import dtlab.agent.job, dtlab.agent.recorder, dtlab.agent.stepping, dtlab.agent.hooks",
         "import dtlab.agent.demo_job, dtlab.agent.demo_model, dtlab.agent.inject",
-        "import dtlab.records, dtlab.trace",
+        "import dtlab.records, dtlab.trace, dtlab.checkpoint_format, dtlab.analysis.resume",
+        "import dtlab.agent.checkpoint, dtlab.agent.restore, dtlab.agent.dcp_io, dtlab.agent.rng",
     ],
 )
 def test_pure_and_rank_side_code_import_no_notebook_library(line):
@@ -37,7 +38,8 @@ def test_pure_and_rank_side_code_import_no_notebook_library(line):
 def test_analysis_does_not_import_torch():
     loaded = modules_after(
         "import dtlab.analysis.consistency, dtlab.analysis.ranks, dtlab.analysis.conditions, "
-        "dtlab.analysis.divergence, dtlab.analysis.trends, dtlab.analysis.doctor, dtlab.trace"
+        "dtlab.analysis.divergence, dtlab.analysis.trends, dtlab.analysis.doctor, dtlab.trace, "
+        "dtlab.analysis.resume, dtlab.checkpoint_format"
     )
     assert "torch" not in loaded
 

@@ -23,10 +23,24 @@ import xxhash
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-_MODULES = {"torch.distributed.checkpoint.metadata"}
-_NAMES = {
+_METADATA = "torch.distributed.checkpoint.metadata"
+# exactly the globals DCP's own .metadata pickles refer to (pickle protocol 4 would let a
+# dotted name such as "os.system" reach through a module's imports: names never have dots)
+_ALLOWED = {
+    *(
+        (_METADATA, name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "TensorProperties",
+            "ChunkStorageMetadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),  # fmt: skip
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
+    ("torch.serialization", "_get_layout"),  # looks up torch.strided and the like only
     ("torch", "Size"),
     ("pathlib", "PosixPath"),  # DCP's StorageMeta keeps the checkpoint's path
     ("pathlib", "PurePosixPath"),
@@ -38,12 +52,28 @@ _NAMES = {
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        allowed = dtype or module in _MODULES or (module, name) in _NAMES
-        if not allowed:
+        if "." in name or not (dtype or (module, name) in _ALLOWED):
             raise pickle.UnpicklingError(
                 f"{module}.{name} is not part of DCP's metadata: refusing to load it"
             )
         return super().find_class(module, name)
+
+
+def check_metadata(metadata) -> None:
+    """Refuse metadata that would make DCP unpickle a data item (a ``BytesStorageMetadata``
+    entry is read with ``torch.load(weights_only=False)``) or read outside the folder."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"DCP metadata is a {type(metadata).__name__}")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            raise pickle.UnpicklingError(f"{key!r} is stored as {type(entry).__name__}, "
+                                         "not a tensor: dtlab writes tensors only")  # fmt: skip
+    for info in (metadata.storage_data or {}).values():
+        path = getattr(info, "relative_path", "")
+        if not isinstance(path, str) or os.path.basename(path) != path or path in ("", ".", ".."):
+            raise pickle.UnpicklingError(f"DCP metadata points outside its folder: {path!r}")
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -53,10 +83,32 @@ class SafeFileSystemReader(FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
+        check_metadata(metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def tensors_only_planner():
+    """DCP's load planner, minus the one path that unpickles (a bytes item)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class TensorsOnly(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            raise pickle.UnpicklingError(
+                f"{read_item.dest_index.fqn!r} is a pickled object: dtlab never loads one"
+            )
+
+    return TensorsOnly()
+
+
+class _FlushingWriter(io.BufferedWriter):
+    # DCP fsyncs its .metadata through fileno() without flushing: flush first, or the
+    # fsync would find the bytes still in this buffer
+    def fileno(self) -> int:
+        self.flush()
+        return super().fileno()
 
 
 class _ChecksummedFile(io.FileIO):
@@ -97,7 +149,5 @@ class ChecksummingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with io.BufferedWriter(
-            _ChecksummedFile(Path(path), self.sums), buffer_size=1 << 20
-        ) as stream:
+        with _FlushingWriter(_ChecksummedFile(Path(path), self.sums), 1 << 20) as stream:
             yield stream

@@ -123,7 +123,7 @@ def share_shard(rank: int) -> None:
 
 def skip_set_epoch() -> None:
     """Stop telling the sampler the epoch: every epoch comes in the same order."""
-    current().on_epoch = None
+    current().stream.on_epoch = None
 
 
 def corrupt_once(module: str, step: int, *, amount: float = 1e-2) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from dtlab.agent import recorder, rng
+from dtlab.agent.data_stream import DataStream
 from dtlab.agent.hooks import CommCounter, ModuleWatcher, OutputRecorder
 from dtlab.records import (
     InitialState,
@@ -112,7 +113,6 @@ class Job:
         self.scaler = scaler
         self.record = record
         self.indices = indices or _default_indices
-        self.on_epoch = on_epoch
         named = list(self.module.named_parameters())
         if not named:
             raise ValueError(f"{type(self.module).__name__} has no parameters: nothing to train")
@@ -120,9 +120,7 @@ class Job:
         self.device = self.params[0].device
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=capacity)
         self.step_count = 0
-        self.epoch = 0
-        self.offset = 0  # batches drawn in this epoch (the data position a checkpoint keeps)
-        self._iterator = iter(data)
+        self.stream = DataStream(data, on_epoch)
         self.accumulate = accumulate
         self.no_sync = no_sync
         # only where it is asked about: a comm hook is a change to the user's DDP object
@@ -158,37 +156,7 @@ class Job:
         )
 
     def _next_batch(self):
-        try:
-            batch = next(self._iterator)
-        except StopIteration:
-            self._start_epoch(self.epoch + 1)
-            try:
-                batch = next(self._iterator)
-            except StopIteration:
-                raise RuntimeError(
-                    "the data yields no batch (an empty dataset, or a DistributedSampler "
-                    "with drop_last and fewer samples than ranks x batch size)"
-                ) from None
-        self.offset += 1
-        return batch
-
-    def _start_epoch(self, epoch: int) -> None:
-        self.epoch, self.offset = epoch, 0
-        if self.on_epoch is not None:
-            self.on_epoch(epoch)
-        self._iterator = iter(self.data)
-
-    def seek(self, epoch: int, offset: int) -> None:
-        """Put the data position at batch ``offset`` of pass ``epoch`` (a restored
-        checkpoint's). Skips by drawing batches: an iterator cannot jump."""
-        self._start_epoch(epoch)
-        for _ in range(offset):
-            if next(self._iterator, None) is None:
-                raise ValueError(
-                    f"the data has fewer than {offset} batches in epoch {epoch}: it is not "
-                    "the data the checkpoint was taken with"
-                )
-        self.offset = offset
+        return self.stream.next_batch()
 
     def _now(self) -> float:
         if self.device.type == "cuda":  # kernels run asynchronously; time them, not launches
@@ -252,11 +220,11 @@ class Job:
         starts = []  # where in ``indices`` a new epoch began (accumulation across the end)
         for micro in range(self.accumulate):
             t0 = self._now()
-            before = self.epoch
+            before = self.stream.epoch
             batch = self._next_batch()
             if epoch is None:
-                epoch = self.epoch  # the pass the step began in
-            elif self.epoch != before:
+                epoch = self.stream.epoch  # the pass the step began in
+            elif self.stream.epoch != before:
                 starts.append(len(indices))
             t1 = self._now()
             last = micro == self.accumulate - 1

@@ -3,16 +3,17 @@
 Stages, each ended by all ranks agreeing (one all_gather), so that a checkpoint refused on
 one rank is refused on all and no rank's job has changed:
 
-1. check: the manifest, the model (names and shapes), the world size (RNG streams are per
-   rank; the data position is converted to another world size when batches allow), and
-   this rank's share of the files (size and checksum), and read ``rank-R.pt``
-   (``weights_only``);
+1. check, touching nothing: the manifest; the model (names and shapes) and optimizer
+   (groups, parameters) against the job; the data position (converted by samples when the
+   world size or batch size changed, and within the data's length); this rank's share of
+   the files (size and checksum); ``rank-R.pt`` read with ``weights_only``;
 2. read the tensors (``torch.distributed.checkpoint``, any world size) straight into the
-   model's parameters and the optimizer's state: only files that every rank has just
-   verified, so only an I/O error mid-read can leave the job half-loaded (the error says
-   so); fresh buffers for everything would cost a copy of the whole state (~1.3x the read);
-3. apply: model, optimizer, scheduler, scaler, step counter, data position, and the RNGs
-   last (re-creating the data iterator draws from torch's RNG).
+   model's parameters and the optimizer's state: only files every rank has just verified,
+   so only an I/O error mid-read can leave the job half-loaded, and the error says so
+   (fresh buffers for everything would cost a copy of the whole state);
+3. apply the rest: optimizer hyper-parameters, scheduler, scaler, step counter, the data
+   position (its iterator re-made from the RNG states it was first made from: a shuffling
+   sampler draws its order there), and the RNGs last.
 """
 
 from __future__ import annotations
@@ -21,17 +22,10 @@ from pathlib import Path
 
 import torch
 
+from dtlab.agent import checkpoint_state as parts
 from dtlab.agent import job as jobs
 from dtlab.agent import rng
-from dtlab.agent.checkpoint import (
-    PARTS,
-    _batch_size,
-    _gather,
-    _group,
-    _optimizer_names,
-    _optimizer_split,
-    failure_text,
-)
+from dtlab.agent.checkpoint import failure_text
 from dtlab.agent.rendezvous import identity
 from dtlab.checkpoint_format import CheckpointError, file_problem, read_manifest
 
@@ -44,61 +38,49 @@ def load(path: str) -> dict:
     """
     import torch.distributed.checkpoint as dcp
 
-    from dtlab.agent.dcp_io import SafeFileSystemReader
+    from dtlab.agent.dcp_io import SafeFileSystemReader, tensors_only_planner
 
     job, me = jobs.current(), identity()
     folder = Path(path)
-    manifest, position, error = None, None, None
-    try:
-        manifest = read_manifest(folder)
-        _check_model(manifest, job, folder)
-        position = _position(manifest, job, me.world_size)
-        files = manifest["files"]
-        mine = [e for i, e in enumerate(files) if i % me.world_size == me.rank]
-        error = "; ".join(p for p in (file_problem(folder, e) for e in mine) if p) or None
-    except BaseException as e:  # DCP's CheckpointException is a BaseException
-        error = _say(e, folder)
+    checked, error = _attempt(lambda: _check(job, folder, me.rank, me.world_size), folder)
     _agree(error, folder)
-
-    source = me.rank if me.rank < manifest["world_size"] else 0
-    try:
-        extras = torch.load(folder / f"rank-{source}.pt", weights_only=True)
-        tensors = _targets(job, extras)
-    except BaseException as e:  # DCP's CheckpointException is a BaseException
-        error = _say(e, folder)
+    manifest, extras, position, source = checked
+    tensors, error = _attempt(lambda: _targets(job, manifest, extras, source), folder)
     _agree(error, folder)
-    try:  # a collective: when one rank's read fails, all raise
-        if tensors:
-            dcp.load(tensors, storage_reader=SafeFileSystemReader(str(folder)),
-                     process_group=_group())  # fmt: skip
-    except BaseException as e:  # DCP's CheckpointException is a BaseException
-        error = _say(e, folder)
-    _agree(
-        error,
-        folder,
-        after="verified files could not be read; the model and optimizer "
-        "may be partly overwritten: load another checkpoint",
-    )
-
+    group = parts.control_group()  # None: one process, no collective to make
+    read = dict(storage_reader=SafeFileSystemReader(str(folder)), planner=tensors_only_planner(),
+                process_group=group, no_dist=group is None)  # fmt: skip
+    _, error = _attempt(lambda: dcp.load(tensors, **read), folder)  # every rank: collective
+    _agree(error, folder, after="its files checked out, but reading them failed; the model "
+           "and optimizer may be partly overwritten: load another checkpoint")  # fmt: skip
     same_world = manifest["world_size"] == me.world_size
-    restored = _apply(job, tensors, extras, position, same_world)
+    if not manifest.get("replicated", True):
+        tensors = {key: value[str(source)] for key, value in tensors.items()}
+    try:
+        restored = _apply(job, tensors, extras, position, same_world)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {folder}: rank {me.rank} could not apply its "
+                              f"state ({type(e).__name__}: {e}); the job is partly loaded: "
+                              "load another checkpoint") from None  # fmt: skip
     notes = [] if same_world else [
         f"world size {manifest['world_size']} -> {me.world_size}: RNG streams are per rank "
         "and were not restored; the data position was converted"
     ]  # fmt: skip
-    missing = [p for p in PARTS if p not in extras["parts"]]
+    missing = [p for p in parts.PARTS if p not in extras["parts"]]
     return {"step": job.step_count, "restored": restored, "missing": missing, "notes": notes}
 
 
-def _say(e: BaseException, folder: Path) -> str:
-    if isinstance(e, KeyboardInterrupt):
-        raise e
-    return failure_text(e, folder)
+def _attempt(action, folder: Path):
+    try:
+        return action(), None
+    except KeyboardInterrupt:
+        return None, "interrupted (KeyboardInterrupt)"  # still meet the peers: no hang
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        return None, failure_text(e, folder)
 
 
 def _agree(error: str | None, folder: Path, *, after: str | None = None) -> None:
-    errors = _gather(error)
-    said = [e for e in dict.fromkeys(errors) if e]
+    said = [e for e in dict.fromkeys(parts.gather(error)) if e]
     if said and after:
         raise CheckpointError(f"checkpoint {folder}: {after} ({'; '.join(said)})")
     if said:
@@ -106,6 +88,24 @@ def _agree(error: str | None, folder: Path, *, after: str | None = None) -> None
             f"checkpoint {folder} refused: {'; '.join(said)}. The job is unchanged; "
             "dt.checkpoints() lists the others"
         )
+
+
+def _check(job, folder: Path, rank: int, world_size: int):
+    manifest = read_manifest(folder)
+    _check_model(manifest, job, folder)
+    source = rank if rank < manifest["world_size"] else 0
+    position = _position(manifest, job, world_size)
+    if position is not None and (problem := job.stream.seek_problem(position[1])):
+        raise CheckpointError(f"rank {rank}: {problem}")
+    files = manifest["files"]
+    mine = [e for i, e in enumerate(files) if i % world_size == rank]
+    problems = [p for p in (file_problem(folder, e) for e in mine) if p]
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    extras = torch.load(folder / f"rank-{source}.pt", weights_only=True)
+    if "optimizer" in extras:
+        _check_optimizer(extras["optimizer"], job, folder)
+    return manifest, extras, position, source
 
 
 def _check_model(manifest: dict, job, folder: Path) -> None:
@@ -125,16 +125,42 @@ def _check_model(manifest: dict, job, folder: Path) -> None:
     raise CheckpointError(f"{folder} is from another model ({manifest['model']['name']}; {detail})")
 
 
+def _check_optimizer(saved: dict, job, folder: Path) -> None:
+    groups = [g["params"] for g in saved["groups"]]
+    here = [[n for n in group] for group in _groups_by_name(job)]
+    if [sorted(g) for g in groups] != [sorted(g) for g in here]:
+        raise CheckpointError(
+            f"{folder}: the optimizer's parameter groups differ from the job's "
+            f"({len(groups)} groups of {[len(g) for g in groups]} parameters there, "
+            f"{len(here)} of {[len(g) for g in here]} here)"
+        )
+    keys = {k for state in saved["shapes"].values() for k in state}
+    live, _ = parts.optimizer_split(job)
+    kinds = {k for state in live.values() for k in state}
+    if kinds and keys and kinds != keys:
+        kind = type(job.optimizer).__name__
+        raise CheckpointError(f"{folder}: the optimizer state holds {sorted(keys)}, this "
+                              f"job's {kind} {sorted(kinds)}: another optimizer")  # fmt: skip
+
+
+def _groups_by_name(job) -> list[list[str]]:
+    names = {id(p): n for n, p in job.module.named_parameters()}
+    return [[names[id(p)] for p in g["params"]] for g in job.optimizer.param_groups]
+
+
 def _position(manifest: dict, job, world_size: int) -> tuple[int, int] | None:
-    """(epoch, batch offset) for this world size, from rank 0's saved position."""
+    """(epoch, batch offset) here, from rank 0's saved position; by samples when the
+    world size or the batch size changed (4 ranks x 8 = 2 ranks x 16 samples a step)."""
     data = manifest["ranks"]["0"].get("data")
     if data is None:
         return None
-    saved_world = manifest["world_size"]
-    if saved_world == world_size:
+    saved_world, batch, new_batch = (
+        manifest["world_size"],
+        data.get("batch_size"),
+        parts.batch_size(job),
+    )
+    if saved_world == world_size and batch == new_batch:
         return data["epoch"], data["offset"]
-    # resharded: the same samples per step overall, e.g. 4 ranks x 8 = 2 ranks x 16
-    batch, new_batch = data.get("batch_size"), _batch_size(job)
     if batch is None or new_batch is None:
         raise CheckpointError(
             f"cannot carry the data position from {saved_world} to {world_size} ranks: the "
@@ -142,29 +168,34 @@ def _position(manifest: dict, job, world_size: int) -> tuple[int, int] | None:
         )
     samples = data["offset"] * batch * saved_world
     if samples % (new_batch * world_size):
+        per_step = batch * saved_world
+        hint = (f"; a per-rank batch of {per_step // world_size} keeps the steps equal"
+                if per_step % world_size == 0 else "")  # fmt: skip
         raise CheckpointError(
             f"cannot carry the data position from {saved_world} ranks x {batch} samples to "
-            f"{world_size} x {new_batch}: {samples} samples is not a whole number of steps; "
-            f"a per-rank batch of {batch * saved_world // world_size} keeps the steps equal"
+            f"{world_size} x {new_batch}: {samples} samples is not a whole number of steps{hint}"
         )
     return data["epoch"], samples // (new_batch * world_size)
 
 
-def _targets(job, extras: dict) -> dict:
+def _targets(job, manifest: dict, extras: dict, source: int) -> dict:
     """Where DCP reads the tensors to: the model's own parameters and buffers, and the
     optimizer's own state tensors where they have the saved shape (new ones elsewhere,
-    e.g. a fresh optimizer that has no state yet)."""
+    e.g. a fresh optimizer that has no state yet). Per-rank keys when the checkpoint kept
+    each rank's tensors apart."""
     tensors = {}
     if "model" in extras["parts"]:
-        tensors["model"] = {k: v.detach() for k, v in job.module.state_dict().items()}
+        tensors["model"] = parts.model_state(job)
     if "optimizer" in extras["parts"]:
-        live, _ = _optimizer_split(job)
+        live, _ = parts.optimizer_split(job)
         tensors["optim"] = {
             name: {k: _reuse(live.get(name, {}).get(k), shape, dtype)
                    for k, (shape, dtype) in s.items()}
             for name, s in extras["optimizer"]["shapes"].items()
         }  # fmt: skip
-    return tensors
+    if manifest.get("replicated", True):
+        return tensors
+    return {key: {str(source): value} for key, value in tensors.items()}
 
 
 def _reuse(tensor, shape: list[int], dtype: str):
@@ -174,11 +205,10 @@ def _reuse(tensor, shape: list[int], dtype: str):
 
 
 def _apply(job, tensors: dict, extras: dict, position, same_world: bool) -> list[str]:
-    restored = []
-    if "model" in tensors:  # read in place already
-        restored.append("model")
+    """``tensors`` as read (per-rank keys taken off)."""
+    restored = ["model"] if "model" in tensors else []  # read in place already
     if "optim" in tensors:
-        index = {name: i for i, name in enumerate(_optimizer_names(job))}
+        index = {name: i for i, name in enumerate(parts.optimizer_names(job))}
         plain = extras["optimizer"]
         state = {index[n]: {**t, **plain["state"].get(n, {})} for n, t in tensors["optim"].items()}
         groups = [{**g, "params": [index[n] for n in g["params"]]} for g in plain["groups"]]
@@ -191,8 +221,8 @@ def _apply(job, tensors: dict, extras: dict, position, same_world: bool) -> list
     job.step_count = extras["step"]
     job.records.clear()  # they belong to the timeline this load leaves
     if position is not None:
-        job.seek(*position)
+        job.stream.seek(*position, extras.get("epoch_rng") if same_world else None)
         restored.append("data")
-    if same_world:  # last: seeking re-created the data iterator, which draws from torch's
+    if same_world:  # last: seeking re-made the data iterator
         restored.extend(rng.restore(extras["rng"]))
     return restored

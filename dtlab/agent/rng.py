@@ -20,12 +20,6 @@ from typing import Any
 import torch
 
 NAMES = ("python", "numpy", "torch", "cuda")
-LABELS = {
-    "python": "Python random RNG",
-    "numpy": "numpy RNG",
-    "torch": "torch CPU RNG",
-    "cuda": "CUDA RNG",
-}
 
 
 def _numpy():

@@ -52,7 +52,7 @@ def serve(address: str, key: str, rank: int) -> int:
     global _server
     if _server is not None:
         _server.close()
-    _control_group(rebuild=True)
+    control_group(rebuild=True)
     _server = StepServer(address, key, rank)
     return jobs.attach_count()
 
@@ -84,7 +84,7 @@ def _combined_fingerprint(rec: StepRecord) -> int:
     return hash((rec.grad_fingerprint, rec.param_fingerprint)) >> 1
 
 
-def _control_group(rebuild: bool = False):
+def control_group(rebuild: bool = False):
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -110,7 +110,7 @@ def agree(pause: bool, hit: bool, fp: int, *, failed: bool = False, seq: int = 0
     it; with ``timeout_s`` a rank stops waiting for peers (TimeoutError)."""
     import torch.distributed as dist
 
-    group = _control_group()
+    group = control_group()
     if group is None:
         return Agreement(pause, hit, failed)
     flags = torch.tensor([int(pause), int(hit), int(failed), fp, -fp, seq, -seq],
@@ -258,7 +258,7 @@ class StepServer:
         try:
             state = _RunState.from_message(msg)
             if msg.get("regroup"):
-                _control_group(rebuild=True)  # the last run ended in an error
+                control_group(rebuild=True)  # the last run ended in an error
             job = jobs.current()
             state.record = job.record if msg.get("record") is None else bool(msg["record"])
             _check_condition(state)

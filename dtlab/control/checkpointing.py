@@ -123,11 +123,11 @@ class CheckpointMixin:
 
     # --- load -------------------------------------------------------------------------
     def find_checkpoint(self, which: int | str | os.PathLike = "latest") -> CheckpointInfo:
-        """A checkpoint by step (the newest of that step), ``"latest"`` (the last written),
-        or path."""
+        """A checkpoint by step (the newest of that step), ``"latest"`` (the last complete
+        one written), or path."""
         found = self.checkpoints()
         if which == "latest":
-            done = [c for c in found if c.status != "partial"]
+            done = [c for c in found if c.ok]
             if not done:
                 raise CheckpointFailed(f"no checkpoint under {self.checkpoint_root} yet: "
                                        "take one with %dt_checkpoint")  # fmt: skip

@@ -74,6 +74,7 @@ def renew(session: Session, progress: Progress) -> Session:
         session._stepper = None
     if not session.closed:
         session.engines.stop()
+        session.closed = True  # until the new engines stand: a failed start leaves it shut
     fresh = start(session.config, progress)
     for name in ("engines", "rank_map", "facts", "infos", "_stuck"):
         setattr(session, name, getattr(fresh, name))

@@ -168,13 +168,23 @@ class ReplayMixin:
             details = self.step_details(keep) if keep else {}
         finally:
             self.stepper.record_outputs = saved_outputs
-            self._load_into_job(back)
-            self.run(_stash, False)
-            self._autosave(True)
-            self.remove_checkpoint(back)
+            self._return_from_replay(back)
         return ReplayResult(start, start.step + 1, to_step, replayed, comparison, details,
                             _step_s(trace.records, start.step + 1, to_step),
                             _step_s(replayed.records, start.step + 1, to_step))  # fmt: skip
+
+    def _return_from_replay(self, back: CheckpointInfo) -> None:
+        """Put the job back where the replay found it; if that fails, say where it is."""
+        try:
+            self._load_into_job(back)
+        except Exception as e:
+            raise DtlabError(f"the replay could not put the job back ({e}); it is at the "
+                             f"replay's last step; {back.path} holds where it was: "
+                             f"dt.load_checkpoint('{back.path}')") from e  # fmt: skip
+        finally:
+            self.run(_stash, False)
+            self._autosave(True)
+        self.remove_checkpoint(back)
 
     def _checkpoint_before(self, step: int) -> CheckpointInfo:
         """The newest complete checkpoint of this job's timeline (written since its trace

@@ -48,6 +48,12 @@ class CheckpointMagics(Magics):
         session = current_session()
         if args.every is not None and args.every < 0:
             raise UsageError(f"--every takes a number of steps >= 0, got {args.every}")
+        chosen = [flag for flag, on in (("--list/--verify", args.list or args.verify),
+                  ("--load", args.load is not None), ("--every", args.every is not None),
+                  ("--tag", args.tag is not None)) if on]  # fmt: skip
+        if len(chosen) > 1:
+            raise UsageError(f"{' and '.join(chosen)} do different things: use one at a time "
+                             "(--tag labels a save: %dt_checkpoint --tag NAME)")  # fmt: skip
         if args.list or args.verify:
             display(checkpoints_table(session.checkpoints(verify=args.verify)))
             return
