@@ -6,6 +6,7 @@ through ipyparallel and can be built by hand in tests without a cluster.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 
@@ -278,3 +279,43 @@ def step_record_from_dict(data: dict) -> tuple[int, StepRecord]:
     for pairs in ("rng", "module_outputs"):
         fields[pairs] = tuple((str(name), int(value)) for name, value in fields.get(pairs, ()))
     return rank, StepRecord(**fields)
+
+
+# --- hangs and deaths: what a rank's sidecar says it is doing --------------------------------
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective as torch's Flight Recorder saw it on a rank."""
+
+    group: str  # "default_pg", "dtlab_control", ...
+    seq: int  # its number within the group (the same collective has the same on every rank)
+    op: str  # "all_reduce", "broadcast", ...
+    sizes: tuple  # input tensor shapes
+    done: bool  # completed on this rank
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What a rank was doing when asked, taken out of band (the main thread may be stuck)."""
+
+    rank: int
+    stack: tuple[tuple[str, int, str, str], ...]  # (file, line, function, code), outermost first
+    collectives: tuple[CollectiveCall, ...] = ()  # oldest first, the last few per group
+    step: int | None = None  # the attached job's step counter
+
+    @classmethod
+    def from_dict(cls, rank: int, data: Mapping) -> RankReport:
+        return cls(
+            rank,
+            tuple((str(f), int(n), str(fn), str(code)) for f, n, fn, code in data.get("stack", ())),
+            tuple(
+                CollectiveCall(
+                    c["group"],
+                    int(c["seq"]),
+                    c["op"],
+                    tuple(tuple(s) for s in c.get("sizes", ())),
+                    bool(c["done"]),
+                )
+                for c in data.get("collectives", ())
+            ),  # fmt: skip
+            data.get("step"),
+        )

@@ -193,3 +193,15 @@ def test_bisect_finds_the_step_and_module_of_a_transient_fault(dt):
     assert not found.nondeterministic
     assert found.replay.replay_step_s is not None
     assert dt.trace.last_step == 8  # the job is back where it was
+
+
+def test_bisect_reports_a_non_deterministic_step_as_such(dt):
+    dt.record_outputs(True)
+    dt.step(2)
+    dt.checkpoint()
+    dt.execute("dtlab.inject.jitter('blocks.2.ffn')", ranks=[0])
+    dt.step(3)
+    found = dt.bisect(2, 5)
+    assert found.nondeterministic, found.verdict
+    assert (found.step, found.module, found.ranks) == (3, "blocks.2.ffn", (0,))
+    assert "non-deterministic" in found.verdict and "not the checkpoint" in found.verdict

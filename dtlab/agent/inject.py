@@ -142,6 +142,61 @@ def corrupt_once(module: str, step: int, *, amount: float = 1e-2) -> None:
     target.register_forward_hook(corrupt)
 
 
+def jitter(module: str, *, amount: float = 1e-4) -> None:
+    """Add noise from an unseeded generator to ``module``'s output in every forward (a
+    non-deterministic kernel): no checkpoint can make two runs of a step agree."""
+    target = _named(dict(current().module.named_modules()), module, "module")
+
+    def noisy(mod, inputs, output):
+        g = torch.Generator().manual_seed(time.perf_counter_ns())
+        return output + amount * torch.randn(output.shape, generator=g)
+
+    target.register_forward_hook(noisy)
+
+
+def kill_at(step: int, sig: int = 9) -> None:
+    """Kill this rank with ``sig`` (SIGKILL: as the OOM killer does) in the forward of
+    ``step``, mid-step."""
+    job = current()
+    _wrap_loss(lambda: job.step_count + 1 == step and os.kill(os.getpid(), sig))
+
+
+def raise_at(step: int, message: str = "injected failure") -> None:
+    """Raise RuntimeError(message) in the forward of ``step`` here."""
+    job = current()
+
+    def fail():
+        if job.step_count + 1 == step:
+            raise RuntimeError(f"{message} (dtlab.inject.raise_at step {step})")
+
+    _wrap_loss(fail)
+
+
+def hang_at(step: int, how: str = "sleep") -> None:
+    """Hang this rank at ``step``: ``"sleep"`` forever in its forward, or ``"skip_sync"``:
+    leave out that step's DDP gradient all-reduce, which the other ranks then wait in."""
+    if how not in ("sleep", "skip_sync"):
+        raise ValueError(f"how must be 'sleep' or 'skip_sync', got {how!r}")
+    job = current()
+    if how == "sleep":
+        _wrap_loss(lambda: job.step_count + 1 == step and time.sleep(10**9))
+        return
+    if not hasattr(job.model, "no_sync"):
+        raise RuntimeError("the attached model is not DistributedDataParallel: nothing to skip")
+    inner = job.loss_fn
+
+    def unsynced(model, batch):
+        if job.step_count + 1 != step:
+            return inner(model, batch)
+        with model.no_sync():  # the backward runs inside: no all-reduce this step
+            loss = inner(model, batch)
+            loss.backward(retain_graph=True)
+            model.zero_grad(set_to_none=False)
+        return loss.detach().requires_grad_()
+
+    job.loss_fn = unsynced
+
+
 def checkpoint_without(*parts: str) -> None:
     """Leave ``parts`` out of this rank's checkpoints, as a hand-written save might forget
     them: any of "model", "optimizer", "scheduler", "scaler", "data", "python", "numpy",

@@ -79,6 +79,10 @@ def join(plan: RankPlan) -> RankInfo:
     import torch.distributed as dist
 
     _export_env(plan)
+    # torch's Flight Recorder, for the sidecar's hang reports (read when the group is made)
+    from dtlab.agent.sidecar import FR_BUFFER_ENV, FR_BUFFER_SIZE
+
+    os.environ.setdefault(FR_BUFFER_ENV, FR_BUFFER_SIZE)
     torch.set_num_threads(plan.num_threads)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -91,7 +91,8 @@ def control_group(rebuild: bool = False):
         return None
     if rebuild or _control.get("world") is not dist.group.WORLD:  # group rebuilt since
         _control["world"] = dist.group.WORLD
-        _control["group"] = dist.new_group(backend="gloo")  # CPU tensors, NCCL jobs too
+        # CPU tensors, NCCL jobs too; named so that hang reports can say whose it is
+        _control["group"] = dist.new_group(backend="gloo", group_desc="dtlab_control")
     return _control["group"]
 
 

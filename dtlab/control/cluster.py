@@ -25,6 +25,7 @@ import psutil
 
 from dtlab.control.config import LaunchConfig
 from dtlab.control.errors import DtlabError, LaunchError
+from dtlab.control.forkserver import EXIT_LOG_ENV
 from dtlab.control.launchers import engine_launcher_class
 from dtlab.control.rankmap import threads_per_rank
 
@@ -38,6 +39,13 @@ QUERY_TIMEOUT_S = 10.0
 CHECK_EVERY_S = 0.5
 
 Progress = Callable[[str, int, int], None]
+
+
+def exit_log_path(cluster_id: str) -> str:
+    """Where the fork server of a local cluster notes each engine's exit status."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"{cluster_id}-exits.jsonl")
 
 
 def _local_threads(config: LaunchConfig) -> int:
@@ -68,6 +76,7 @@ def make_cluster(config: LaunchConfig) -> ipp.Cluster:
         # ipyparallel engines do not set it (torchrun does): without it torch takes every
         # core in every rank, and 8 ranks on 2 cores step ~15x slower (FACTS.md)
         env.setdefault("OMP_NUM_THREADS", str(_local_threads(config)))
+        env[EXIT_LOG_ENV] = exit_log_path(cluster.cluster_id)  # how engines died
     cluster.config.EngineLauncher.environment = env
     for section, values in config.launcher_config.items():
         for key, value in values.items():
@@ -239,6 +248,21 @@ class EngineCluster:
             except Exception:  # a launcher that already died: its processes are reaped below
                 pass
         _reap(procs)
+        try:
+            os.unlink(exit_log_path(self.cluster_id))
+        except OSError:
+            pass
+
+    def exits(self) -> dict[int, int]:
+        """``{pid: exit code}`` of engines that exited on their own (local launcher; a
+        negative code is the signal that ended it)."""
+        import json
+
+        try:
+            with open(exit_log_path(self.cluster_id)) as log:
+                return {e["pid"]: e["code"] for e in map(json.loads, log) if "pid" in e}
+        except (OSError, ValueError):
+            return {}
 
 
 def _session_leader(pid: int) -> bool:

@@ -37,7 +37,9 @@ def describe_failures(failures: Mapping[int, RemoteFailure]) -> list[str]:
     lines = []
     by_error = group_by_value({r: (f.ename, f.evalue) for r, f in failures.items()})
     for ranks, (ename, evalue) in by_error:
-        if ename == "EngineError":
+        if ename == "EngineError" and evalue.startswith(("killed by", "exited with", "the engine")):
+            lines.append(f"{label_ranks(ranks)} died: {evalue}")
+        elif ename == "EngineError":
             lines.append(f"{label_ranks(ranks)} died: the engine process exited ({evalue})")
         else:
             lines.append(f"{label_ranks(ranks)} raised {ename}: {evalue}")
@@ -65,6 +67,8 @@ class RankError(DtlabError):
         stuck: Iterable[int] = (),
     ):
         self.what = what
+        self.report: str | None = None  # why, from the ranks' sidecars (a hang report)
+        self.hang = None  # the HangReport itself, when one was taken
         self.finished = tuple(sorted(finished))
         self.stopped = tuple(sorted(stopped))
         self.stuck = tuple(sorted(stuck))
@@ -80,8 +84,14 @@ class RankError(DtlabError):
     def dead_ranks(self) -> tuple[int, ...]:
         return tuple(sorted(r for r, f in self.failures.items() if f.ename == "EngineError"))
 
+    def explain(self, hang) -> RankError:
+        """Add a hang report (what every rank was doing) to this error's message."""
+        self.hang, self.report = hang, hang.summary()
+        self.args = (self._message(),)
+        return self
+
     def _aftermath(self) -> list[str]:
-        lines = []
+        lines = [f"why: {self.report}"] if self.report else []
         if self.finished:
             lines.append(f"{label_ranks(self.finished)} finished without error")
         if self.stopped:

@@ -30,6 +30,7 @@ import signal
 import sys
 
 ENGINE_INDEX_ENV = "DTLAB_ENGINE_INDEX"
+EXIT_LOG_ENV = "DTLAB_EXIT_LOG"  # a file to note each engine's exit status in (JSON lines)
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -200,7 +201,19 @@ def serve(num_engines: int, engine_argv: list[str]) -> int:
         if code and not (stopping and code == -signal.SIGTERM):
             print(f"dtlab fork server: engine {index} (pid {pid}) exited with {code}", flush=True)
             exit_code = exit_code or (code if code > 0 else 128 - code)
+            _note_exit(pid, index, code)
     return exit_code
+
+
+def _note_exit(pid: int, index: int, code: int) -> None:
+    """For the notebook's "rank 3 died: killed by SIGKILL" (it is not the engines' parent)."""
+    path = os.environ.get(EXIT_LOG_ENV)
+    if path:
+        try:
+            with open(path, "a") as log:
+                log.write(json.dumps({"pid": pid, "index": index, "code": code}) + "\n")
+        except OSError:
+            pass  # the report says "cause unknown" instead
 
 
 def _stop_orphaned_controller() -> None:

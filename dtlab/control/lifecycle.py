@@ -72,11 +72,14 @@ def renew(session: Session, progress: Progress) -> Session:
     if session._stepper is not None:
         session._stepper.close()
         session._stepper = None
+    if session._sidecars is not None:
+        session._sidecars.close()
+        session._sidecars = None
     if not session.closed:
         session.engines.stop()
         session.closed = True  # until the new engines stand: a failed start leaves it shut
     fresh = start(session.config, progress)
-    for name in ("engines", "rank_map", "facts", "infos", "_stuck"):
+    for name in ("engines", "rank_map", "facts", "infos", "_stuck", "_sidecars"):
         setattr(session, name, getattr(fresh, name))
     session.closed = False
     session.calls += 1  # the job attached before lives no more
@@ -203,6 +206,7 @@ def join(
                 timeout=remaining(),
             )
         )
+        _launch_step(session.start_sidecars)  # before anything can hang: then it is too late
     except BaseException:
         session.shutdown()
         raise

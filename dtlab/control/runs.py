@@ -19,6 +19,7 @@ FAILURE_GRACE_S = 1.0  # after one rank fails, how long the others get to finish
 PAUSE_WAIT_S = 10.0  # after a pause request, how long ranks get to reach the boundary
 CHECK_EVERY_S = 0.25  # how often a waiting run asks whether engines and controller live
 POLL_S = 0.1
+STALLED_S = 2.0  # no reply from any rank for this long: the run is stalled, not slow
 
 
 class Run:
@@ -42,7 +43,8 @@ class Run:
             recs[-1].step if recs else 0
             for recs in (stepper.trace.records.values() if stepper.trace else [[]])
         }
-        self.started = self.last_check = time.monotonic()
+        self.started = self.last_check = self.last_reply = time.monotonic()
+        self.hang = None  # the HangReport taken when the run stopped progressing
         self.first_failure: float | None = None
         self.pause_reason: str | None = None
         self.pause_deadline: float | None = None
@@ -55,6 +57,7 @@ class Run:
         if rank not in self.pending:
             return
         self.stepper.ingest(rank, reply)
+        self.last_reply = time.monotonic()
         self.step_by_rank[rank] = reply.get("step", 0)
         if reply["kind"] == "done":
             self.done[rank] = reply
@@ -77,15 +80,31 @@ class Run:
         if now - self.last_check >= CHECK_EVERY_S:
             self.last_check = now
             self.session.check_controller()
-            for rank in self.session.dead_ranks(self.pending):
-                self.failures[rank] = RemoteFailure("EngineError", "the engine process died")
+            dead = self.session.dead_ranks(self.pending)
+            for rank, cause in (self.session.death_causes(dead) if dead else {}).items():
+                self.failures[rank] = RemoteFailure("EngineError", cause)
                 self._finish(rank)
+        quiet = now - self.last_reply
         if self.timeout is not None and now - self.started > self.timeout:
-            self.ask_pause(f"timed out after {self.timeout:g} s")
+            self._timed_out(f"timed out after {self.timeout:g} s", quiet > STALLED_S)
+        elif self.timeout is None and quiet > self.session.stall_limit():
+            self._timed_out(f"no step finished for {quiet:.0f} s", True)
         if interrupts >= 1:
             self.ask_pause("interrupted")
         if interrupts >= 2:
             self.give_up_reason = "interrupted twice"
+
+    def _timed_out(self, reason: str, stalled: bool) -> None:
+        """Ranks still stepping are asked to pause; stalled ones are asked (out of band)
+        what they are doing, and if some wait in a collective that others never entered,
+        no step boundary will come: give up at once, with that report."""
+        if stalled and self.hang is None and self.pause_reason is None:
+            self.hang = self.session.hang_report()
+            if self.hang.verdict.collective is not None:
+                self.pause_reason = reason
+                self.give_up_reason = f"{reason}; hung"
+                return
+        self.ask_pause(reason)
 
     def ask_pause(self, reason: str) -> None:
         if self.pause_reason is None:
@@ -154,8 +173,12 @@ class Run:
         what = f"step (run {self.id})"
         reason = self.give_up_reason or (self.pause_reason if unfinished else None)
         if self.failures and not (reason and unfinished):
-            raise RankError(what, self.failures, **ranks)
-        raise RankTimeoutError(what, reason or "interrupted", self.failures, **ranks)
+            error = RankError(what, self.failures, **ranks)
+        else:
+            error = RankTimeoutError(what, reason or "interrupted", self.failures, **ranks)
+        if self.hang is None and error.dead_ranks:  # what the others were doing
+            self.hang = self.session.hang_report()
+        raise error.explain(self.hang) if self.hang is not None else error
 
     def _poll_late(self) -> list[int]:
         self.stepper.dispatch(self.stepper.channel.receive(POLL_S))

@@ -22,6 +22,7 @@ from dtlab.control.config import LaunchConfig
 from dtlab.control.errors import DtlabError, RankError
 from dtlab.control.rankmap import RankMap
 from dtlab.control.replays import ReplayMixin
+from dtlab.control.rescue import RecoveryMixin
 from dtlab.control.training import TrainingMixin
 from dtlab.records import CellOutput, EngineFacts, RankInfo, RemoteFailure
 
@@ -33,7 +34,7 @@ STATUS_SETTLE_TRIES = 4
 STATUS_SETTLE_S = 0.05
 
 
-class Session(TrainingMixin, CheckpointMixin, ReplayMixin):
+class Session(TrainingMixin, CheckpointMixin, ReplayMixin, RecoveryMixin):
     """N torch.distributed ranks living in ipyparallel engines.
 
     Use ``run``/``execute``/``pull``/``push`` to work on the ranks and ``shutdown`` (or a
@@ -56,6 +57,7 @@ class Session(TrainingMixin, CheckpointMixin, ReplayMixin):
         self._stuck: dict[int, Any] = {}  # rank -> request it did not finish, even on SIGINT
         self.calls = 0  # ipyparallel requests so far (any of them may have re-attached a job)
         self._stepper = None
+        self.restarts: list[dict] = []  # dt.restart() events, oldest first
 
     # --- what it is -------------------------------------------------------------------
     @property
@@ -191,6 +193,7 @@ class Session(TrainingMixin, CheckpointMixin, ReplayMixin):
             )
         except RankError as e:
             self._stuck.update({r: sent[r] for r in e.stuck})
+            self.explain_failure(e)
             raise
 
     def run(
@@ -296,6 +299,9 @@ class Session(TrainingMixin, CheckpointMixin, ReplayMixin):
 
         if self._stepper is not None:
             self._stepper.close()
+        if self._sidecars is not None:
+            self._sidecars.close()
+            self._sidecars = None
         if not self.closed:
             self.engines.stop()  # if this is interrupted, a second shutdown() tries again
             self.closed = True

@@ -56,7 +56,8 @@ class TrainingMixin:
         Ctrl-C pauses every rank after the same step (a second Ctrl-C sends SIGINT).
         ``record`` overrides the job's per-parameter recording for these steps.
         """
-        return self.stepper.run(num_steps, None, record=record, timeout=timeout, progress=progress)
+        return self.resilient(num_steps, lambda steps: self.stepper.run(
+            steps, None, record=record, timeout=timeout, progress=progress))  # fmt: skip
 
     def run_until(
         self,

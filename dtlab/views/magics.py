@@ -194,11 +194,13 @@ class DtlabMagics(Magics):
 
 def register(ipython) -> None:
     from dtlab.views.checkpoint_magics import CheckpointMagics
+    from dtlab.views.recovery_magics import RecoveryMagics
     from dtlab.views.training_magics import TrainingMagics
 
     ipython.register_magics(DtlabMagics)
     ipython.register_magics(TrainingMagics)
     ipython.register_magics(CheckpointMagics)
+    ipython.register_magics(RecoveryMagics)
     from dtlab.control.session import Session
 
     html = ipython.display_formatter.formatters["text/html"]

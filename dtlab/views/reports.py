@@ -106,3 +106,20 @@ def replay_summary(result) -> str:
         text += (f" (median step {result.replay_step_s * 1e3:.1f} ms, the original "
                  f"{result.original_step_s * 1e3:.1f} ms: {ratio:.2f}x)")  # fmt: skip
     return text
+
+
+def hang_table(report) -> Table:
+    """``dt.hang_report()`` per rank: step, where it is, the last collectives it entered."""
+    rows = []
+    for rank in sorted(set(report.reports) | set(report.dead)):
+        rep = report.reports.get(rank)
+        calls = rep.collectives if rep else ()
+        last = [c for c in calls if c.group == "default_pg"][-1:] + [
+            c for c in calls if not c.done and c.group != "default_pg"][-1:]  # fmt: skip
+        shown = "; ".join(f"{c.op} #{c.seq} on {c.group} {'done' if c.done else 'WAITING'}"
+                          for c in last) or "-"  # fmt: skip
+        step = "-" if rep is None or rep.step is None else str(rep.step)
+        rows.append((str(rank), step, report.verdict.where.get(rank, "?"), shown))
+    notes = (report.verdict.summary,)
+    return Table("what every rank is doing", ("rank", "step", "where", "collectives"), tuple(rows),
+                 notes)  # fmt: skip

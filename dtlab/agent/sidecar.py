@@ -1,0 +1,123 @@
+"""A thread on every rank that says what the rank is doing, even while it is stuck.
+
+A rank blocked in a collective, a sleep or a long computation cannot answer through its
+engine (the main thread is busy); this daemon thread can, because gloo and NCCL waits,
+sleeps and most torch kernels release the GIL (and a pure-Python loop yields it every few
+ms). On request it sends, out of band:
+
+- the main thread's Python stack (file, line, function, code);
+- the last collectives of each process group from torch's Flight Recorder (enabled by
+  ``TORCH_FR_BUFFER_SIZE``, which the rendezvous sets): sequence number, op, input sizes,
+  and whether it completed;
+- the attached job's step counter.
+
+Protocol: its own DEALER socket (identity = rank) to the notebook's ROUTER; JSON frames
+with the session key, ``{"op": "report", "id"}`` -> ``{"kind": "report", "id", "rank",
+"stack", "collectives", "step"}``; a ``{"kind": "hello"}`` on connecting.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import traceback
+
+FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+FR_BUFFER_SIZE = "2000"  # entries per rank: ~0.2 MB, and room for hours of DDP buckets
+KEEP_PER_GROUP = 6  # collectives reported per process group (the last ones)
+POLL_MS = 200
+
+_sidecar: Sidecar | None = None
+
+
+def start(address: str, key: str, rank: int) -> None:
+    """Start (or restart, for a new notebook channel) this rank's sidecar thread."""
+    global _sidecar
+    if _sidecar is not None:
+        _sidecar.stopping.set()
+        _sidecar.join(timeout=2)
+    _sidecar = Sidecar(address, key, rank, threading.main_thread().ident)
+    _sidecar.start()
+
+
+class Sidecar(threading.Thread):
+    def __init__(self, address: str, key: str, rank: int, main_ident: int):
+        super().__init__(name="dtlab-sidecar", daemon=True)
+        self.address, self.key, self.rank, self.main_ident = address, key, rank, main_ident
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        import zmq
+
+        socket = zmq.Context.instance().socket(zmq.DEALER)  # made here: owned by this thread
+        socket.setsockopt(zmq.IDENTITY, str(self.rank).encode())
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(self.address)
+        try:
+            self._send(socket, {"kind": "hello"})
+            while not self.stopping.is_set():
+                if socket.poll(POLL_MS, zmq.POLLIN):
+                    self._answer(socket, socket.recv())
+        finally:
+            socket.close()
+
+    def _answer(self, socket, frame: bytes) -> None:
+        try:
+            msg = json.loads(frame)
+        except ValueError:
+            return
+        if not isinstance(msg, dict) or msg.get("key") != self.key:
+            return  # not from our notebook: never act on it
+        if msg.get("op") == "report":
+            self._send(socket, {"kind": "report", "id": msg.get("id"), **report(self.main_ident)})
+
+    def _send(self, socket, fields: dict) -> None:
+        import zmq
+
+        try:
+            socket.send(json.dumps({"key": self.key, "rank": self.rank, **fields}).encode(),
+                        zmq.NOBLOCK)  # fmt: skip
+        except zmq.Again:
+            pass
+
+
+def report(main_ident: int) -> dict:
+    frame = sys._current_frames().get(main_ident)
+    stack = traceback.extract_stack(frame) if frame is not None else []
+    return {
+        "stack": [[f.filename, f.lineno, f.name, f.line or ""] for f in stack],
+        "collectives": collectives(),
+        "step": _step(),
+    }
+
+
+def _step() -> int | None:
+    from dtlab.agent import job
+
+    return job._job.step_count if job._job is not None else None
+
+
+def collectives() -> list[dict]:
+    """The last collectives of every process group, oldest first (empty without a
+    Flight Recorder)."""
+    try:
+        import torch._C._distributed_c10d as c10d
+
+        entries = json.loads(c10d._dump_fr_trace_json()).get("entries", [])
+    except Exception:  # no process group yet, or a torch without the recorder
+        return []
+    by_group: dict[str, list[dict]] = {}
+    for e in entries:
+        if e.get("is_p2p"):
+            continue
+        pg_id, pg_name = (list(e.get("process_group", ["?", "?"])) + ["?"])[:2]
+        by_group.setdefault(pg_id, []).append({
+            "group": pg_name if pg_name not in ("", "undefined") else f"group {pg_id}",
+            "seq": int(e.get("collective_seq_id", 0)),
+            "op": str(e.get("profiling_name", "?")).split(":")[-1],
+            "sizes": e.get("input_sizes", []),
+            "dtypes": e.get("input_dtypes", []),
+            "done": bool(e.get("retired")),
+        })  # fmt: skip
+    return [call for calls in by_group.values() for call in calls[-KEEP_PER_GROUP:]]

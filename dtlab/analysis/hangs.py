@@ -1,0 +1,139 @@
+"""Why ranks are stuck: a verdict from every rank's out-of-band report (pure).
+
+Input: ``{rank: RankReport}`` (``None`` for a rank whose sidecar did not answer) and the
+ranks known dead with how they died. In order:
+
+1. a collective whose op or tensor shapes differ across ranks at the same sequence number
+   of a group (gloo then returns garbage on some ranks and blocks others);
+2. ranks blocked in collective #S of a group that other ranks never entered: those are
+   named with where they are instead (a line of their code, idle, or dead);
+3. otherwise no rank is inside a collective: where each rank is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from dtlab.analysis.ranks import label_ranks
+from dtlab.records import CollectiveCall, RankReport
+
+# frames of these are the machinery a rank waits in, not what it is doing
+_MACHINERY = ("/asyncio/", "/selectors.py", "/zmq/", "/tornado/", "/ipykernel/", "/IPython/",
+              "/ipyparallel/", "/threading.py", "/traitlets/", "/concurrent/",
+              "/dtlab/control/forkserver.py", "<frozen")  # fmt: skip
+_LIBRARY = ("/site-packages/", "/lib/python3")
+GROUP_ROLES = {"default_pg": "the default group: DDP gradients and your collectives",
+               "dtlab_control": "dtlab's step agreement"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HangVerdict:
+    summary: str
+    collective: CollectiveCall | None = None  # the one ranks are blocked in
+    waiting: tuple[int, ...] = ()  # ranks blocked in it
+    missing: tuple[int, ...] = ()  # ranks that never entered it (or dead)
+    mismatch: bool = False
+    where: dict[int, str] = field(default_factory=dict)  # rank -> what it is doing
+
+
+def where(report: RankReport | None, dead: str | None = None) -> str:
+    """``in `train_step` (train.py:42: loss.backward())``, ``idle``, ``dead (...)``."""
+    if dead is not None:
+        return f"dead ({dead})"
+    if report is None:
+        return "did not answer (its sidecar is gone or the GIL is held)"
+    own = [f for f in report.stack if not any(m in f[0] for m in _MACHINERY)]
+    if not own:
+        return "idle (waiting for the notebook)"
+    user = [f for f in own if not any(lib in f[0] for lib in _LIBRARY)] or own
+    file, line, function, code = user[-1]
+    text = f"in `{function}` ({file.rsplit('/', 1)[-1]}:{line}" + (f": {code})" if code else ")")
+    inner = own[-1]
+    if inner is not user[-1]:
+        text += f", inside `{inner[2]}` ({inner[0].rsplit('/', 1)[-1]}:{inner[1]})"
+    return text
+
+
+def describe_call(call: CollectiveCall) -> str:
+    role = GROUP_ROLES.get(call.group)
+    return f"{call.op} #{call.seq} on {call.group}" + (f" ({role})" if role else "")
+
+
+def diagnose(reports: Mapping[int, RankReport | None],
+             dead: Mapping[int, str] | None = None) -> HangVerdict:  # fmt: skip
+    dead = dict(dead or {})
+    places = {r: where(reports.get(r), dead.get(r)) for r in sorted(set(reports) | set(dead))}
+    found = _mismatch(reports) or _blocked(reports, dead)
+    if found is None:
+        return HangVerdict(f"no rank is inside a collective: {_list(places)}", where=places)
+    verdict, call, waiting, missing, mismatch = found
+    return HangVerdict(verdict, call, waiting, missing, mismatch, places)
+
+
+def _calls(reports) -> dict[tuple[str, int], dict[int, CollectiveCall]]:
+    by_key: dict[tuple[str, int], dict[int, CollectiveCall]] = {}
+    for rank, report in reports.items():
+        for call in report.collectives if report else ():
+            by_key.setdefault((call.group, call.seq), {})[rank] = call
+    return by_key
+
+
+def _mismatch(reports):
+    for key, calls in sorted(_calls(reports).items(), key=lambda kv: kv[0][1]):
+        shapes = {}
+        for rank, call in calls.items():
+            shapes.setdefault((call.op, call.sizes), []).append(rank)
+        if len(shapes) < 2:
+            continue
+        ordered = sorted(shapes.items(), key=lambda kv: len(kv[1]))
+        parts = [f"{label_ranks(ranks)} passed {op} {_sizes(sizes)}"
+                 for (op, sizes), ranks in ordered]  # fmt: skip
+        first = next(iter(calls.values()))
+        text = (f"mismatched collective #{key[1]} on {key[0]}: {'; '.join(parts)}; the ranks "
+                "must pass the same op and shapes (gloo then returns garbage to some ranks and "
+                "blocks others)")  # fmt: skip
+        blocked = tuple(sorted(r for r, c in calls.items() if not c.done))
+        odd = tuple(sorted(min(shapes.values(), key=len)))
+        return text, first, blocked, odd, True
+    return None
+
+
+def _blocked(reports, dead):
+    pending = {}  # group -> {rank: the oldest call not done}
+    for rank, report in reports.items():
+        for call in report.collectives if report else ():
+            if not call.done:
+                pending.setdefault(call.group, {}).setdefault(rank, call)
+    if not pending:
+        return None
+    group = "default_pg" if "default_pg" in pending else sorted(pending)[0]
+    target = max(pending[group].values(), key=lambda c: c.seq)
+    waiting = tuple(sorted(r for r, c in pending[group].items() if c.seq == target.seq))
+    missing = tuple(sorted(r for r in set(reports) | set(dead) if r not in waiting
+                           and _last_seq(reports.get(r), group) < target.seq))  # fmt: skip
+    text = (
+        f"{label_ranks(waiting)} {'is' if len(waiting) == 1 else 'are'} in {describe_call(target)}"
+    )
+    if missing:
+        places = {r: where(reports.get(r), dead.get(r)) for r in missing}
+        text += f"; {label_ranks(missing)} never entered it: {_list(places)}"
+    else:
+        text += "; every rank entered it and none completed it"
+    return text, target, waiting, missing, False
+
+
+def _last_seq(report: RankReport | None, group: str) -> int:
+    seqs = [c.seq for c in report.collectives if c.group == group] if report else []
+    return max(seqs, default=-1)
+
+
+def _list(places: Mapping[int, str]) -> str:
+    by_place: dict[str, list[int]] = {}
+    for rank, place in places.items():
+        by_place.setdefault(place, []).append(rank)
+    return "; ".join(f"{label_ranks(ranks)} {place}" for place, ranks in by_place.items())
+
+
+def _sizes(sizes: tuple) -> str:
+    return ", ".join("[" + ", ".join(str(n) for n in s) + "]" for s in sizes) or "[]"

@@ -1,0 +1,215 @@
+"""When ranks die or hang: what each is doing, how the dead died, and a restart that
+continues from the last good checkpoint. Mixed into Session.
+
+- every rank runs a sidecar thread (:mod:`dtlab.agent.sidecar`) on a channel of its own,
+  started at launch, so a rank stuck in a collective still says where it is;
+- ``dt.hang_report()`` / ``%dt_stacks`` asks them all (bounded) and diagnoses
+  (:func:`dtlab.analysis.hangs.diagnose`); runs and cells that time out attach it to
+  their error; a dead rank's error says how it died (the fork server notes exit statuses);
+- ``dt.restart()`` / ``%dt_restart`` replaces every engine, rebuilds the group at the same
+  world size, attaches the job again and loads a checkpoint; ``dt.auto_restart(n)`` does
+  it by itself when a run loses a rank or hangs, up to n times, noted in the trace.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+
+from dtlab.analysis.hangs import HangVerdict, diagnose
+from dtlab.analysis.ranks import label_ranks
+from dtlab.control.channel import Channel
+from dtlab.control.errors import DtlabError
+from dtlab.records import RankReport
+
+REPORT_TIMEOUT_S = 2.0  # a sidecar answers in ms; one that does not in 2 s will not
+CONNECT_TIMEOUT_S = 30.0
+HANG_MIN_S = 30.0  # a run with no step finished for this long (or 20 steps' time) is hung
+HANG_STEPS = 20
+
+
+def _start_sidecar(address: str, key: str, rank: int) -> None:
+    from dtlab.agent.sidecar import start
+
+    start(address, key, rank)
+
+
+@dataclass(frozen=True)
+class HangReport:
+    """Every rank's stack and collectives, taken out of band, and the verdict."""
+
+    verdict: HangVerdict
+    reports: dict[int, RankReport | None]  # None: the rank did not answer
+    dead: dict[int, str] = field(default_factory=dict)  # rank -> how it died
+    taken: float = 0.0  # time.time()
+
+    def summary(self) -> str:
+        return self.verdict.summary
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "the engine process exited (cause unknown)"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        hint = ": kill -9 or the OOM killer" if -code == signal.SIGKILL else ""
+        return f"killed by signal {-code} ({name}{hint})"
+    return f"exited with code {code}"
+
+
+class RecoveryMixin:
+    """Hang reports, death causes and restarts for a Session."""
+
+    _sidecars: Channel | None = None
+    _auto: tuple[int, object] | None = None  # (restarts left, from_checkpoint)
+    hang_timeout: float | None = None  # None: max(HANG_MIN_S, HANG_STEPS x median step)
+    restarts: list  # set in Session.__init__
+
+    def start_sidecars(self) -> None:
+        """Start each rank's sidecar (at launch: a stuck rank can no longer be asked to)."""
+        from dtlab.control.stepper import _channel_hosts
+
+        if self._sidecars is not None:
+            self._sidecars.close()
+        channel = Channel(*_channel_hosts(self))
+        try:
+            where = {r: (channel.address, channel.key, r) for r in self.ranks}
+            self.run_each(_start_sidecar, where, what="start the sidecars",
+                          timeout=CONNECT_TIMEOUT_S)  # fmt: skip
+            missing = channel.wait_connected(self.ranks, CONNECT_TIMEOUT_S)
+        except BaseException:
+            channel.close()
+            raise
+        if missing:
+            channel.close()
+            raise DtlabError(f"{label_ranks(missing)} did not connect their sidecar to "
+                             f"{channel.address} (a firewall between the hosts?)")  # fmt: skip
+        self._sidecars = channel
+
+    def death_causes(self, ranks) -> dict[int, str]:
+        """How each of ``ranks`` died, as far as the launcher knows."""
+        exits = self.engines.exits()
+        engine_rank = {eid: r for r, eid in enumerate(self.rank_map.engine_ids)}
+        pids = {engine_rank[eid]: f.pid for eid, f in self.facts.items() if eid in engine_rank}
+        return {r: describe_exit(exits.get(pids.get(r))) for r in ranks}
+
+    def explain_failure(self, error) -> None:
+        """Say how dead ranks died and, for a timeout or a death, what every rank was doing
+        (added to ``error``'s message; best effort: the error itself must still come)."""
+        from dtlab.control.errors import RankTimeoutError
+        from dtlab.records import RemoteFailure
+
+        dead = error.dead_ranks
+        try:
+            for rank, cause in self.death_causes(dead).items():
+                error.failures[rank] = RemoteFailure("EngineError", cause)
+            if dead or (isinstance(error, RankTimeoutError) and error.reason != "interrupted"):
+                error.explain(self.hang_report())
+            else:
+                error.args = (error._message(),)
+        except Exception:
+            pass
+
+    def hang_report(self, ranks=None, *, timeout: float = REPORT_TIMEOUT_S) -> HangReport:
+        """Ask every rank's sidecar what it is doing (the main threads may be stuck) and
+        say why they are stuck."""
+        chosen = self.select(ranks)
+        dead = self.dead_ranks(chosen)
+        alive = [r for r in chosen if r not in dead]
+        reports: dict[int, RankReport | None] = {r: None for r in alive}
+        if self._sidecars is not None and alive:
+            reports.update(self._ask(alive, timeout))
+        causes = self.death_causes(dead) if dead else {}
+        return HangReport(diagnose(reports, causes), reports, causes, time.time())
+
+    def _ask(self, ranks: list[int], timeout: float) -> dict[int, RankReport]:
+        self._report_id = getattr(self, "_report_id", 0) + 1
+        asked = self._report_id
+        self._sidecars.receive(0)  # late answers of an earlier question
+        self._sidecars.send(ranks, {"op": "report", "id": asked})
+        got: dict[int, RankReport] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < len(ranks) and time.monotonic() < deadline:
+            for reply in self._sidecars.receive(max(0.0, deadline - time.monotonic())):
+                if reply.get("kind") == "report" and reply.get("id") == asked:
+                    got[reply["rank"]] = RankReport.from_dict(reply["rank"], reply)
+        return got
+
+    def stall_limit(self) -> float:
+        """Seconds without a finished step after which a run counts as hung."""
+        if self.hang_timeout is not None:
+            return self.hang_timeout
+        step_s = self._stepper._step_s() if self._stepper and self._stepper.trace else None
+        return max(HANG_MIN_S, HANG_STEPS * step_s) if step_s else HANG_MIN_S * 2
+
+    # --- restart ------------------------------------------------------------------------
+    def restart(self, from_checkpoint="latest", *, reason: str = "asked", progress=None) -> dict:
+        """Replace every engine (dead, hung or not), rejoin at the same world size, build
+        the job again (``dt.set_job_setup``; ``%dt_demo`` sets it) and load a checkpoint
+        (``"latest"``: the last complete one; a step; None: start the job afresh)."""
+        from dtlab.control import lifecycle
+
+        t0 = time.monotonic()
+        chosen = self.find_checkpoint(from_checkpoint) if from_checkpoint is not None else None
+        if self.job_setup is None and chosen is not None:
+            self.set_up_job()  # raises, saying how to tell dtlab to build the job
+        lifecycle.renew(self, progress or (lambda *a: None))
+        if self.job_setup is None:  # no job to rebuild: the fresh ranks are the restart
+            event = {"time": time.time(), "reason": reason, "checkpoint": None, "step": 0,
+                     "seconds": time.monotonic() - t0}  # fmt: skip
+            self.restarts.append(event)
+            return event
+        self.set_up_job()
+        loaded = self._load_into_job(chosen) if chosen is not None else {}
+        self._autosave(True)
+        event = {"time": time.time(), "reason": reason, "seconds": time.monotonic() - t0,
+                 "checkpoint": str(chosen.path) if chosen else None,
+                 "step": chosen.step if chosen else 0}  # fmt: skip
+        self.restarts.append(event)
+        # the trace of the new timeline says where it came from and every restart so far
+        self.stepper.new_trace(resumed_from=event["checkpoint"], step=event["step"],
+                               restarts=list(self.restarts))  # fmt: skip
+        return event | {"loaded": loaded}
+
+    def auto_restart(self, max_restarts: int, from_checkpoint="latest") -> None:
+        """From now on, when ``dt.step`` / ``dt.run_until`` loses a rank or hangs, restart
+        (``dt.restart(from_checkpoint)``) and go on to the step it was asked to reach, up
+        to ``max_restarts`` times (0: off). Each restart is kept in the trace's meta."""
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        self._auto = (max_restarts, from_checkpoint) if max_restarts else None
+
+    def current_step(self) -> int:
+        trace = self.trace
+        if trace is None:
+            return 0
+        return trace.last_step or int(trace.meta.get("step") or 0)
+
+    def resilient(self, num_steps: int, run):
+        """``run(steps)`` until the job reaches ``num_steps`` more steps, restarting on a
+        dead rank or a hang while automatic restarts are on."""
+        from dtlab.control.errors import RankError, RankTimeoutError
+
+        end = self.current_step() + num_steps
+        while True:
+            try:
+                return run(end - self.current_step())
+            except RankError as e:
+                auto = getattr(self, "_auto", None)
+                lost = e.dead_ranks or (isinstance(e, RankTimeoutError) and e.hang is not None)
+                if auto is None or not lost or auto[0] <= 0:
+                    raise
+                self._auto = (auto[0] - 1, auto[1]) if auto[0] > 1 else None
+                self.restart(auto[1], reason=_reason(e))
+
+
+def _reason(error) -> str:
+    """One line for the restart log: who died and how, or why it hung."""
+    if error.dead_ranks:
+        causes = {error.failures[r].evalue for r in error.dead_ranks}
+        return f"{label_ranks(error.dead_ranks)} died ({'; '.join(sorted(causes))})"
+    return f"hung: {error.report}" if error.report else str(error).splitlines()[0]
