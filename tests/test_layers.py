@@ -28,6 +28,7 @@ def modules_after(import_line: str) -> set[str]:
         "import dtlab.agent.demo_job, dtlab.agent.demo_model, dtlab.agent.inject",
         "import dtlab.records, dtlab.trace, dtlab.checkpoint_format, dtlab.analysis.resume",
         "import dtlab.agent.checkpoint, dtlab.agent.restore, dtlab.agent.dcp_io, dtlab.agent.rng",
+        "import dtlab.agent.sidecar, dtlab.agent.data_stream, dtlab.analysis.hangs",
     ],
 )
 def test_pure_and_rank_side_code_import_no_notebook_library(line):
@@ -39,7 +40,7 @@ def test_analysis_does_not_import_torch():
     loaded = modules_after(
         "import dtlab.analysis.consistency, dtlab.analysis.ranks, dtlab.analysis.conditions, "
         "dtlab.analysis.divergence, dtlab.analysis.trends, dtlab.analysis.doctor, dtlab.trace, "
-        "dtlab.analysis.resume, dtlab.checkpoint_format"
+        "dtlab.analysis.resume, dtlab.checkpoint_format, dtlab.analysis.hangs"
     )
     assert "torch" not in loaded
 

@@ -105,3 +105,22 @@ def test_automatic_restarts_reach_the_step_asked_for(dt):
     assert dt.current_step() == 6
     assert len(dt.restarts) == before + 1 and "rank 3 died" in dt.restarts[-1]["reason"]
     assert dt.trace.meta["restarts"][-1]["step"] == 2
+
+
+def test_dt_stacks_and_dt_restart_magics(ip, dt, capsys):
+    from IPython.core.error import UsageError
+
+    report = ip.run_line_magic("dt_stacks", "")
+    assert report.verdict.collective is None
+    assert set(report.verdict.where.values()) == {"idle (waiting for the notebook)"}
+    assert "no rank is inside a collective" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="--auto takes"):
+        ip.run_line_magic("dt_restart", "--auto -1")
+    ip.run_line_magic("dt_restart", "--auto 2")
+    assert "restarting by itself up to 2 times" in capsys.readouterr().out
+    ip.run_line_magic("dt_restart", "--auto 0")
+    dt.step(1)
+    dt.checkpoint()
+    ip.run_line_magic("dt_restart", "--from-checkpoint latest")
+    assert "restarted 4 ranks in " in capsys.readouterr().out
+    assert dt.current_step() == 1

@@ -23,6 +23,10 @@ _MACHINERY = ("/asyncio/", "/selectors.py", "/zmq/", "/tornado/", "/ipykernel/",
               "/ipyparallel/", "/threading.py", "/traitlets/", "/concurrent/",
               "/dtlab/control/forkserver.py", "<frozen")  # fmt: skip
 _LIBRARY = ("/site-packages/", "/lib/python3")
+# ops whose every rank passes the same shapes (scatter, gather, all_to_all legitimately differ)
+SAME_SHAPES = {"all_reduce", "allreduce", "broadcast", "reduce", "all_gather", "allgather",
+               "_allgather_base", "allgather_into_tensor_coalesced", "reduce_scatter",
+               "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "barrier"}  # fmt: skip
 GROUP_ROLES = {"default_pg": "the default group: DDP gradients and your collectives",
                "dtlab_control": "dtlab's step agreement"}  # fmt: skip
 
@@ -80,10 +84,14 @@ def _calls(reports) -> dict[tuple[str, int], dict[int, CollectiveCall]]:
 
 
 def _mismatch(reports):
+    """The first collective, still pending on some rank, that ranks called differently."""
     for key, calls in sorted(_calls(reports).items(), key=lambda kv: kv[0][1]):
+        if all(c.done for c in calls.values()):
+            continue  # finished everywhere: history, not why anything is stuck now
         shapes = {}
         for rank, call in calls.items():
-            shapes.setdefault((call.op, call.sizes), []).append(rank)
+            sizes = call.sizes if call.op in SAME_SHAPES else ()
+            shapes.setdefault((call.op, sizes), []).append(rank)
         if len(shapes) < 2:
             continue
         ordered = sorted(shapes.items(), key=lambda kv: len(kv[1]))

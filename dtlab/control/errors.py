@@ -36,6 +36,7 @@ def describe_failures(failures: Mapping[int, RemoteFailure]) -> list[str]:
     """One line per distinct error naming the ranks that raised it, then the tracebacks."""
     lines = []
     by_error = group_by_value({r: (f.ename, f.evalue) for r, f in failures.items()})
+    by_error.sort(key=lambda item: item[1][0] != "EngineError")  # the dead first: the cause
     for ranks, (ename, evalue) in by_error:
         if ename == "EngineError" and evalue.startswith(("killed by", "exited with", "the engine")):
             lines.append(f"{label_ranks(ranks)} died: {evalue}")

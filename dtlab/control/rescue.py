@@ -98,8 +98,9 @@ class RecoveryMixin:
         return {r: describe_exit(exits.get(pids.get(r))) for r in ranks}
 
     def explain_failure(self, error) -> None:
-        """Say how dead ranks died and, for a timeout or a death, what every rank was doing
-        (added to ``error``'s message; best effort: the error itself must still come)."""
+        """Say how dead ranks died and, for a timeout, an interrupt or a death, what every
+        rank was doing (added to ``error``'s message; best effort: the error itself must
+        still come)."""
         from dtlab.control.errors import RankTimeoutError
         from dtlab.records import RemoteFailure
 
@@ -107,7 +108,7 @@ class RecoveryMixin:
         try:
             for rank, cause in self.death_causes(dead).items():
                 error.failures[rank] = RemoteFailure("EngineError", cause)
-            if dead or (isinstance(error, RankTimeoutError) and error.reason != "interrupted"):
+            if dead or isinstance(error, RankTimeoutError):  # Ctrl-C on a hung cell too
                 error.explain(self.hang_report())
             else:
                 error.args = (error._message(),)
