@@ -286,11 +286,14 @@ def step_record_from_dict(data: dict) -> tuple[int, StepRecord]:
 class CollectiveCall:
     """One collective as torch's Flight Recorder saw it on a rank."""
 
-    group: str  # "default_pg", "dtlab_control", ...
+    group: str  # "default_pg", "dtlab_control", ... (a description: not unique)
     seq: int  # its number within the group (the same collective has the same on every rank)
     op: str  # "all_reduce", "broadcast", ...
     sizes: tuple  # input tensor shapes
     done: bool  # completed on this rank
+    group_id: str = ""  # the group's name in torch.distributed: unique while it lives
+    members: tuple[int, ...] = ()  # the group's ranks (empty: not known)
+    dtypes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -314,6 +317,9 @@ class RankReport:
                     c["op"],
                     tuple(tuple(s) for s in c.get("sizes", ())),
                     bool(c["done"]),
+                    str(c.get("group_id", c["group"])),
+                    tuple(int(r) for r in c.get("members", ())),
+                    tuple(str(d) for d in c.get("dtypes", ())),
                 )
                 for c in data.get("collectives", ())
             ),  # fmt: skip

@@ -58,3 +58,30 @@ def test_dtlab_control_group_is_the_fallback_and_every_rank_entering_is_said():
     assert verdict.collective.group == "dtlab_control"
     assert "dtlab's step agreement" in verdict.summary
     assert "every rank entered it and none completed it" in verdict.summary
+
+
+def test_ranks_outside_a_subgroup_are_not_said_to_be_missing_from_it():
+    def sub(seq, done):
+        return CollectiveCall("tp", seq, "all_reduce", ((3,),), done, group_id="7", members=(0, 1))
+
+    reports = {0: report(0, IN_ALL_REDUCE, sub(2, False)), 1: report(1, IDLE, sub(1, True)),
+               2: report(2, IDLE), 3: report(3, IDLE)}  # fmt: skip
+    verdict = diagnose(reports)
+    assert verdict.waiting == (0,) and verdict.missing == (1,), verdict.summary
+
+
+def test_a_dtype_mismatch_is_named_and_an_old_group_with_the_same_name_is_apart():
+    def f32(seq, done, dtype="Float", group_id="0"):
+        return CollectiveCall(
+            "default_pg", seq, "all_reduce", ((3,),), done, group_id, (), (dtype,)
+        )
+
+    reports = {0: report(0, IN_ALL_REDUCE, f32(3, False)),
+               1: report(1, IN_ALL_REDUCE, f32(3, True, "Double"))}  # fmt: skip
+    verdict = diagnose(reports)
+    assert verdict.mismatch and "(Double)" in verdict.summary and "(Float)" in verdict.summary
+    # an abandoned control group's pending agreement (another group id) is not this one's
+    old = CollectiveCall("dtlab_control", 9, "all_reduce", ((7,),), False, group_id="1")
+    new = CollectiveCall("dtlab_control", 9, "all_reduce", ((7,),), True, group_id="2")
+    verdict = diagnose({0: report(0, IDLE, old), 1: report(1, IDLE, new)})
+    assert verdict.missing == (1,) and verdict.collective.group_id == "1"

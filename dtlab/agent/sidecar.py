@@ -38,6 +38,7 @@ def start(address: str, key: str, rank: int) -> None:
         _sidecar.stopping.set()
         _sidecar.join(timeout=2)
     _sidecar = Sidecar(address, key, rank, threading.main_thread().ident)
+    _sidecar.watermark = _last_record_id()  # entries of groups this rank had before
     _sidecar.start()
 
 
@@ -46,6 +47,7 @@ class Sidecar(threading.Thread):
         super().__init__(name="dtlab-sidecar", daemon=True)
         self.address, self.key, self.rank, self.main_ident = address, key, rank, main_ident
         self.stopping = threading.Event()
+        self.watermark = -1
 
     def run(self) -> None:
         import zmq
@@ -70,7 +72,11 @@ class Sidecar(threading.Thread):
         if not isinstance(msg, dict) or msg.get("key") != self.key:
             return  # not from our notebook: never act on it
         if msg.get("op") == "report":
-            self._send(socket, {"kind": "report", "id": msg.get("id"), **report(self.main_ident)})
+            try:
+                found = report(self.main_ident, self.watermark)
+            except Exception as e:  # say so, and stay alive for the next question
+                found = {"stack": [], "collectives": [], "error": f"{type(e).__name__}: {e}"}
+            self._send(socket, {"kind": "report", "id": msg.get("id"), **found})
 
     def _send(self, socket, fields: dict) -> None:
         import zmq
@@ -82,12 +88,12 @@ class Sidecar(threading.Thread):
             pass
 
 
-def report(main_ident: int) -> dict:
+def report(main_ident: int, watermark: int = -1) -> dict:
     frame = sys._current_frames().get(main_ident)
     stack = traceback.extract_stack(frame) if frame is not None else []
     return {
         "stack": [[f.filename, f.lineno, f.name, f.line or ""] for f in stack],
-        "collectives": collectives(),
+        "collectives": collectives(watermark),
         "step": _step(),
     }
 
@@ -98,22 +104,54 @@ def _step() -> int | None:
     return job._job.step_count if job._job is not None else None
 
 
-def collectives() -> list[dict]:
-    """The last collectives of every process group, oldest first (empty without a
-    Flight Recorder)."""
-    try:
-        import torch._C._distributed_c10d as c10d
+def _entries() -> list[dict]:
+    """Flight Recorder entries: gloo's (and CPU's) generic recorder, plus NCCL's own."""
+    import torch._C._distributed_c10d as c10d
 
-        entries = json.loads(c10d._dump_fr_trace_json()).get("entries", [])
+    entries = json.loads(c10d._dump_fr_trace_json()).get("entries", [])
+    if hasattr(c10d, "_dump_nccl_trace_json"):  # a CUDA build: NCCL records on its own
+        entries += json.loads(c10d._dump_nccl_trace_json()).get("entries", [])
+    return entries
+
+
+def _last_record_id() -> int:
+    try:
+        return max((int(e.get("record_id", -1)) for e in _entries()), default=-1)
+    except Exception:
+        return -1
+
+
+def _live_groups() -> dict[str, list[int]]:
+    """``{group name: member ranks}`` of the process groups that exist now (a group
+    replaced since, such as an old control group, is left out with its stale entries)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    if not dist.is_initialized():
+        return {}
+    from dtlab.agent.stepping import retired_groups
+
+    return {name: dist.get_process_group_ranks(pg) for pg, name in _world.pg_names.items()
+            if name not in retired_groups()}  # fmt: skip
+
+
+def collectives(watermark: int = -1) -> list[dict]:
+    """The last collectives of every live process group, oldest first (empty without a
+    Flight Recorder); entries older than ``watermark`` belong to groups of an earlier
+    launch on this engine."""
+    try:
+        entries, groups = _entries(), _live_groups()
     except Exception:  # no process group yet, or a torch without the recorder
         return []
     by_group: dict[str, list[dict]] = {}
     for e in entries:
-        if e.get("is_p2p"):
+        name, desc = (list(e.get("process_group", ["?", "?"])) + ["?"])[:2]
+        if e.get("is_p2p") or name not in groups or int(e.get("record_id", 0)) <= watermark:
             continue
-        pg_id, pg_name = (list(e.get("process_group", ["?", "?"])) + ["?"])[:2]
-        by_group.setdefault(pg_id, []).append({
-            "group": pg_name if pg_name not in ("", "undefined") else f"group {pg_id}",
+        by_group.setdefault(name, []).append({
+            "group": desc if desc not in ("", "undefined") else f"group {name}",
+            "group_id": name,
+            "members": groups[name],
             "seq": int(e.get("collective_seq_id", 0)),
             "op": str(e.get("profiling_name", "?")).split(":")[-1],
             "sizes": e.get("input_sizes", []),

@@ -46,6 +46,18 @@ _server: StepServer | None = None
 _control: dict = {}  # {"world": the default group it was made for, "group": gloo group}
 
 
+def _group_name(group) -> str:
+    from torch.distributed.distributed_c10d import _world
+
+    return _world.pg_names.get(group, "")
+
+
+def retired_groups() -> set[str]:
+    """Names of control groups replaced since (their last agreement may be pending
+    forever: hang reports leave them out)."""
+    return set(_control.get("retired", ()))
+
+
 def serve(address: str, key: str, rank: int) -> int:
     """Connect this rank to the notebook's channel (replacing an older connection).
     Called on every rank at once, so the control group is made here (a collective)."""
@@ -89,7 +101,11 @@ def control_group(rebuild: bool = False):
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    if rebuild or _control.get("world") is not dist.group.WORLD:  # group rebuilt since
+    if _control.get("world") is not dist.group.WORLD:  # a new world: old groups went with it
+        _control.clear()
+    if rebuild or "group" not in _control:
+        if "group" in _control:  # left, not destroyed: its last collective may hang forever
+            _control.setdefault("retired", set()).add(_group_name(_control["group"]))
         _control["world"] = dist.group.WORLD
         # CPU tensors, NCCL jobs too; named so that hang reports can say whose it is
         _control["group"] = dist.new_group(backend="gloo", group_desc="dtlab_control")

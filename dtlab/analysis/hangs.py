@@ -75,11 +75,15 @@ def diagnose(reports: Mapping[int, RankReport | None],
     return HangVerdict(verdict, call, waiting, missing, mismatch, places)
 
 
+def _key(call: CollectiveCall) -> str:
+    return call.group_id or call.group
+
+
 def _calls(reports) -> dict[tuple[str, int], dict[int, CollectiveCall]]:
     by_key: dict[tuple[str, int], dict[int, CollectiveCall]] = {}
     for rank, report in reports.items():
         for call in report.collectives if report else ():
-            by_key.setdefault((call.group, call.seq), {})[rank] = call
+            by_key.setdefault((_key(call), call.seq), {})[rank] = call
     return by_key
 
 
@@ -88,19 +92,21 @@ def _mismatch(reports):
     for key, calls in sorted(_calls(reports).items(), key=lambda kv: kv[0][1]):
         if all(c.done for c in calls.values()):
             continue  # finished everywhere: history, not why anything is stuck now
-        shapes = {}
+        shapes: dict[tuple, list[int]] = {}
         for rank, call in calls.items():
-            sizes = call.sizes if call.op in SAME_SHAPES else ()
-            shapes.setdefault((call.op, sizes), []).append(rank)
+            how = (call.sizes, call.dtypes) if call.op in SAME_SHAPES else ((), ())
+            shapes.setdefault((call.op, *how), []).append(rank)
         if len(shapes) < 2:
             continue
+        dtypes_differ = len({dtypes for _, _, dtypes in shapes}) > 1
         ordered = sorted(shapes.items(), key=lambda kv: len(kv[1]))
         parts = [f"{label_ranks(ranks)} passed {op} {_sizes(sizes)}"
-                 for (op, sizes), ranks in ordered]  # fmt: skip
+                 + (f" ({', '.join(dtypes)})" if dtypes_differ else "")
+                 for (op, sizes, dtypes), ranks in ordered]  # fmt: skip
         first = next(iter(calls.values()))
-        text = (f"mismatched collective #{key[1]} on {key[0]}: {'; '.join(parts)}; the ranks "
-                "must pass the same op and shapes (gloo then returns garbage to some ranks and "
-                "blocks others)")  # fmt: skip
+        text = (f"mismatched collective #{key[1]} on {first.group}: {'; '.join(parts)}; the "
+                "ranks must pass the same op, shapes and dtypes (gloo then returns garbage to "
+                "some ranks and blocks others)")  # fmt: skip
         blocked = tuple(sorted(r for r, c in calls.items() if not c.done))
         odd = tuple(sorted(min(shapes.values(), key=len)))
         return text, first, blocked, odd, True
@@ -108,17 +114,20 @@ def _mismatch(reports):
 
 
 def _blocked(reports, dead):
-    pending = {}  # group -> {rank: the oldest call not done}
+    pending: dict[str, dict[int, CollectiveCall]] = {}  # group -> {rank: oldest not done}
     for rank, report in reports.items():
         for call in report.collectives if report else ():
             if not call.done:
-                pending.setdefault(call.group, {}).setdefault(rank, call)
+                pending.setdefault(_key(call), {}).setdefault(rank, call)
     if not pending:
         return None
-    group = "default_pg" if "default_pg" in pending else sorted(pending)[0]
+    # the job's own group first, then the group with the most ranks waiting
+    group = max(pending, key=lambda g: (next(iter(pending[g].values())).group == "default_pg",
+                                        len(pending[g])))  # fmt: skip
     target = max(pending[group].values(), key=lambda c: c.seq)
     waiting = tuple(sorted(r for r, c in pending[group].items() if c.seq == target.seq))
-    missing = tuple(sorted(r for r in set(reports) | set(dead) if r not in waiting
+    members = set(target.members) or set(reports) | set(dead)  # only ranks of that group
+    missing = tuple(sorted(r for r in members if r not in waiting
                            and _last_seq(reports.get(r), group) < target.seq))  # fmt: skip
     text = (
         f"{label_ranks(waiting)} {'is' if len(waiting) == 1 else 'are'} in {describe_call(target)}"
@@ -132,7 +141,7 @@ def _blocked(reports, dead):
 
 
 def _last_seq(report: RankReport | None, group: str) -> int:
-    seqs = [c.seq for c in report.collectives if c.group == group] if report else []
+    seqs = [c.seq for c in report.collectives if _key(c) == group] if report else []
     return max(seqs, default=-1)
 
 

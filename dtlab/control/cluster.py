@@ -41,11 +41,10 @@ CHECK_EVERY_S = 0.5
 Progress = Callable[[str, int, int], None]
 
 
-def exit_log_path(cluster_id: str) -> str:
-    """Where the fork server of a local cluster notes each engine's exit status."""
-    import tempfile
-
-    return os.path.join(tempfile.gettempdir(), f"{cluster_id}-exits.jsonl")
+def exit_log_path(cluster: ipp.Cluster) -> str:
+    """Where the fork server of a local cluster notes each engine's exit status (the
+    cluster's profile directory, owner-only, like its connection files)."""
+    return os.path.join(cluster.profile_dir, "security", f"{cluster.cluster_id}-exits.jsonl")
 
 
 def _local_threads(config: LaunchConfig) -> int:
@@ -76,7 +75,7 @@ def make_cluster(config: LaunchConfig) -> ipp.Cluster:
         # ipyparallel engines do not set it (torchrun does): without it torch takes every
         # core in every rank, and 8 ranks on 2 cores step ~15x slower (FACTS.md)
         env.setdefault("OMP_NUM_THREADS", str(_local_threads(config)))
-        env[EXIT_LOG_ENV] = exit_log_path(cluster.cluster_id)  # how engines died
+        env[EXIT_LOG_ENV] = exit_log_path(cluster)  # how engines died
     cluster.config.EngineLauncher.environment = env
     for section, values in config.launcher_config.items():
         for key, value in values.items():
@@ -249,7 +248,7 @@ class EngineCluster:
                 pass
         _reap(procs)
         try:
-            os.unlink(exit_log_path(self.cluster_id))
+            os.unlink(exit_log_path(self.cluster))
         except OSError:
             pass
 
@@ -259,7 +258,7 @@ class EngineCluster:
         import json
 
         try:
-            with open(exit_log_path(self.cluster_id)) as log:
+            with open(exit_log_path(self.cluster)) as log:
                 return {e["pid"]: e["code"] for e in map(json.loads, log) if "pid" in e}
         except (OSError, ValueError):
             return {}

@@ -210,7 +210,8 @@ def _note_exit(pid: int, index: int, code: int) -> None:
     path = os.environ.get(EXIT_LOG_ENV)
     if path:
         try:
-            with open(path, "a") as log:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            with os.fdopen(fd, "a") as log:
                 log.write(json.dumps({"pid": pid, "index": index, "code": code}) + "\n")
         except OSError:
             pass  # the report says "cause unknown" instead

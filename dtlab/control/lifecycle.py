@@ -206,7 +206,10 @@ def join(
                 timeout=remaining(),
             )
         )
-        _launch_step(session.start_sidecars)  # before anything can hang: then it is too late
+        try:  # before anything can hang (then it is too late); without them, less is said
+            session.start_sidecars(timeout=remaining())
+        except DtlabError as e:
+            session.sidecar_problem = str(e)
     except BaseException:
         session.shutdown()
         raise

@@ -114,7 +114,7 @@ class ReplayMixin:
         t0 = time.perf_counter()
         start = self.checkpoint(tag="resume-check")
         k = start.step
-        self.step(steps, record=True)
+        self.stepper.run(steps, None, record=True)  # no automatic restart inside a check
         reference = self._full_records(k + 1, k + steps)
         if fresh:
             lifecycle.renew(self, progress or (lambda *a: None))
@@ -123,7 +123,7 @@ class ReplayMixin:
             self.set_up_job()
         loaded = self.load_checkpoint(start.path)
         self._autosave(True)  # fresh engines do not know the job saved periodically
-        self.step(steps, record=True)
+        self.stepper.run(steps, None, record=True)  # no automatic restart inside a check
         resumed = self._full_records(k + 1, k + steps)
         comparison = compare_runs(reference, resumed, steps=range(k + 1, k + steps + 1))
         return ResumeReport(start, steps, fresh, comparison, _first_param(self, comparison,
@@ -156,7 +156,7 @@ class ReplayMixin:
             self._load_into_job(start)
             self.stepper.record_outputs = outputs
             with self.stepper.tracing(replayed):
-                self.step(to_step - start.step, record=True)
+                self.stepper.run(to_step - start.step, None, record=True)
             comparison = compare_runs(
                 trace.records,
                 replayed.records,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dtlab.analysis.hangs import HangVerdict, diagnose
 from dtlab.analysis.ranks import label_ranks
@@ -69,7 +69,9 @@ class RecoveryMixin:
     hang_timeout: float | None = None  # None: max(HANG_MIN_S, HANG_STEPS x median step)
     restarts: list  # set in Session.__init__
 
-    def start_sidecars(self) -> None:
+    sidecar_problem: str | None = None  # why the sidecars could not be started
+
+    def start_sidecars(self, timeout: float = CONNECT_TIMEOUT_S) -> None:
         """Start each rank's sidecar (at launch: a stuck rank can no longer be asked to)."""
         from dtlab.control.stepper import _channel_hosts
 
@@ -78,9 +80,9 @@ class RecoveryMixin:
         channel = Channel(*_channel_hosts(self))
         try:
             where = {r: (channel.address, channel.key, r) for r in self.ranks}
-            self.run_each(_start_sidecar, where, what="start the sidecars",
-                          timeout=CONNECT_TIMEOUT_S)  # fmt: skip
-            missing = channel.wait_connected(self.ranks, CONNECT_TIMEOUT_S)
+            deadline = time.monotonic() + timeout
+            self.run_each(_start_sidecar, where, what="start the sidecars", timeout=timeout)
+            missing = channel.wait_connected(self.ranks, max(0.1, deadline - time.monotonic()))
         except BaseException:
             channel.close()
             raise
@@ -88,7 +90,7 @@ class RecoveryMixin:
             channel.close()
             raise DtlabError(f"{label_ranks(missing)} did not connect their sidecar to "
                              f"{channel.address} (a firewall between the hosts?)")  # fmt: skip
-        self._sidecars = channel
+        self._sidecars, self.sidecar_problem = channel, None
 
     def death_causes(self, ranks) -> dict[int, str]:
         """How each of ``ranks`` died, as far as the launcher knows."""
@@ -109,7 +111,8 @@ class RecoveryMixin:
             for rank, cause in self.death_causes(dead).items():
                 error.failures[rank] = RemoteFailure("EngineError", cause)
             if dead or isinstance(error, RankTimeoutError):  # Ctrl-C on a hung cell too
-                error.explain(self.hang_report())
+                taken = getattr(self, "_last_hang", None)  # before SIGINT, when there was one
+                error.explain(taken if taken is not None else self.hang_report())
             else:
                 error.args = (error._message(),)
         except Exception:
@@ -125,7 +128,12 @@ class RecoveryMixin:
         if self._sidecars is not None and alive:
             reports.update(self._ask(alive, timeout))
         causes = self.death_causes(dead) if dead else {}
-        return HangReport(diagnose(reports, causes), reports, causes, time.time())
+        verdict = diagnose(reports, causes)
+        if self._sidecars is None and alive:
+            why = self.sidecar_problem or "not started"
+            verdict = replace(verdict, summary=f"ranks cannot be asked out of band ({why}); "
+                                               + verdict.summary)  # fmt: skip
+        return HangReport(verdict, reports, causes, time.time())
 
     def _ask(self, ranks: list[int], timeout: float) -> dict[int, RankReport]:
         self._report_id = getattr(self, "_report_id", 0) + 1
@@ -155,7 +163,10 @@ class RecoveryMixin:
         from dtlab.control import lifecycle
 
         t0 = time.monotonic()
+        if self._stepper is not None and self._stepper.active is not None:
+            raise DtlabError("a dashboard run is in progress: pause it before restarting")
         chosen = self.find_checkpoint(from_checkpoint) if from_checkpoint is not None else None
+        kept = (self.stepper.record_outputs, self.stepper.watch_modules)  # a new stepper comes
         if self.job_setup is None and chosen is not None:
             self.set_up_job()  # raises, saying how to tell dtlab to build the job
         lifecycle.renew(self, progress or (lambda *a: None))
@@ -165,6 +176,7 @@ class RecoveryMixin:
             self.restarts.append(event)
             return event
         self.set_up_job()
+        self.stepper.record_outputs, self.stepper.watch_modules = kept
         loaded = self._load_into_job(chosen) if chosen is not None else {}
         self._autosave(True)
         event = {"time": time.time(), "reason": reason, "seconds": time.monotonic() - t0,
@@ -182,6 +194,10 @@ class RecoveryMixin:
         to ``max_restarts`` times (0: off). Each restart is kept in the trace's meta."""
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        if max_restarts and from_checkpoint not in (None, "latest"):
+            self.find_checkpoint(from_checkpoint)  # a wrong one is said now, not at a death
+        if max_restarts and self.job_setup is None:
+            self.set_up_job()  # raises, saying how to tell dtlab to build the job
         self._auto = (max_restarts, from_checkpoint) if max_restarts else None
 
     def current_step(self) -> int:
@@ -196,16 +212,26 @@ class RecoveryMixin:
         from dtlab.control.errors import RankError, RankTimeoutError
 
         end = self.current_step() + num_steps
+        left = num_steps  # the first time as asked (run() says what is wrong with it)
         while True:
             try:
-                return run(end - self.current_step())
+                return run(left)
             except RankError as e:
-                auto = getattr(self, "_auto", None)
-                lost = e.dead_ranks or (isinstance(e, RankTimeoutError) and e.hang is not None)
-                if auto is None or not lost or auto[0] <= 0:
+                auto = self._auto
+                hung = isinstance(e, RankTimeoutError) and e.hang is not None
+                interrupted = isinstance(e, RankTimeoutError) and "interrupted" in e.reason
+                if auto is None or interrupted or not (e.dead_ranks or hung):
                     raise
                 self._auto = (auto[0] - 1, auto[1]) if auto[0] > 1 else None
-                self.restart(auto[1], reason=_reason(e))
+                try:
+                    self.restart(auto[1], reason=_reason(e))
+                except Exception as failed:
+                    raise DtlabError(f"the automatic restart failed ({failed}) after: {e}") from e
+            left = end - self.current_step()
+            if left < 1:
+                now = self.current_step()
+                raise DtlabError(f"after the restart the job is at step {now}, at or past "
+                                 f"step {end} asked for: nothing left to run")  # fmt: skip
 
 
 def _reason(error) -> str:

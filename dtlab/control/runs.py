@@ -20,6 +20,7 @@ PAUSE_WAIT_S = 10.0  # after a pause request, how long ranks get to reach the bo
 CHECK_EVERY_S = 0.25  # how often a waiting run asks whether engines and controller live
 POLL_S = 0.1
 STALLED_S = 2.0  # no reply from any rank for this long: the run is stalled, not slow
+STALL_CONFIRM_S = 2.0  # a deadlock is seen twice, this far apart, before a run is given up
 
 
 class Run:
@@ -43,7 +44,7 @@ class Run:
             recs[-1].step if recs else 0
             for recs in (stepper.trace.records.values() if stepper.trace else [[]])
         }
-        self.started = self.last_check = self.last_reply = time.monotonic()
+        self.started = self.last_check = self.last_reply = self.next_look = time.monotonic()
         self.hang = None  # the HangReport taken when the run stopped progressing
         self.first_failure: float | None = None
         self.pause_reason: str | None = None
@@ -87,24 +88,39 @@ class Run:
         quiet = now - self.last_reply
         if self.timeout is not None and now - self.started > self.timeout:
             self._timed_out(f"timed out after {self.timeout:g} s", quiet > STALLED_S)
-        elif self.timeout is None and quiet > self.session.stall_limit():
-            self._timed_out(f"no step finished for {quiet:.0f} s", True)
+        elif self.timeout is None and quiet > self.session.stall_limit() and now > self.next_look:
+            self.next_look = now + self.session.stall_limit()  # slow, not hung: look later
+            self._timed_out(f"no step finished for {quiet:.0f} s", True, pause=False)
         if interrupts >= 1:
             self.ask_pause("interrupted")
         if interrupts >= 2:
             self.give_up_reason = "interrupted twice"
 
-    def _timed_out(self, reason: str, stalled: bool) -> None:
-        """Ranks still stepping are asked to pause; stalled ones are asked (out of band)
-        what they are doing, and if some wait in a collective that others never entered,
-        no step boundary will come: give up at once, with that report."""
+    def _timed_out(self, reason: str, stalled: bool, pause: bool = True) -> None:
+        """Ranks still stepping are asked to pause. Stalled ones are asked (out of band)
+        what they are doing: if, twice STALL_CONFIRM_S apart and with no step finished in
+        between, some wait in a collective that others never entered (or called
+        differently), no step boundary will come: give up at once, with that report.
+        Without a timeout of its own (``pause=False``) a run that is merely slow goes on."""
         if stalled and self.hang is None and self.pause_reason is None:
-            self.hang = self.session.hang_report()
-            if self.hang.verdict.collective is not None:
-                self.pause_reason = reason
+            hang = self._confirmed_hang()
+            if hang is not None:
+                self.hang, self.pause_reason = hang, reason
                 self.give_up_reason = f"{reason}; hung"
                 return
-        self.ask_pause(reason)
+        if pause:
+            self.ask_pause(reason)
+
+    def _confirmed_hang(self):
+        first = self.session.hang_report()
+        if not (first.verdict.missing or first.verdict.mismatch):
+            return None  # every rank is in it, or none is in one: slow, or not a deadlock
+        asked = time.monotonic()
+        while time.monotonic() - asked < STALL_CONFIRM_S:
+            self.stepper.dispatch(self.stepper.channel.receive(POLL_S))
+        second = self.session.hang_report()
+        moved = self.last_reply >= asked or _pending(first) != _pending(second)
+        return None if moved else second
 
     def ask_pause(self, reason: str) -> None:
         if self.pause_reason is None:
@@ -167,6 +183,8 @@ class Run:
         unfinished = sorted(self.pending)
         if unfinished:  # SIGINT can leave a gloo collective issued that never completes
             self.stepper.interrupted = True
+            if self.hang is None:  # before SIGINT moves anyone: what they were doing
+                self.hang = self.session.hang_report()
         stuck = self.session.interrupt_and_wait(unfinished, self._poll_late)
         ranks = dict(finished=sorted(self.done), stopped=[r for r in unfinished if r not in stuck],
                      stuck=stuck)  # fmt: skip
@@ -183,3 +201,9 @@ class Run:
     def _poll_late(self) -> list[int]:
         self.stepper.dispatch(self.stepper.channel.receive(POLL_S))
         return sorted(self.pending)
+
+
+def _pending(report) -> dict:
+    """Per rank: its step and the collectives it has not completed (progress changes it)."""
+    return {rank: (rep.step, tuple((c.group_id, c.seq) for c in rep.collectives if not c.done))
+            for rank, rep in report.reports.items() if rep is not None}  # fmt: skip

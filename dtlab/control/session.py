@@ -155,6 +155,14 @@ class Session(TrainingMixin, CheckpointMixin, ReplayMixin, RecoveryMixin):
             remaining = poll()
         return remaining
 
+    def _interrupt_after_report(self, ranks: list[int]) -> None:
+        """Ask every rank what it is doing before SIGINT moves any of them."""
+        try:
+            self._last_hang = self.hang_report()
+        except Exception:  # the error must still come: it just says less
+            self._last_hang = None
+        self._interrupt(ranks)
+
     def _interrupt(self, ranks: list[int]) -> None:
         engines = self.rank_map.engines(ranks)
         reply = self._client().send_signal(signal.SIGINT, targets=engines, block=False)
@@ -175,6 +183,7 @@ class Session(TrainingMixin, CheckpointMixin, ReplayMixin, RecoveryMixin):
         client = self._client()
         self.calls += 1
         self.check_ready(client, chosen, what)
+        self._last_hang = None
         sent: dict[int, Any] = {}
 
         def send(batch: list[int]):
@@ -187,7 +196,7 @@ class Session(TrainingMixin, CheckpointMixin, ReplayMixin, RecoveryMixin):
                 chosen,
                 what=what,
                 timeout=timeout,
-                interrupt=self._interrupt,
+                interrupt=self._interrupt_after_report,
                 progress=progress,
                 check=self.check_controller,
             )

@@ -71,7 +71,8 @@ class TrainingMixin:
         """Step until ``condition`` (e.g. ``"loss>5"``, ``"nonfinite"``, ``"diverged"``)
         holds on any rank, or ``max_steps``; every rank pauses after the same step."""
         cond = parse_condition(condition) if isinstance(condition, str) else condition
-        return self.stepper.run(max_steps, cond, record=record, timeout=timeout, progress=progress)
+        return self.resilient(max_steps, lambda steps: self.stepper.run(
+            steps, cond, record=record, timeout=timeout, progress=progress))  # fmt: skip
 
     def pause(self) -> None:
         """Ask a run in progress (the dashboard's) to stop at the next step boundary."""
