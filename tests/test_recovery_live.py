@@ -124,3 +124,18 @@ def test_dt_stacks_and_dt_restart_magics(ip, dt, capsys):
     ip.run_line_magic("dt_restart", "--from-checkpoint latest")
     assert "restarted 4 ranks in " in capsys.readouterr().out
     assert dt.current_step() == 1
+
+
+def test_without_a_timeout_a_deadlock_is_found_and_a_slow_step_is_not(dt):
+    dt.hang_timeout = 2  # the stall limit (by default max(30 s, 20 median steps))
+    dt.step(2)
+    dt.execute("dtlab.inject.slow(3.0)", ranks=[2])  # every step 3 s: slow, not stuck
+    result = dt.step(2)
+    assert result.last_step == 4  # looked at (no step for > 2 s), found moving, went on
+    dt.execute("dtlab.inject.hang_at(step=6, how='skip_sync')", ranks=[1])
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeoutError, match="no step finished for") as hung:
+        dt.step(10)
+    assert time.monotonic() - t0 < 60
+    assert hung.value.hang.verdict.missing == (1,), hung.value.hang.verdict.summary
+    dt.restart(None)
