@@ -116,3 +116,23 @@ def test_resume_runbook_names_the_missing_rng_then_matches():
     listed = next(text_of(c) for c in code if c.source == "%dt_checkpoint --list")
     assert "resume-check" in listed and "complete" in listed
     assert left == []
+
+
+def test_hung_job_runbook_names_the_rank_and_continues_after_a_restart():
+    before = descendants()
+    nb, seen, left = execute("09_hung_job.ipynb", lambda: descendants() - before)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    errors = {
+        c.source: o for c in code for o in c.get("outputs", []) if o["output_type"] == "error"
+    }
+    assert list(errors) == ["%dt_step 10 --timeout 5"]  # the hang, on purpose
+    hang = errors["%dt_step 10 --timeout 5"]["evalue"]
+    assert "ranks 0-2 are in all_reduce #" in hang and "rank 3 never entered it" in hang, hang
+    stacks = next(text_of(c) for c in code if c.source == "report = %dt_stacks")
+    assert "never entered it" in stacks
+    restarted = next(text_of(c) for c in code if c.source.startswith("%dt_restart"))
+    assert "restarted 4 ranks in " in restarted and "the job is at step 10" in restarted
+    after = next(text_of(c) for c in code if c.source.startswith("%dt_step 5"))
+    assert "steps 11-15 in " in after and after.count("idle") == 4
+    assert "(10, " in next(text_of(c) for c in code if "dt.restarts" in c.source)
+    assert left == []

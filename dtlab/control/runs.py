@@ -38,7 +38,7 @@ class Run:
         self.pending = set(self.session.ranks)
         self.done: dict[int, dict] = {}
         self.failures: dict[int, RemoteFailure] = {}
-        self.first_step = stepper.trace.last_step if stepper.trace else 0
+        self.first_step = self.session.current_step()  # after a rewind: where it resumed
         # after a failure on one rank, ranks may start a run at different steps
         self.start_steps = {
             recs[-1].step if recs else 0
