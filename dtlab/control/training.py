@@ -191,6 +191,13 @@ class TrainingMixin:
 
     findings = doctor  # the name the stepping API had first
 
+    def report(self, path="dtlab-report.html"):
+        """One self-contained HTML file of this session: ranks, findings, checkpoints,
+        restarts and interactive figures, for people without dtlab. Returns its path."""
+        from dtlab.views.html_report import write_report  # a view, made on request
+
+        return write_report(self, path)
+
     def dashboard(self):
         """Step / Run / Pause controls with live per-rank figures (an ipywidgets panel)."""
         from dtlab.views.widgets import Dashboard  # users hold `dt`; the panel is a view

@@ -1,0 +1,63 @@
+"""One self-contained HTML file for a session (``dt.report(path)``): the rank table, the
+doctor's findings, checkpoints and restarts, and the figures as interactive plotly with
+plotly.js inlined once, so that someone without dtlab, or without a network, can open it.
+
+It holds what the views show and nothing else: the rank table's environment columns are
+the compared families only (NCCL_/GLOO_/TORCH_/CUDA_/OMP_), never a rank's whole
+environment.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import plotly.graph_objects as go
+
+from dtlab.views.tables import Table
+
+_STYLE = """body{font-family:system-ui,sans-serif;margin:24px;color:#222}
+table{border-collapse:collapse;margin:6px 0}td,th{border:1px solid #ddd;padding:3px 8px;
+font-size:13px;text-align:left}th{background:#f3f4f6}h2{margin-top:28px}"""
+
+
+def report_html(title: str, lines: Sequence[str], tables: Sequence[Table],
+                figures: Sequence[go.Figure]) -> str:  # fmt: skip
+    """The page: a heading, summary lines, the tables, then the figures (pure)."""
+    parts = [f"<h1>{html.escape(title)}</h1>"]
+    parts += [f"<p>{html.escape(line)}</p>" for line in lines]
+    for table in tables:
+        parts.append(f"<h2>{html.escape(table.title)}</h2>" + table._repr_html_())
+    for index, figure in enumerate(figures):  # plotly.js once, with the first figure
+        parts.append(figure.to_html(full_html=False, include_plotlyjs=index == 0))
+    head = f"<meta charset='utf-8'><title>{html.escape(title)}</title><style>{_STYLE}</style>"
+    return f"<!DOCTYPE html><html><head>{head}</head><body>{''.join(parts)}</body></html>"
+
+
+def write_report(session, path: str | Path) -> Path:
+    """Collect what the session knows and write it to ``path`` (.html)."""
+    from dtlab.views.figures import loss_figure, memory_figure, time_breakdown_figure
+    from dtlab.views.reports import checkpoints_table, findings_table
+    from dtlab.views.tables import rank_table
+
+    trace = session.trace
+    stepped = trace is not None and trace.last_step > 0
+    lines = [f"{session.world_size} ranks, {session.backend}, written "
+             f"{time.strftime('%Y-%m-%d %H:%M:%S')}"]  # fmt: skip
+    if stepped:
+        lines.append(f"{trace.last_step} steps recorded; run folder {trace.folder}")
+    tables = [rank_table(session.infos, session.inconsistencies(), title="ranks")]
+    if stepped:
+        tables.append(findings_table(session.doctor()))
+    tables.append(checkpoints_table(session.checkpoints()))
+    if session.restarts:
+        rows = tuple((time.strftime("%H:%M:%S", time.localtime(e["time"])), str(e["step"]),
+                      e["reason"]) for e in session.restarts)  # fmt: skip
+        tables.append(Table("restarts", ("when", "from step", "why"), rows))
+    figures = [loss_figure(trace), memory_figure(trace), time_breakdown_figure(trace)] \
+        if stepped else []  # fmt: skip
+    path = Path(path)
+    path.write_text(report_html("dtlab session report", lines, tables, figures))
+    return path

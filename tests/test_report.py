@@ -1,0 +1,38 @@
+"""``dt.report``: one self-contained HTML file, plotly.js inlined once; made from a live
+session it names ranks, findings and checkpoints and carries no secret of a rank's
+environment."""
+
+import plotly.graph_objects as go
+import pytest
+
+from dtlab import demo
+from dtlab.views.html_report import report_html
+from dtlab.views.tables import Table
+
+
+def test_the_page_inlines_plotly_once_and_escapes_what_it_shows():
+    figures = [go.Figure(go.Scatter(x=[1, 2], y=[3, 4], name="a")) for _ in range(2)]
+    table = Table("ranks", ("rank", "host"), (("0", "<vm>"),))
+    page = report_html("t", ["a line"], [table], figures)
+    assert page.startswith("<!DOCTYPE html>") and page.count("Plotly.newPlot") == 2
+    assert page.count("plotly.js v") == 1  # the library once, not per figure
+    assert "&lt;vm&gt;" in page and "<vm>" not in page
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_a_session_report_names_ranks_findings_checkpoints_and_keeps_secrets_out(live4, tmp_path):
+    dt = live4
+    dt.checkpoint_root = tmp_path / "checkpoints"
+    demo.attach(dt)
+    dt.execute("import os; os.environ['HF_TOKEN'] = 'hf_secret_value_1234'", ranks=[1])
+    dt.step(3)
+    saved = dt.checkpoint()
+    path = dt.report(tmp_path / "report.html")
+    page = path.read_text()
+    assert "Loss per rank" in page and page.count("plotly.js v") == 1
+    assert page.count("<tr><td>") >= 4 + 1  # 4 ranks and the checkpoint
+    assert "no problem found in the records so far" in page
+    assert saved.path.name in page
+    assert "hf_secret_value_1234" not in page and "HF_TOKEN" not in page
+    dt.execute("import os; os.environ.pop('HF_TOKEN', None)", ranks=[1])
