@@ -36,3 +36,7 @@ def test_a_session_report_names_ranks_findings_checkpoints_and_keeps_secrets_out
     assert saved.path.name in page
     assert "hf_secret_value_1234" not in page and "HF_TOKEN" not in page
     dt.execute("import os; os.environ.pop('HF_TOKEN', None)", ranks=[1])
+    board = dt.export_tensorboard()
+    assert board == dt.trace.folder / "tensorboard"
+    assert sorted(p.name for p in board.iterdir()) == ["rank0", "rank1", "rank2", "rank3"]
+    assert all(any(p.iterdir()) for p in board.iterdir())  # an event file in each

@@ -198,6 +198,14 @@ class TrainingMixin:
 
         return write_report(self, path)
 
+    def export_tensorboard(self, folder=None):
+        """The trace as TensorBoard event files, one run per rank (default: the run
+        folder's ``tensorboard/``). Returns the folder: ``tensorboard --logdir FOLDER``."""
+        from dtlab.views.tb_export import export_tensorboard  # a view, made on request
+
+        trace = self.require_trace()
+        return export_tensorboard(trace, folder or trace.folder / "tensorboard")
+
     def dashboard(self):
         """Step / Run / Pause controls with live per-rank figures (an ipywidgets panel)."""
         from dtlab.views.widgets import Dashboard  # users hold `dt`; the panel is a view
