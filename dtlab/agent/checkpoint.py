@@ -71,7 +71,7 @@ def failure_text(e: BaseException, folder: Path) -> str:
     return text
 
 
-def _attempt(action: Callable[[], object], folder: Path) -> tuple[object, str | None]:
+def attempt(action: Callable[[], object], folder: Path) -> tuple[object, str | None]:
     """(result, None) or (None, what went wrong); Ctrl-C too, so that this rank still
     meets its peers at the next all_gather instead of leaving them waiting."""
     try:
@@ -91,7 +91,7 @@ def save(root: str, token: str, *, tag: str | None = None) -> dict:
     root_path = Path(root)
     omit = set(omitted)
     folder = root_path / partial_name(job.step_count, token)
-    prepared, error = _attempt(lambda: _prepare(job, folder, omit, me.rank), folder)
+    prepared, error = attempt(lambda: _prepare(job, folder, omit, me.rank), folder)
     said = parts.gather({"rank": me.rank, "error": error, "step": job.step_count,
                          "hash": prepared[2] if prepared else None})  # fmt: skip
     error = error or _same_step(said)
@@ -101,7 +101,7 @@ def save(root: str, token: str, *, tag: str | None = None) -> dict:
         state, extras = prepared[0], prepared[1]
         if not replicated:
             state = parts.tensor_state(job, omit, me.rank)
-        written, error = _attempt(lambda: _write(job, folder, state, extras, me.rank), folder)
+        written, error = attempt(lambda: _write(job, folder, state, extras, me.rank), folder)
         reports = parts.gather(written or {"rank": me.rank, "error": error})
     failed = [r for r in reports if r.get("error")] or (
         [{"rank": None, "error": error}] if error else []  # the same on every rank

@@ -25,7 +25,7 @@ import torch
 from dtlab.agent import checkpoint_state as parts
 from dtlab.agent import job as jobs
 from dtlab.agent import rng
-from dtlab.agent.checkpoint import failure_text
+from dtlab.agent.checkpoint import attempt
 from dtlab.agent.rendezvous import identity
 from dtlab.checkpoint_format import CheckpointError, file_problem, read_manifest
 
@@ -42,15 +42,15 @@ def load(path: str) -> dict:
 
     job, me = jobs.current(), identity()
     folder = Path(path)
-    checked, error = _attempt(lambda: _check(job, folder, me.rank, me.world_size), folder)
+    checked, error = attempt(lambda: _check(job, folder, me.rank, me.world_size), folder)
     _agree(error, folder)
     manifest, extras, position, source = checked
-    tensors, error = _attempt(lambda: _targets(job, manifest, extras, source), folder)
+    tensors, error = attempt(lambda: _targets(job, manifest, extras, source), folder)
     _agree(error, folder)
     group = parts.control_group()  # None: one process, no collective to make
     read = dict(storage_reader=SafeFileSystemReader(str(folder)), planner=tensors_only_planner(),
                 process_group=group, no_dist=group is None)  # fmt: skip
-    _, error = _attempt(lambda: dcp.load(tensors, **read), folder)  # every rank: collective
+    _, error = attempt(lambda: dcp.load(tensors, **read), folder)  # every rank: collective
     _agree(error, folder, after="its files checked out, but reading them failed; the model "
            "and optimizer may be partly overwritten: load another checkpoint")  # fmt: skip
     same_world = manifest["world_size"] == me.world_size
@@ -68,15 +68,6 @@ def load(path: str) -> dict:
     ]  # fmt: skip
     missing = [p for p in parts.PARTS if p not in extras["parts"]]
     return {"step": job.step_count, "restored": restored, "missing": missing, "notes": notes}
-
-
-def _attempt(action, folder: Path):
-    try:
-        return action(), None
-    except KeyboardInterrupt:
-        return None, "interrupted (KeyboardInterrupt)"  # still meet the peers: no hang
-    except BaseException as e:  # DCP's CheckpointException is a BaseException
-        return None, failure_text(e, folder)
 
 
 def _agree(error: str | None, folder: Path, *, after: str | None = None) -> None:

@@ -170,22 +170,19 @@ class RecoveryMixin:
         if self.job_setup is None and chosen is not None:
             self.set_up_job()  # raises, saying how to tell dtlab to build the job
         lifecycle.renew(self, progress or (lambda *a: None))
-        if self.job_setup is None:  # no job to rebuild: the fresh ranks are the restart
-            event = {"time": time.time(), "reason": reason, "checkpoint": None, "step": 0,
-                     "seconds": time.monotonic() - t0}  # fmt: skip
-            self.restarts.append(event)
-            return event
-        self.set_up_job()
-        self.stepper.record_outputs, self.stepper.watch_modules = kept
-        loaded = self._load_into_job(chosen) if chosen is not None else {}
-        self._autosave(True)
+        loaded = {}
+        if self.job_setup is not None:  # else no job to rebuild: the fresh ranks are all
+            self.set_up_job()
+            self.stepper.record_outputs, self.stepper.watch_modules = kept
+            loaded = self._load_into_job(chosen) if chosen is not None else {}
+            self._autosave(True)
         event = {"time": time.time(), "reason": reason, "seconds": time.monotonic() - t0,
                  "checkpoint": str(chosen.path) if chosen else None,
                  "step": chosen.step if chosen else 0}  # fmt: skip
         self.restarts.append(event)
-        # the trace of the new timeline says where it came from and every restart so far
-        self.stepper.new_trace(resumed_from=event["checkpoint"], step=event["step"],
-                               restarts=list(self.restarts))  # fmt: skip
+        if self.job_setup is not None:  # the new timeline's trace: where it came from
+            self.stepper.new_trace(resumed_from=event["checkpoint"], step=event["step"],
+                                   restarts=list(self.restarts))  # fmt: skip
         return event | {"loaded": loaded}
 
     def auto_restart(self, max_restarts: int, from_checkpoint="latest") -> None:

@@ -21,9 +21,10 @@ from dtlab.views.progress import delayed_progress
 from dtlab.views.reports import checkpoints_table, replay_summary
 
 
-def _which(text: str):
-    if text == "latest":
-        return text
+def which_checkpoint(text: str):
+    """``latest`` | a step | a folder | ``none`` (None: no checkpoint) as the API takes it."""
+    if text in ("latest", "none"):
+        return None if text == "none" else text
     try:
         return int(text)
     except ValueError:
@@ -58,7 +59,7 @@ class CheckpointMagics(Magics):
             display(checkpoints_table(session.checkpoints(verify=args.verify)))
             return
         if args.load is not None:
-            loaded = session.load_checkpoint(_which(args.load))
+            loaded = session.load_checkpoint(which_checkpoint(args.load))
             print(f"job rewound to step {loaded['step']} from {loaded['path']}; restored "
                   f"{', '.join(loaded['restored'])}")  # fmt: skip
             for note in dict.fromkeys(n for r in loaded["ranks"].values() for n in r["notes"]):

@@ -12,18 +12,10 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
+from dtlab.views.checkpoint_magics import which_checkpoint
 from dtlab.views.magics import current_session
 from dtlab.views.progress import delayed_progress
 from dtlab.views.reports import hang_table
-
-
-def _which(text: str):
-    if text in ("latest", "none"):
-        return None if text == "none" else text
-    try:
-        return int(text)
-    except ValueError:
-        return text  # a folder
 
 
 @magics_class
@@ -50,11 +42,11 @@ class RecoveryMagics(Magics):
         if args.auto is not None:
             if args.auto < 0:
                 raise UsageError(f"--auto takes a number of restarts >= 0, got {args.auto}")
-            session.auto_restart(args.auto, from_checkpoint=_which(args.from_checkpoint))
+            session.auto_restart(args.auto, from_checkpoint=which_checkpoint(args.from_checkpoint))
             print(f"restarting by itself up to {args.auto} times" if args.auto
                   else "automatic restarts off")  # fmt: skip
             return
-        event = session.restart(_which(args.from_checkpoint), progress=delayed_progress())
+        event = session.restart(which_checkpoint(args.from_checkpoint), progress=delayed_progress())
         where = f"step {event['step']} from {event['checkpoint']}" if event["checkpoint"] \
             else "step 0 (no checkpoint)"  # fmt: skip
         print(f"restarted {session.world_size} ranks in {event['seconds']:.1f} s; the job is at "
