@@ -7,6 +7,8 @@ see :mod:`dtlab.agent.demo_model`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from dtlab.records import JobInfo
 
 
@@ -26,4 +28,33 @@ def attach(
     session = session or lifecycle.current()
     infos = session.run(_attach_on_rank, ddp, record, lr, dict(config))
     session.set_job_setup(_attach_on_rank, ddp, record, lr, dict(config))  # fresh engines
+    return infos
+
+
+def _attach_pipeline_on_rank(record: bool, lr: float, options: dict, config: dict) -> JobInfo:
+    from dtlab.agent.demo_job import attach_demo_pipeline
+
+    return attach_demo_pipeline(record=record, lr=lr, **options, **config)
+
+
+def attach_pipeline(session=None, *, plan: Any = "uniform", microbatches: int = 4,
+                    schedule: str = "gpipe", record: bool = True, lr: float = 3e-3,
+                    **config) -> dict[int, JobInfo]:  # fmt: skip
+    """Attach the demo as a pipeline, one stage per rank split by ``plan`` (a form
+    :func:`dtlab.analysis.partition.parse_plan` reads; not ``measured``, which needs a
+    running job). A bad plan raises PlanError (read alike on every rank)."""
+    from dtlab.analysis.partition import PlanError
+    from dtlab.control import lifecycle
+    from dtlab.control.errors import RankError
+
+    session = session or lifecycle.current()
+    options = {"plan": plan, "microbatches": microbatches, "schedule": schedule}
+    try:
+        infos = session.run(_attach_pipeline_on_rank, record, lr, options, dict(config))
+    except RankError as e:  # every rank reads the plan alike: one PlanError, not N
+        said = {(f.ename, f.evalue) for f in e.failures.values()}
+        if len(said) == 1 and next(iter(said))[0] == "PlanError" and not e.stuck:
+            raise PlanError(next(iter(said))[1]) from None
+        raise
+    session.set_job_setup(_attach_pipeline_on_rank, record, lr, options, dict(config))
     return infos

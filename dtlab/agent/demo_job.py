@@ -5,7 +5,16 @@ from __future__ import annotations
 import torch
 
 from dtlab.agent import job as jobs
-from dtlab.agent.demo_model import DemoConfig, DemoJob, build_demo
+from dtlab.agent.demo_model import (
+    DemoConfig,
+    DemoJob,
+    DemoLM,
+    build_demo,
+    next_token_loss,
+    pipeline_data,
+    split_tokens,
+    warmup_schedule,
+)
 from dtlab.agent.rendezvous import identity
 from dtlab.records import JobInfo
 
@@ -34,4 +43,29 @@ def attach_demo(*, ddp: bool = True, record: bool = True, lr: float = 3e-3, accu
         on_epoch=last.sampler.set_epoch,
         accumulate=accumulate,
         no_sync=no_sync,
+    )
+
+
+def attach_demo_pipeline(*, plan="uniform", microbatches: int = 4, schedule: str = "gpipe",
+                         record: bool = True, lr: float = 3e-3, **config) -> JobInfo:  # fmt: skip
+    """The demo model as a pipeline: its blocks (embed, blocks.0.., norm, head) split into
+    one stage per rank by ``plan``; every rank reads the same batches."""
+    from dtlab.agent.pipeline_job import attach_pipeline
+
+    c = DemoConfig(**config)
+    torch.manual_seed(c.seed)  # every rank builds identical weights, keeps its own blocks
+    model = DemoLM(c).to(identity().device)
+    data = pipeline_data(c)
+    return attach_pipeline(
+        model,
+        lambda params: torch.optim.AdamW(params, lr=lr),
+        data,
+        next_token_loss,
+        split_batch=split_tokens,
+        plan=plan,
+        microbatches=microbatches,
+        schedule=schedule,
+        make_scheduler=warmup_schedule,
+        record=record,
+        on_epoch=data.sampler.set_epoch,
     )

@@ -205,9 +205,33 @@ class DemoLM(nn.Module):
 
 def demo_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Mean next-token cross entropy of ``batch["tokens"]`` (batch x seq_len+1)."""
+    inputs, target = split_tokens(batch)
+    return next_token_loss(model(inputs), target)
+
+
+def split_tokens(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets): the tokens, and the same shifted by one."""
     tokens = batch["tokens"]
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def next_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def warmup_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int = 10):
+    """Linear LR warm-up over ``warmup_steps``, then constant."""
+    warmup = max(warmup_steps, 1)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+
+
+def pipeline_data(config: DemoConfig) -> DataLoader:
+    """The demo data as every stage of one pipeline reads it: the same batches on all
+    (one replica of the data, shuffled per epoch by the sampler)."""
+    dataset = SyntheticTokens(config)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True,
+                                 seed=config.seed, drop_last=True)  # fmt: skip
+    return DataLoader(dataset, batch_size=config.batch_size, sampler=sampler, num_workers=0)
 
 
 class SyntheticTokens(Dataset):
@@ -272,8 +296,7 @@ def build_demo(
             find_unused_parameters=True,
         )
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    warmup = max(warmup_steps, 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    scheduler = warmup_schedule(optimizer, warmup_steps)
     dataset = SyntheticTokens(config)
     sampler = DistributedSampler(
         dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=config.seed, drop_last=True

@@ -85,6 +85,13 @@ def attach(
     return _job.info
 
 
+def install(job: Job) -> None:
+    """Make ``job`` (built by another attach, e.g. a pipeline's) the attached job."""
+    global _job, _attach_count
+    _attach_count += 1
+    _job = job
+
+
 def current() -> Job:
     if _job is None:
         raise RuntimeError(

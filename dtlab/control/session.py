@@ -20,6 +20,7 @@ from dtlab.control.checkpointing import CheckpointMixin
 from dtlab.control.cluster import EngineCluster
 from dtlab.control.config import LaunchConfig
 from dtlab.control.errors import DtlabError, RankError
+from dtlab.control.partitions import PartitionMixin
 from dtlab.control.rankmap import RankMap
 from dtlab.control.replays import ReplayMixin
 from dtlab.control.rescue import RecoveryMixin
@@ -34,7 +35,7 @@ STATUS_SETTLE_TRIES = 4
 STATUS_SETTLE_S = 0.05
 
 
-class Session(TrainingMixin, CheckpointMixin, ReplayMixin, RecoveryMixin):
+class Session(TrainingMixin, CheckpointMixin, ReplayMixin, RecoveryMixin, PartitionMixin):
     """N torch.distributed ranks living in ipyparallel engines.
 
     Use ``run``/``execute``/``pull``/``push`` to work on the ranks and ``shutdown`` (or a

@@ -12,6 +12,10 @@ from dtlab.views.tables import Table
 
 def job_summary(infos: Mapping[int, JobInfo]) -> str:
     info = infos[min(infos)]
+    if len({i.params for i in infos.values()}) > 1:  # one pipeline stage per rank
+        from dtlab.views.partition_tables import pipeline_summary
+
+        return pipeline_summary(infos)
     numel = sum(p.numel for p in info.params)
     wrapped = f"{info.wrapper}({info.model})" if info.wrapper else info.model
     extras = [x for x in (info.scheduler, "GradScaler" if info.scaler else None) if x]

@@ -18,10 +18,12 @@ from IPython.display import display
 from dtlab import demo
 from dtlab.analysis.conditions import parse_condition
 from dtlab.analysis.doctor import all_findings
+from dtlab.analysis.partition import PlanError
 from dtlab.control.errors import RankError
 from dtlab.control.training import DEFAULT_MAX_STEPS
 from dtlab.trace import Trace
 from dtlab.views.magics import current_session
+from dtlab.views.partition_magics import plan_from_text
 from dtlab.views.plots import KINDS, figure_for
 from dtlab.views.progress import delayed_progress
 from dtlab.views.reports import (
@@ -57,6 +59,20 @@ class TrainingMagics(Magics):
     @argument("--no-record", action="store_true", help="record only loss, LR, times, memory")
     @argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     @argument(
+        "--pipeline",
+        action="store_true",
+        help="split the model into one pipeline stage per rank (see %%dt_partition)",
+    )
+    @argument(
+        "--plan",
+        default="uniform",
+        help="with --pipeline: uniform | parameters | cuts like 2,4,6 | stages "
+        "like 'embed,blocks.0|blocks.1|...'",
+    )
+    @argument("--microbatches", type=int, default=4, help="with --pipeline (default 4)")
+    @argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"],
+              help="with --pipeline: the micro-batch schedule (default gpipe)")  # fmt: skip
+    @argument(
         "--set",
         nargs="+",
         action="extend",
@@ -69,13 +85,21 @@ class TrainingMagics(Magics):
         args = parse_argstring(self.dt_demo, line)
         config = _config_items(args.set)
         try:
-            infos = demo.attach(
-                current_session(),
-                ddp=not args.no_ddp,
-                record=not args.no_record,
-                lr=args.lr,
-                **config,
-            )
+            if args.pipeline:
+                infos = demo.attach_pipeline(
+                    current_session(), plan=plan_from_text(args.plan),
+                    microbatches=args.microbatches, schedule=args.schedule,
+                    record=not args.no_record, lr=args.lr, **config)  # fmt: skip
+            else:
+                infos = demo.attach(
+                    current_session(),
+                    ddp=not args.no_ddp,
+                    record=not args.no_record,
+                    lr=args.lr,
+                    **config,
+                )
+        except PlanError as e:
+            raise UsageError(f"--plan: {e}") from None
         except RankError as e:  # a bad --set value fails the same way on every rank
             kinds = {f.ename for f in e.failures.values()}
             if kinds <= {"ValueError", "TypeError"} and not (e.finished or e.stuck):

@@ -1,0 +1,142 @@
+"""Pipeline partitions of the attached job, as the notebook drives them. Mixed into Session.
+
+``dt.partition()`` the current plan, ``dt.balance()`` how it balances (measured on the
+last step), ``dt.profile_blocks()`` each block's measured cost, ``dt.predict(plan)`` a
+plan's balance before applying it, ``dt.repartition(plan)`` moves the boundaries of the
+running job (:mod:`dtlab.agent.repartition`), ``dt.partition_editor()`` the widget.
+
+Each is collect (``StageReport`` / ``BlockCost`` from every rank) -> combine
+(:mod:`dtlab.analysis.balance`, :mod:`dtlab.analysis.partition`) -> present (views).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtlab.analysis.balance import Balance, measured_balance, predict_balance
+from dtlab.analysis.partition import Plan, PlanError, parse_plan
+from dtlab.control.errors import DtlabError, RankError
+from dtlab.stage_records import BlockCost, StageReport
+
+MOVE_TIMEOUT_S = 120.0
+
+
+class RepartitionFailed(DtlabError):
+    """A live re-partition did not happen; the message says whether the job is intact."""
+
+
+# --- on the ranks ---------------------------------------------------------------------
+def _report() -> StageReport:
+    from dtlab.agent.pipeline_job import current
+
+    return current().report()
+
+
+def _profile(repeats: int) -> list[BlockCost]:
+    from dtlab.agent.pipeline_job import current
+
+    return current().profile(repeats)
+
+
+def _move(blocks: tuple, bounds: tuple, timeout_s: float) -> dict:
+    from dtlab.agent.repartition import repartition
+
+    return repartition(blocks, bounds, timeout_s)
+
+
+class PartitionMixin:
+    """Pipeline partitions for a Session (needs ``run``, ``world_size``, ``stepper``)."""
+
+    block_costs: dict[str, BlockCost] | None = None  # measured, by block name
+
+    def stage_reports(self) -> dict[int, StageReport]:
+        """{rank: what its stage holds and its last step's schedule}."""
+        return self.run(_report)
+
+    def partition(self) -> Plan:
+        """The plan the running pipeline uses (as its ranks report it)."""
+        return self.partition_from(self.stage_reports())
+
+    def profile_blocks(self, repeats: int = 3) -> dict[str, BlockCost]:
+        """Measure every block's forward, backward and activations on its rank, on the
+        last step's first micro-batch (run a step first). Kept for ``measured`` plans."""
+        costs = {c.name: c for per_rank in self.run(_profile, repeats).values() for c in per_rank}
+        self.block_costs = costs
+        return dict(costs)
+
+    def balance(self) -> Balance:
+        """The running plan's balance, measured on its last step (and block profile)."""
+        reports = self.stage_reports()
+        return measured_balance(self.partition_from(reports), reports)
+
+    def partition_from(self, reports) -> Plan:
+        order = sorted(reports, key=lambda r: reports[r].stage)
+        blocks = tuple(b for r in order for b in reports[r].blocks)
+        bounds = [0]
+        for rank in order:
+            bounds.append(bounds[-1] + len(reports[rank].blocks))
+        return Plan(blocks, tuple(bounds))
+
+    def plan(self, spec: Any) -> Plan:
+        """Read ``spec`` (any form :func:`~dtlab.analysis.partition.parse_plan` reads)
+        for this job; PlanError says what is wrong with it."""
+        current = self.partition()
+        return parse_plan(spec, current.blocks, current.num_stages, costs=self._costs())
+
+    def predict(self, spec: Any) -> Balance:
+        """How ``spec`` would balance, from the blocks' measured costs (profile first)."""
+        reports = self.stage_reports()
+        current = self.partition_from(reports)
+        plan = parse_plan(spec, current.blocks, current.num_stages, costs=self._costs())
+        first = next(iter(reports.values()))
+        return predict_balance(plan, self._costs(), microbatches=first.microbatches,
+                               schedule=first.schedule)  # fmt: skip
+
+    def _costs(self) -> dict[str, BlockCost]:
+        """Measured costs where profiled, else sizes from the ranks' reports."""
+        sizes = {c.name: c for r in self.stage_reports().values() for c in r.costs}
+        return {**sizes, **(self.block_costs or {})}
+
+    def repartition(self, spec: Any, *, timeout: float = MOVE_TIMEOUT_S) -> dict:
+        """Move the running pipeline's boundaries to ``spec``: blocks that change stage
+        travel with their weights and optimizer state; nothing restarts.
+
+        A bad plan raises PlanError before anything moves. If the move fails, no rank
+        changed (each rank commits only after all said they are ready); if a rank died
+        in it, RepartitionFailed says so and names the last checkpoint to restart from."""
+        old = self.partition()
+        new = parse_plan(spec, old.blocks, old.num_stages, costs=self._costs())
+        if new == old:
+            return {"moved": {}, "plan": new, "seconds": 0.0}
+        try:
+            done = self.run(_move, new.blocks, new.bounds, timeout, timeout=timeout + 30)
+        except RankError as e:
+            raise RepartitionFailed(self._move_failure(e)) from None
+        self.stepper.new_trace(repartitioned=new.describe())  # the ranks' names changed
+        first = next(iter(done.values()))
+        return {"moved": first["moved"], "plan": new,
+                "seconds": max(d["seconds"] for d in done.values()),
+                "bytes": sum(d["bytes_sent"] for d in done.values())}  # fmt: skip
+
+    def _move_failure(self, error: RankError) -> str:
+        dead = [r for r, f in error.failures.items() if f.ename == "EngineError"]
+        text = str(error)
+        if not dead:
+            return f"the re-partition was called off; every rank kept its stage.\n{text}"
+        saved = [c for c in self.checkpoints() if c.status == "complete"]
+        offer = (f"restart from the last checkpoint (step {saved[-1].step}): "
+                 "%dt_restart --from-checkpoint") if saved else "no checkpoint to restart from: "\
+                 "%dt_restart and attach the job again"  # fmt: skip
+        return (
+            f"rank(s) {dead} died during the re-partition; the survivors kept their "
+            f"stages but the pipeline cannot run without them. {offer}.\n{text}"
+        )
+
+    def partition_editor(self):
+        """The partition editor widget (blocks, stage boundaries, preview, Apply, Auto)."""
+        from dtlab.views.partition_widgets import PartitionEditor  # control -> views: lazy
+
+        return PartitionEditor(self)
+
+
+__all__ = ["PartitionMixin", "PlanError", "RepartitionFailed"]

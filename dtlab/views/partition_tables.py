@@ -1,0 +1,56 @@
+"""Text and tables for a pipeline partition: per stage, what it holds and what it costs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from dtlab.records import JobInfo
+from dtlab.views.tables import Table
+
+MIB = 2**20
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / MIB:.2f}"
+
+
+def balance_table(balance) -> Table:
+    """One row per stage: blocks, parameters, memory, time per micro-batch."""
+    rows = tuple(
+        (str(s.stage), "-" if s.rank is None else str(s.rank), _span(s.blocks),
+         f"{s.num_params:,}", _mib(s.param_bytes), _mib(s.grad_bytes), _mib(s.optimizer_bytes),
+         _mib(s.activation_bytes), _ms(s.forward_s), _ms(s.backward_s))
+        for s in balance.stages
+    )  # fmt: skip
+    kind = "measured" if balance.measured else "predicted"
+    facts = [f"{balance.schedule}, {balance.microbatches} micro-batches"]
+    if balance.step_s is not None:
+        facts.append(f"step {balance.step_s * 1e3:.1f} ms")
+    if balance.bubble is not None:
+        facts.append(f"bubble {balance.bubble:.0%}")
+    if balance.imbalance is not None:
+        facts.append(f"slowest stage / mean {balance.imbalance:.2f}x")
+    notes = [f"{kind}: " + "; ".join(facts)]
+    if any(s.forward_s is None for s in balance.stages):
+        notes.append("times per block come from profiling: %dt_partition --profile")
+    headers = ("stage", "rank", "blocks", "params", "param MiB", "grad MiB", "optim MiB",
+               "activ. MiB", "fwd ms/mb", "bwd ms/mb")  # fmt: skip
+    return Table("pipeline stages", headers, rows, tuple(notes))
+
+
+def _span(blocks) -> str:
+    return blocks[0] if len(blocks) == 1 else f"{blocks[0]} .. {blocks[-1]} ({len(blocks)})"
+
+
+def pipeline_summary(infos: Mapping[int, JobInfo]) -> str:
+    """One line for a job whose ranks hold different parameters (one stage each)."""
+    counts = {r: sum(p.numel for p in i.params) for r, i in sorted(infos.items())}
+    per_rank = ", ".join(f"rank {r}: {n:,}" for r, n in counts.items())
+    info = infos[min(infos)]
+    return (f"pipeline attached on {len(infos)} ranks, one stage each ({per_rank} values; "
+            f"{sum(counts.values()):,} in all), {info.optimizer}; %dt_partition shows the "
+            "balance")  # fmt: skip
