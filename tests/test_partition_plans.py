@@ -8,15 +8,8 @@ import random
 
 import pytest
 
-from dtlab.analysis.partition import (
-    Plan,
-    PlanError,
-    optimal_split,
-    parse_plan,
-    to_deepspeed,
-    to_megatron,
-    to_torchtitan,
-)
+from dtlab.analysis.partition import Plan, PlanError, optimal_split, parse_plan
+from dtlab.analysis.partition_export import to_deepspeed, to_megatron, to_torchtitan
 from dtlab.stage_records import BlockCost
 
 BLOCKS = ("embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm", "head")

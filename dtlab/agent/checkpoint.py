@@ -153,7 +153,8 @@ def _write(job, folder: Path, state: dict, extras: bytes, rank: int) -> dict:
         data = {"epoch": job.stream.epoch, "offset": job.stream.offset,
                 "batch_size": parts.batch_size(job)}  # fmt: skip
     return {"rank": rank, "error": None, "files": _describe_files(folder, rank, written.sums),
-            "loss": job.records[-1].loss if job.records else None, "data": data}  # fmt: skip
+            "loss": job.records[-1].loss if job.records else None, "data": data,
+            "params": [[n, list(p.shape)] for n, p in job.module.named_parameters()]}  # fmt: skip
 
 
 def _by_error(failed: list[dict]) -> list[str]:
@@ -219,8 +220,16 @@ def _manifest(job, reports: list[dict], tag, replicated: bool, files: list[dict]
         "loss": sum(losses) / len(losses) if losses else None,
         "tag": tag,
         "replicated": replicated,  # False: model and optimizer saved per rank
-        "model": {"name": type(job.module).__name__,
-                  "params": [[n, list(p.shape)] for n, p in job.module.named_parameters()]},
+        "model": _model_entry(job, reports),
         "files": files,
         "ranks": {str(r["rank"]): {"data": r["data"]} for r in reports},
     }  # fmt: skip
+
+
+def _model_entry(job, reports: list[dict]) -> dict:
+    """The model's parameter names and shapes; per rank when ranks hold different ones
+    (pipeline stages), so each rank's load checks its own."""
+    entry = {"name": type(job.module).__name__, "params": reports[0]["params"]}
+    if any(r["params"] != reports[0]["params"] for r in reports):
+        entry["params_by_rank"] = {str(r["rank"]): r["params"] for r in reports}
+    return entry

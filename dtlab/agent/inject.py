@@ -230,6 +230,21 @@ def limit_file_size(num_bytes: int | None) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
 
 
+def fail_repartition() -> None:
+    """The next live re-partition fails here while building the new stage (after the
+    blocks arrived, before any rank commits)."""
+    from dtlab.agent import repartition
+
+    repartition._inject["fail_build"] = True
+
+
+def die_in_repartition() -> None:
+    """This rank is killed (SIGKILL) in the next live re-partition, mid-exchange."""
+    from dtlab.agent import repartition
+
+    repartition._inject["die"] = True
+
+
 def _named(found: dict, name: str, what: str):
     if name not in found:
         close = [n for n in found if name.split(".")[-1] in n][:5]

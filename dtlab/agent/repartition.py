@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import datetime
 import io
+import os
+import signal
 import time
 
 import torch
@@ -33,7 +35,7 @@ POLL_S = 0.0005
 
 STALLED = ("a rank died or hangs; nothing moved on this rank. Restart from the last "
            "checkpoint (%dt_restart --from-checkpoint)")  # fmt: skip
-_inject: dict = {}  # test hooks: {"fail_build": rank, "stall_exchange": seconds}
+_inject: dict = {}  # faults made on purpose (dtlab.inject): {"fail_build", "die"}: True
 
 
 class MoveFailed(RuntimeError):
@@ -144,8 +146,8 @@ def _exchange(outgoing: dict[int, bytes], moves: dict, rank: int, world: int, gr
         if size:
             incoming[src] = torch.empty(size, dtype=torch.uint8)
             ops.append(dist.P2POp(dist.irecv, incoming[src], _peer(src, group), group=group))
-    if "stall_exchange" in _inject:
-        time.sleep(_inject["stall_exchange"])
+    if _inject.pop("die", False):
+        os.kill(os.getpid(), signal.SIGKILL)  # as a crash between prepare and commit
     for work in dist.batch_isend_irecv(ops) if ops else []:
         # gloo's send/recv works never report completion to polling: wait, with a limit
         left = datetime.timedelta(seconds=max(0.0, deadline - time.monotonic()))
@@ -165,7 +167,7 @@ def _build(job: PipelineJob, new: Plan, incoming: dict[int, bytes], rank: int):
     for data in incoming.values():
         # from this job's own ranks over its process group: the same trust as the job
         received.update(torch.load(io.BytesIO(data), weights_only=False))
-    if _inject.get("fail_build") == rank:
+    if _inject.pop("fail_build", False):
         raise RuntimeError("injected failure while building the new stage")
     blocks = []
     for name in new.stage_blocks(rank):

@@ -83,8 +83,8 @@ def _agree(error: str | None, folder: Path, *, after: str | None = None) -> None
 
 def _check(job, folder: Path, rank: int, world_size: int):
     manifest = read_manifest(folder)
-    _check_model(manifest, job, folder)
     source = rank if rank < manifest["world_size"] else 0
+    _check_model(manifest, job, folder, source)
     position = _position(manifest, job, world_size)
     if position is not None and (problem := job.stream.seek_problem(position[1])):
         raise CheckpointError(f"rank {rank}: {problem}")
@@ -99,8 +99,10 @@ def _check(job, folder: Path, rank: int, world_size: int):
     return manifest, extras, position, source
 
 
-def _check_model(manifest: dict, job, folder: Path) -> None:
-    saved = {name: tuple(shape) for name, shape in manifest["model"]["params"]}
+def _check_model(manifest: dict, job, folder: Path, source: int) -> None:
+    model = manifest["model"]
+    listed = model.get("params_by_rank", {}).get(str(source), model["params"])
+    saved = {name: tuple(shape) for name, shape in listed}
     here = {name: tuple(p.shape) for name, p in job.module.named_parameters()}
     if saved == here:
         return

@@ -27,6 +27,11 @@ class Evidence:
     details: Mapping[int, Sequence[StepRecord]] = field(default_factory=dict)
     initial: Mapping[int, InitialState] = field(default_factory=dict)  # before step 1
 
+    @property
+    def is_pipeline(self) -> bool:
+        """Ranks hold different parameters: one pipeline stage each, not replicas."""
+        return len({tuple(p.name for p in job.params) for job in self.jobs.values()}) > 1
+
 
 @dataclass(frozen=True)
 class CheckResult:

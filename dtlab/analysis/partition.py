@@ -2,11 +2,11 @@
 
 Pure (runs anywhere): parse the forms users know (boundary indices, per-stage block
 names, regexes -> stage, and the methods ``uniform`` / ``parameters`` / ``measured``),
-refuse bad plans with a :class:`PlanError` that names the problem, and export a plan in
-DeepSpeed's, Megatron's and torchtitan's forms.
+and refuse bad plans with a :class:`PlanError` that names the problem. The methods' cut
+points come from :mod:`dtlab.analysis.partition_search`; exports to DeepSpeed's, Megatron's
+and torchtitan's forms live in :mod:`dtlab.analysis.partition_export`.
 
     plan = parse_plan("measured", blocks, num_stages=4, costs=costs)
-    to_deepspeed(plan), to_torchtitan(plan), to_megatron(plan)
 """
 
 from __future__ import annotations
@@ -14,18 +14,14 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, pairwise
+from itertools import pairwise
 
+from dtlab.analysis.partition_search import measured_bounds, min_max_bounds, uniform_bounds
 from dtlab.stage_records import BlockCost
 
 METHODS = ("uniform", "parameters", "measured")
-# plans whose slowest stage is this close to the fastest possible count as equally fast, so
-# "measured" may give up that much time for a stage memory that fits more easily
-TIME_TOLERANCE = 0.02
-# parameter + gradient + Adam's two moments, all the parameter's dtype
-STATE_BYTES_PER_PARAM_BYTE = 4
 _FORMS = (
     "give the inner cut indices ([2, 4, 6]: stage 1 starts at block 2, ...), DeepSpeed's "
     "parts list ([0, 2, 4, 6, 7]), one list of block names per stage, {regex: stage}, "
@@ -141,30 +137,7 @@ def optimal_split(weights: Sequence[float], num_stages: int) -> tuple[int, ...]:
         raise PlanError(f"weights must be finite and >= 0, got {list(weights)!r}")
     if not _is_int(num_stages) or not 1 <= num_stages <= len(values):
         raise PlanError(f"num_stages must lie in 1..{len(values)} (one block at least per stage)")
-    prefix = _prefix(values)
-    return _most_even(prefix, num_stages, _within(prefix, _min_max(prefix, num_stages, _any)))
-
-
-def to_deepspeed(plan: Plan) -> list[int]:
-    """DeepSpeed's ``parts`` list (``PipelineModule.parts``): the plan's bounds."""
-    return list(plan.bounds)
-
-
-def to_torchtitan(plan: Plan) -> list[list[str]]:
-    """torchtitan's ``module_fqns_per_model_part``: one list of block names per stage."""
-    return [list(plan.stage_blocks(s)) for s in range(plan.num_stages)]
-
-
-def to_megatron(plan: Plan) -> str:
-    """Megatron-core's ``--pipeline-model-parallel-layout`` string, e.g. ``"Et|t*2|t|L"``."""
-    kinds = [_megatron_kind(b) for b in plan.blocks]
-    _check_megatron_order(plan, kinds)
-    stages = []
-    for s in range(plan.num_stages):
-        symbols = "".join(kinds[plan.bounds[s] : plan.bounds[s + 1]]).replace("n", "")
-        symbols = re.sub("E+", "E", symbols)  # token and position embeddings are one E
-        stages.append(re.sub("t{2,}", lambda m: f"t*{len(m.group())}", symbols))
-    return "|".join(stages)
+    return min_max_bounds(values, num_stages)
 
 
 # -- validation -------------------------------------------------------------------------
@@ -237,7 +210,7 @@ def _from_ints(ints: list[int], blocks: tuple[str, ...], num_stages: int) -> Pla
         return Plan(blocks, (0, *ints, n))
     as_parts = bool(ints) and ints[0] == 0 and ints[-1] == n
     count = len(ints) - 1 if as_parts else len(ints) + 1
-    example = _uniform_bounds(n, num_stages)
+    example = uniform_bounds(n, num_stages)
     raise PlanError(
         f"{_stages_text(count, num_stages)} (reading {ints} as "
         f"{'DeepSpeed parts' if as_parts else 'inner cuts'}). Give either the "
@@ -343,24 +316,16 @@ def _from_method(
     costs: Mapping[str, BlockCost] | None,
 ) -> Plan:
     if method == "uniform":
-        return Plan(blocks, _uniform_bounds(len(blocks), num_stages))
+        return Plan(blocks, uniform_bounds(len(blocks), num_stages))
     if method == "parameters":
         params = [c.num_params for c in _costs_for(blocks, costs, timed=False)]
         return Plan(blocks, optimal_split(params, num_stages))
     if method == "measured":
-        return Plan(blocks, _measured_bounds(_costs_for(blocks, costs, timed=True), num_stages))
+        return Plan(blocks, measured_bounds(_costs_for(blocks, costs, timed=True), num_stages))
     raise PlanError(
         f"unknown partition method {method!r}: the methods are {', '.join(METHODS)} "
         "(or give the plan itself: boundaries, block lists or {regex: stage})"
     )
-
-
-def _uniform_bounds(n: int, num_stages: int) -> tuple[int, ...]:
-    size, extra = divmod(n, num_stages)
-    bounds = [0]
-    for s in range(num_stages):
-        bounds.append(bounds[-1] + size + (s < extra))  # as DeepSpeed: extras go first
-    return tuple(bounds)
 
 
 def _costs_for(
@@ -382,81 +347,9 @@ def _costs_for(
     return [costs[b] for b in blocks]
 
 
-def _measured_bounds(costs: list[BlockCost], num_stages: int) -> tuple[int, ...]:
-    time = _prefix([c.forward_s + c.backward_s for c in costs])
-    memory = _prefix(
-        [c.param_bytes * STATE_BYTES_PER_PARAM_BYTE + (c.activation_bytes or 0) for c in costs]
-    )
-    fast = _within(time, _min_max(time, num_stages, _any) * (1 + TIME_TOLERANCE))
-    lean = _within(memory, _min_max(memory, num_stages, fast))
-    return _most_even(time, num_stages, lambda i, j: fast(i, j) and lean(i, j))
-
-
-# -- contiguous-partition DP (O(stages * blocks^2): blocks number in the hundreds at most) --
-
-Fits = Callable[[int, int], bool]  # may blocks[i:j] form one stage?
-
-
-def _prefix(values: Sequence[float]) -> list[float]:
-    return list(accumulate(values, initial=0.0))
-
-
-def _any(i: int, j: int) -> bool:
-    return True
-
-
-def _within(prefix: list[float], limit: float) -> Fits:
-    slack = 1e-9 * max(1.0, abs(limit))  # float sums of the same blocks may differ in the ulp
-    return lambda i, j: prefix[j] - prefix[i] <= limit + slack
-
-
-def _min_max(prefix: list[float], num_stages: int, fits: Fits) -> float:
-    """Smallest achievable largest stage sum over the splits whose stages all fit."""
-    n = len(prefix) - 1
-    best = [0.0] + [math.inf] * n  # best[j]: blocks[:j] in the stages so far
-    for k in range(1, num_stages + 1):
-        row = [math.inf] * (n + 1)
-        for j in range(k, n - (num_stages - k) + 1):
-            for i in range(k - 1, j):
-                if best[i] < math.inf and fits(i, j):
-                    row[j] = min(row[j], max(best[i], prefix[j] - prefix[i]))
-        best = row
-    return best[n]
-
-
-def _most_even(prefix: list[float], num_stages: int, fits: Fits) -> tuple[int, ...]:
-    """The fitting split with the smallest sum of squared stage sums (earlier stages larger
-    on ties). A sum of squares adds up stage by stage, so this DP is exact."""
-    n = len(prefix) - 1
-    cost = [0.0] + [math.inf] * n
-    choice: list[list[int]] = []
-    for k in range(1, num_stages + 1):
-        row, picks = [math.inf] * (n + 1), [-1] * (n + 1)
-        for j in range(k, n - (num_stages - k) + 1):
-            for i in range(
-                j - 1, k - 2, -1
-            ):  # latest cut first, kept on a tie: earlier stages larger
-                if cost[i] == math.inf or not fits(i, j):
-                    continue
-                value = cost[i] + (prefix[j] - prefix[i]) ** 2
-                if value < row[j] and not math.isclose(value, row[j], rel_tol=1e-12):
-                    row[j], picks[j] = value, i
-        cost = row
-        choice.append(picks)
-    assert cost[n] < math.inf, "no fitting split: the limits come from a feasible split"
-    bounds = [n]
-    for picks in reversed(choice):
-        bounds.append(picks[bounds[-1]])
-    return tuple(reversed(bounds))
-
-
 # -- naming -----------------------------------------------------------------------------
 
 _NUMBERED = re.compile(r"(.*\.)(\d+)")
-_LAYER = re.compile(r"(?:.*\.)?(?:blocks|layers|h)\.\d+")
-_EMBED_PARTS = ("embed", "wte", "wpe", "tok_embeddings")
-_HEADS = {"head", "output", "lm_head"}
-_NORMS = {"norm", "ln_f", "final_norm"}
 
 
 def _compact(names: Sequence[str]) -> str:
@@ -472,44 +365,3 @@ def _compact(names: Sequence[str]) -> str:
         parts.extend([f"{run[0]}-{run[-1]}"] if len(run) > 1 else run)
         run = [name] if name is not None else []
     return ", ".join(parts)
-
-
-def _megatron_kind(block: str) -> str:
-    leaf = block.rsplit(".", 1)[-1]
-    if _LAYER.fullmatch(block):
-        return "t"
-    if leaf in _HEADS:
-        return "L"
-    if leaf in _NORMS:
-        return "n"  # Megatron builds the final norm with the loss layer
-    if any(part in leaf for part in _EMBED_PARTS):
-        return "E"
-    raise PlanError(
-        f"Megatron's layout cannot express block {block!r}: it knows embeddings (E), numbered "
-        "transformer layers (t), and the output layer with its final norm (L)"
-    )
-
-
-def _check_megatron_order(plan: Plan, kinds: list[str]) -> None:
-    order = "".join(kinds)
-    # Megatron validates the flattened layout: one E first, one L last, decoders between
-    if not re.fullmatch(r"E+t*n*L", order):
-        raise PlanError(
-            f"Megatron's layout needs the blocks in the order embedding, transformer layers, "
-            f"final norm, output layer; this model's blocks read {order} "
-            f"(E embedding, t layer, n norm, L output): {', '.join(plan.blocks)}"
-        )
-    stages = plan.stage_map()
-    head = plan.blocks[-1]
-    embeds = [b for b, k in zip(plan.blocks, kinds, strict=True) if k == "E"]
-    for norm in (b for b, k in zip(plan.blocks, kinds, strict=True) if k == "n"):
-        if stages[norm] != stages[head]:
-            raise PlanError(
-                f"final norm {norm!r} is on stage {stages[norm]} but the output layer {head!r} "
-                f"on stage {stages[head]}: Megatron's L holds both, so put them on one stage"
-            )
-    if stages[embeds[-1]] != 0:
-        raise PlanError(
-            f"embeddings {', '.join(embeds)} span stages 0..{stages[embeds[-1]]}: Megatron's E "
-            "is one layer, so put them all on stage 0"
-        )
