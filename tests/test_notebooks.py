@@ -136,3 +136,28 @@ def test_hung_job_runbook_names_the_rank_and_continues_after_a_restart():
     assert "steps 11-15 in " in after and after.count("idle") == 4
     assert "(10, " in next(text_of(c) for c in code if "dt.restarts" in c.source)
     assert left == []
+
+
+def test_imbalanced_pipeline_runbook_finds_the_idle_stage_and_moves_the_boundary():
+    before = descendants()
+    nb, seen, left = execute("03_imbalanced_pipeline.ipynb", lambda: descendants() - before)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    errors = [o for c in code for o in c.get("outputs", []) if o["output_type"] == "error"]
+    assert errors == []
+    shown = next(text_of(c) for c in code if c.source == "%dt_partition")
+    assert "stage 0: embed | stage 1: blocks.0-blocks.5, norm, head" in shown
+    imbalance = float(re.search(r"slowest stage / mean ([\d.]+)x", shown).group(1))
+    assert imbalance > 1.5  # stage 0 holds an embedding lookup and waits for stage 1
+    timeline = next(c for c in code if c.source == "%dt_partition --schedule")
+    assert any("application/vnd.plotly.v1+json" in o.get("data", {}) for o in timeline.outputs)
+    predicted = next(text_of(c) for c in code if "--predict measured" in c.source)
+    assert "profiled 9 blocks" in predicted
+    assert float(re.search(r"slowest stage / mean ([\d.]+)x", predicted).group(1)) < 1.3
+    applied = next(text_of(c) for c in code if "apply_button.click()" in c.source)
+    assert re.search(r"moved \d+ block\(s\) in \d+ ms; step .* → .*bubble", applied), applied
+    exported = next(text_of(c) for c in code if "--export deepspeed" in c.source).splitlines()
+    parts = literal_eval(exported[0])
+    assert parts[0] == 0 and parts[-1] == 9 and 1 < parts[1] < 9  # the boundary moved
+    assert exported[1].startswith("E") and exported[1].endswith("L")
+    assert literal_eval(exported[2])[0][:2] == ["embed", "blocks.0"]
+    assert left == []

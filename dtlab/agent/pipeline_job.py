@@ -109,6 +109,7 @@ class PipelineJob(jobs.Job):
         self.costs: dict[str, BlockCost] = {}
         self.last_step_s: float | None = None
         self.last_events: tuple = ()
+        self.last_target: torch.Tensor | None = None
         optimizer = make_optimizer(stage.parameters())
         scheduler = make_scheduler(optimizer) if make_scheduler else None
         super().__init__(stage, optimizer, data, _unused_loss, scheduler=scheduler,
@@ -119,9 +120,14 @@ class PipelineJob(jobs.Job):
         world = dist.get_world_size()
         self.timed = TimedStage(self.module, self.stage_index, world, self.device)
         self.runner = SCHEDULES[self.schedule_name](
-            self.timed, n_microbatches=self.microbatches, loss_fn=self.stage_loss
+            self.timed, n_microbatches=self.microbatches, loss_fn=self._loss
         )
         self.capture = InputCapture(self.module, self.timed)
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.timed.current_microbatch == 0:  # kept to profile the last block with it
+            self.last_target = target.detach()
+        return self.stage_loss(output, target)
 
     @property
     def is_last(self) -> bool:
@@ -171,12 +177,24 @@ class PipelineJob(jobs.Job):
             )
         costs = [
             profile_block(
-                n, self.module.block(n), self.capture.inputs[n], repeats=repeats, clock=self._now
+                n,
+                self.module.block(n),
+                self.capture.inputs[n],
+                repeats=repeats,
+                clock=self._now,
+                loss=self._profile_loss(n),
             )  # fmt: skip
             for n in self.module.order
         ]
         self.costs.update({c.name: c for c in costs})
         return costs
+
+    def _profile_loss(self, block: str):
+        """The loss on the model's last block (the schedule computes it on that stage)."""
+        if block != self.plan.blocks[-1] or self.last_target is None:
+            return None
+        target = self.last_target
+        return lambda output: self.stage_loss(output, target)
 
     def report(self) -> StageReport:
         params = list(self.module.parameters())

@@ -116,9 +116,10 @@ def block_sizes(stage: StageModule) -> list[BlockCost]:
 
 
 def profile_block(name: str, block: nn.Module, sample: torch.Tensor, *, repeats: int = 3,
-                  clock=time.perf_counter) -> BlockCost:  # fmt: skip
+                  clock=time.perf_counter, loss=None) -> BlockCost:  # fmt: skip
     """Time one micro-batch's forward and backward through ``block`` from the input it saw
     in training, and count what autograd keeps for the backward (parameters excluded).
+    ``loss(output)``, for the model's last block: its cost belongs to that block's stage.
 
     Leaves the job as it was: gradients come back from ``autograd.grad`` instead of
     landing in ``.grad``, and the RNG (dropout) is restored afterwards."""
@@ -139,6 +140,8 @@ def profile_block(name: str, block: nn.Module, sample: torch.Tensor, *, repeats:
             t0 = clock()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = block(x)
+                if loss is not None:
+                    out = loss(out)
             t1 = clock()
             inputs = params + ([x] if x.requires_grad else [])
             if inputs and out.requires_grad:
