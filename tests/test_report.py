@@ -2,6 +2,8 @@
 session it names ranks, findings and checkpoints and carries no secret of a rank's
 environment."""
 
+import urllib.request
+
 import plotly.graph_objects as go
 import pytest
 
@@ -35,6 +37,17 @@ def test_a_session_report_names_ranks_findings_checkpoints_and_keeps_secrets_out
     assert "no problem found in the records so far" in page
     assert saved.path.name in page
     assert "hf_secret_value_1234" not in page and "HF_TOKEN" not in page
+    url = dt.serve_metrics(port=0)
+    try:
+        scraped = urllib.request.urlopen(url, timeout=5).read().decode()
+    finally:
+        dt.stop_metrics()
+    assert 'dtlab_step{rank="1"} 3.0' in scraped and "hf_secret" not in scraped
+    dt.trace.flush()
+    stored = [f for f in dt.trace.folder.rglob("*") if f.is_file()]
+    assert stored and not any("hf_secret" in f.read_text(errors="replace") for f in stored)
+    evidence = dt.evidence()  # read from the ranks now, environment included
+    assert "hf_secret" not in repr(evidence.ranks) and "hf_secret" not in repr(dt.checks())
     dt.execute("import os; os.environ.pop('HF_TOKEN', None)", ranks=[1])
     board = dt.export_tensorboard()
     assert board == dt.trace.folder / "tensorboard"

@@ -18,6 +18,7 @@ from dtlab.analysis.ranks import label_ranks, parse_rank_spec
 from dtlab.control.calls import gather
 from dtlab.control.checkpointing import CheckpointMixin
 from dtlab.control.cluster import EngineCluster
+from dtlab.control.comm_bench import CommBenchMixin
 from dtlab.control.config import LaunchConfig
 from dtlab.control.errors import DtlabError, RankError
 from dtlab.control.partitions import PartitionMixin
@@ -35,7 +36,9 @@ STATUS_SETTLE_TRIES = 4
 STATUS_SETTLE_S = 0.05
 
 
-class Session(TrainingMixin, CheckpointMixin, ReplayMixin, RecoveryMixin, PartitionMixin):
+class Session(
+    TrainingMixin, CheckpointMixin, ReplayMixin, RecoveryMixin, PartitionMixin, CommBenchMixin
+):
     """N torch.distributed ranks living in ipyparallel engines.
 
     Use ``run``/``execute``/``pull``/``push`` to work on the ranks and ``shutdown`` (or a
@@ -59,6 +62,7 @@ class Session(TrainingMixin, CheckpointMixin, ReplayMixin, RecoveryMixin, Partit
         self.calls = 0  # ipyparallel requests so far (any of them may have re-attached a job)
         self._stepper = None
         self.restarts: list[dict] = []  # dt.restart() events, oldest first
+        self.sweeps: list = []  # dt.bandwidth_sweep() results, oldest first
 
     # --- what it is -------------------------------------------------------------------
     @property
@@ -307,6 +311,7 @@ class Session(TrainingMixin, CheckpointMixin, ReplayMixin, RecoveryMixin, Partit
         """Stop every engine, nanny and the controller; leaves no process behind."""
         from dtlab.control import lifecycle
 
+        self.stop_metrics()
         if self._stepper is not None:
             self._stepper.close()
         if self._sidecars is not None:

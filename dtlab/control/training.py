@@ -209,6 +209,22 @@ class TrainingMixin:
         trace = self.require_trace()
         return export_tensorboard(trace, folder or trace.folder / "tensorboard")
 
+    def serve_metrics(self, port: int = 9464, addr: str = "127.0.0.1") -> str:
+        """Expose live per-rank gauges (loss, grad norm, LR, step time, memory) for
+        Prometheus at ``http://addr:port/metrics``; off until called, localhost by default.
+        ``dt.stop_metrics()`` stops it. Returns the URL."""
+        from dtlab.views.prometheus_export import serve_metrics  # a view, made on request
+
+        self.stop_metrics()
+        self._metrics, _ = serve_metrics(lambda: self.trace, port=port, addr=addr)
+        return f"http://{addr}:{self._metrics.server_port}/metrics"
+
+    def stop_metrics(self) -> None:
+        server, self._metrics = getattr(self, "_metrics", None), None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
     def dashboard(self):
         """Step / Run / Pause controls with live per-rank figures (an ipywidgets panel)."""
         from dtlab.views.widgets import Dashboard  # users hold `dt`; the panel is a view

@@ -194,6 +194,7 @@ class DtlabMagics(Magics):
 
 def register(ipython) -> None:
     from dtlab.views.checkpoint_magics import CheckpointMagics
+    from dtlab.views.comm_magics import CommMagics
     from dtlab.views.partition_magics import PartitionMagics
     from dtlab.views.recovery_magics import RecoveryMagics
     from dtlab.views.training_magics import TrainingMagics
@@ -203,6 +204,7 @@ def register(ipython) -> None:
     ipython.register_magics(CheckpointMagics)
     ipython.register_magics(RecoveryMagics)
     ipython.register_magics(PartitionMagics)
+    ipython.register_magics(CommMagics)
     from dtlab.control.session import Session
 
     html = ipython.display_formatter.formatters["text/html"]

@@ -1,0 +1,55 @@
+"""An all_reduce bandwidth sweep on this rank's process group (nccl-tests style).
+
+Runs on every rank at once (the notebook calls :func:`sweep` on all). For each message
+size: ``warmup`` untimed all_reduces, a barrier, then ``iters`` timed back to back; each
+rank reports its own mean time per all_reduce, and the notebook takes the slowest rank's
+(:mod:`dtlab.analysis.bandwidth`), as nccl-tests does. Tensors live on the rank's device
+(CUDA under NCCL), so the sweep measures whatever backend the job uses.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def sweep(sizes: list[int], *, iters: int = 20, warmup: int = 5, dtype: str = "float32",
+          device: str | None = None) -> list[tuple[int, float]]:  # fmt: skip
+    """[(bytes, seconds per all_reduce on this rank)] for each size in ``sizes`` (bytes,
+    rounded down to whole elements, at least one)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}; choose one of {sorted(DTYPES)}")
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"iters must be >= 1 and warmup >= 0, got {iters} and {warmup}")
+    kind = DTYPES[dtype]
+    where = torch.device(device) if device else _default_device()
+    element = torch.tensor([], dtype=kind).element_size()
+    results = []
+    for size in sizes:
+        count = max(1, int(size) // element)
+        tensor = torch.ones(count, dtype=kind, device=where)
+        for _ in range(warmup):
+            dist.all_reduce(tensor)
+        _sync(where)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(tensor)
+        _sync(where)
+        results.append((count * element, (time.perf_counter() - start) / iters))
+    return results
+
+
+def _default_device() -> torch.device:
+    from dtlab.agent.rendezvous import identity
+
+    return torch.device(identity().device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # collectives are asynchronous on CUDA streams
+        torch.cuda.synchronize(device)

@@ -1,0 +1,34 @@
+"""Communication measured on the live ranks (``dt.bandwidth_sweep()``). Mixed into Session.
+
+Collect (each rank times its all_reduces, :mod:`dtlab.agent.bandwidth`) -> combine (the
+slowest rank per size, :mod:`dtlab.analysis.bandwidth`) -> present (views).
+"""
+
+from __future__ import annotations
+
+from dtlab.analysis.bandwidth import Sweep, combine, sizes_between
+
+SWEEP_TIMEOUT_S = 600.0
+
+
+def _sweep(sizes: list[int], iters: int, warmup: int, dtype: str):
+    from dtlab.agent.bandwidth import sweep
+
+    return sweep(sizes, iters=iters, warmup=warmup, dtype=dtype)
+
+
+class CommBenchMixin:
+    """Bandwidth sweeps for a Session (needs ``run``, ``backend``)."""
+
+    def bandwidth_sweep(self, *, min_bytes: int = 1024, max_bytes: int = 16 * 2**20,
+                        factor: int = 4, iters: int = 20, warmup: int = 5,
+                        dtype: str = "float32", label: str | None = None) -> Sweep:  # fmt: skip
+        """All_reduce time, algorithm and bus bandwidth per message size on the job's
+        process group (nccl-tests' all_reduce_perf, on whatever backend is up). Sweeps are
+        kept in ``dt.sweeps`` to compare settings (A/B)."""
+        sizes = sizes_between(min_bytes, max_bytes, factor)
+        times = self.run(_sweep, sizes, iters, warmup, dtype, timeout=SWEEP_TIMEOUT_S)
+        label = label or f"sweep {len(self.sweeps) + 1}"
+        result = combine(times, label=label, backend=self.backend, dtype=dtype)
+        self.sweeps.append(result)
+        return result

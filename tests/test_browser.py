@@ -1,0 +1,262 @@
+"""What a person sees: JupyterLab in a real headless Chromium, driven by playwright.
+
+Starts JupyterLab on localhost (a copy of the quick start in a private folder, autosave
+off), opens it in Debian's chromium (``executable_path``; no browser is downloaded), runs
+it as a person would (Run All Above the shutdown cell), then clicks the dashboard's Step
+button, opens the partition editor on a pipeline, moves a boundary and clicks Apply, and
+opens ``dt.report()``'s HTML file in the same browser. Screenshots go to
+``$DTLAB_SCREENSHOTS`` (default ``runs/screenshots/``). Without chromium the test is
+skipped with the reason, unless ``DTLAB_REQUIRE_BROWSER=1`` (``.ci/run`` sets it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dtlab.control.cluster import running
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+SCREENSHOTS = Path(os.environ.get("DTLAB_SCREENSHOTS", ROOT / "runs" / "screenshots"))
+BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+PIPELINE_CELL = """%dt_demo --pipeline --microbatches 2 --set num_layers=6
+%dt_step 2
+editor = dt.partition_editor()
+editor"""
+REPORT_CELL = 'report = dt.report("report.html")\nprint(report)'
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+
+
+def _browser_available() -> None:
+    if Path(CHROMIUM).exists():
+        return
+    why = f"no {CHROMIUM}: apt-get install chromium (.ci/run does)"
+    if os.environ.get("DTLAB_REQUIRE_BROWSER") == "1":
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+def _settings(folder: Path) -> None:
+    """Autosave off (it would rewrite the notebook under test), no news requests."""
+    docs = folder / "@jupyterlab" / "docmanager-extension"
+    docs.mkdir(parents=True)
+    (docs / "plugin.jupyterlab-settings").write_text(json.dumps({"autosave": False}))
+    news = folder / "@jupyterlab" / "apputils-extension"
+    news.mkdir(parents=True)
+    (news / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on 127.0.0.1 serving a private copy of the notebooks."""
+    _browser_available()
+    home = tmp_path_factory.mktemp("lab")
+    work = home / "work"
+    work.mkdir()
+    shutil.copy(ROOT / "notebooks" / "01_quickstart.ipynb", work)
+    _settings(home / "settings")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}",
+               "--ServerApp.ip=127.0.0.1", "--ServerApp.token=", "--ServerApp.password=",
+               "--ServerApp.disable_check_xsrf=True", "--LabApp.expose_app_in_browser=True",
+               f"--LabApp.user_settings_dir={home / 'settings'}",
+               f"--LabApp.workspaces_dir={home / 'workspaces'}",
+               f"--ServerApp.root_dir={work}"]  # fmt: skip
+    if os.geteuid() == 0:
+        command.append("--allow-root")
+    log = open(home / "server.log", "w")  # noqa: SIM115 - closed below
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=work,
+                              start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for(lambda: urllib.request.urlopen(f"{url}/api/status", timeout=2).status == 200,
+                  60, f"JupyterLab did not start; see {home / 'server.log'}")  # fmt: skip
+        yield url, work
+    finally:
+        started = [p.pid for p in psutil.Process(server.pid).children(recursive=True)]
+        os.killpg(server.pid, signal.SIGTERM)  # the server and the kernels it started
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=10)
+        log.close()
+        left = running(started)
+        for pid in left:  # the cluster runs in sessions of its own: stop it by pid
+            os.kill(pid, signal.SIGKILL)
+        assert left == [], f"processes left behind by the notebook: {left}"
+
+
+def _wait_for(probe, timeout_s: float, message: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if probe():
+                return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(message)
+
+
+class Lab:
+    """The notebook panel open in the page, driven through JupyterLab's own commands."""
+
+    def __init__(self, page):
+        self.page = page
+
+    def wait_for_kernel(self) -> None:
+        self.page.wait_for_function("""() => {
+            const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+            const k = w && w.sessionContext && w.sessionContext.session
+                      && w.sessionContext.session.kernel;
+            return k && k.connectionStatus === 'connected' && k.status === 'idle'; }""",
+                                    timeout=120_000)  # fmt: skip
+
+    def run(self, command: str, index: int) -> None:
+        """Make cell ``index`` active and run a notebook command from there."""
+        self.page.evaluate(f"""() => {{
+            const app = window.jupyterapp, nb = app.shell.currentWidget.content;
+            nb.activeCellIndex = {index};
+            app.commands.execute('{command}'); }}""")
+
+    def insert_and_run(self, index: int, source: str) -> None:
+        """A new cell below ``index`` holding ``source``, run (as typed and Shift-Enter)."""
+        self.page.evaluate(f"""async () => {{
+            const app = window.jupyterapp, nb = app.shell.currentWidget.content;
+            nb.activeCellIndex = {index};
+            await app.commands.execute('notebook:insert-cell-below');
+            nb.activeCell.model.sharedModel.setSource({json.dumps(source)});
+            app.commands.execute('notebook:run-cell'); }}""")
+        self.wait_until_ran(index + 1)
+
+    def wait_until_ran(self, index: int, timeout_s: float = 600) -> None:
+        self.page.wait_for_function(f"""() => {{
+            const w = window.jupyterapp.shell.currentWidget, cell = w.content.widgets[{index}];
+            return cell.model.executionCount !== null && !cell.node.classList.contains(
+                'jp-mod-pending') && w.sessionContext.session.kernel.status === 'idle'; }}""",
+                                    timeout=timeout_s * 1000)  # fmt: skip
+
+    def cell_text(self, index: int) -> str:
+        return self.page.evaluate(f"""() => window.jupyterapp.shell.currentWidget.content
+            .widgets[{index}].node.querySelector('.jp-Cell-outputArea').innerText""")
+
+    def num_cells(self) -> int:
+        return self.page.evaluate(
+            "() => window.jupyterapp.shell.currentWidget.content.widgets.length"
+        )
+
+    def plots(self) -> list[dict]:
+        """Every rendered plotly graph: its traces' point counts and its title."""
+        return self.page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')]
+            .map(gd => ({points: (gd.data || []).map(t => (t.x || []).length),
+                         title: ((gd.layout || {}).title || {}).text || ''}))""")
+
+    def shot(self, name: str) -> None:
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        self.page.screenshot(path=str(SCREENSHOTS / name), full_page=True)
+
+
+def test_quickstart_dashboard_editor_and_report_in_a_real_browser(lab):
+    from playwright.sync_api import sync_playwright
+
+    url, work = lab
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"{url}/lab/tree/01_quickstart.ipynb?reset")
+            nb = Lab(page)
+            nb.wait_for_kernel()
+            _run_the_quickstart(nb)
+            _step_from_the_dashboard(nb, page)
+            _move_a_boundary_in_the_editor(nb, page)
+            _open_the_report(nb, browser, work, errors)
+            shutdown = nb.num_cells() - 1  # %dt_shutdown, the quick start's last cell
+            nb.run("notebook:run-cell", shutdown)
+            nb.wait_until_ran(shutdown, 120)
+            assert "stopped 8 ranks" in nb.cell_text(shutdown)
+        finally:
+            browser.close()
+    assert errors == [], f"JavaScript errors in the console: {errors}"
+
+
+def _run_the_quickstart(nb: Lab) -> None:
+    last = nb.num_cells() - 1
+    nb.run("notebook:run-all-above", last)  # everything but %dt_shutdown
+    nb.wait_until_ran(last - 1)
+    nb.shot("01-quickstart-run.png")
+    assert "8 ranks ready (gloo, local launcher)" in nb.cell_text(3)
+    table = nb.page.locator(".jp-OutputArea-output", has_text="rank  host  pid")
+    assert table.count() >= 1 and "7     " in table.first.inner_text()
+    nb.page.get_by_role("button", name="Step", exact=True).first.wait_for()
+    plots = nb.plots()
+    assert len(plots) >= 3 and all(sum(p["points"]) > 0 for p in plots), plots
+
+
+def _step_from_the_dashboard(nb: Lab, page) -> None:
+    status = page.locator(".widget-label", has_text="in ").filter(has_text="step")
+    before = max(sum(p["points"]) for p in nb.plots())
+    text = status.first.inner_text()  # the dashboard's last run, e.g. "steps 21-30 in ..."
+    last = int(text.split("-")[1].split(" ")[0]) if text.startswith("steps") else 0
+    page.get_by_role("button", name="Step", exact=True).first.click()
+    page.locator(".widget-label", has_text=f"step {last + 1} in ").wait_for(timeout=60_000)
+    page.wait_for_function(f"""() => Math.max(...[...document.querySelectorAll(
+        '.js-plotly-plot')].map(gd => gd.data.reduce((n, t) => n + (t.x || []).length, 0)))
+        > {before}""", timeout=30_000)  # fmt: skip
+    nb.shot("02-dashboard-after-step.png")
+
+
+def _move_a_boundary_in_the_editor(nb: Lab, page) -> None:
+    at = nb.num_cells() - 2  # below the last cell before %dt_shutdown
+    nb.insert_and_run(at, PIPELINE_CELL)
+    assert "pipeline attached on 8 ranks" in nb.cell_text(at + 1)
+    readout = page.locator(".widget-hslider", has_text="stage 1 from").locator(".widget-readout")
+    readout.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.type("1")
+    page.keyboard.press("Enter")
+    page.locator(".widget-html", has_text="would move").wait_for(timeout=30_000)
+    nb.shot("03-editor-draft.png")
+    page.get_by_role("button", name="Apply", exact=True).click()
+    page.locator(".widget-html", has_text="moved 1 block(s)").wait_for(timeout=120_000)
+    page.wait_for_function("""() => [...document.querySelectorAll('.js-plotly-plot')]
+        .some(gd => ((gd.layout.title || {}).text || '').startsWith('Measured'))""",
+                           timeout=30_000)  # fmt: skip
+    nb.shot("04-editor-applied.png")
+
+
+def _open_the_report(nb: Lab, browser, work: Path, errors: list[str]) -> None:
+    at = nb.num_cells() - 2
+    nb.insert_and_run(at, REPORT_CELL)
+    report = work / "report.html"
+    assert report.exists(), nb.cell_text(at + 1)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.on("console", lambda m: m.type == "error" and errors.append(f"report: {m.text}"))
+    page.on("pageerror", lambda e: errors.append(f"report: {e}"))
+    page.goto(report.as_uri())
+    page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length > 0")
+    drawn = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')]
+        .map(gd => gd.querySelectorAll('.trace, .barlayer .point, .scatterlayer path').length)""")
+    assert drawn and all(n > 0 for n in drawn), drawn
+    page.screenshot(path=str(SCREENSHOTS / "05-report.png"), full_page=True)
+    page.close()
