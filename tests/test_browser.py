@@ -245,12 +245,14 @@ def _move_a_boundary_in_the_editor(nb: Lab, page) -> None:
     page.keyboard.type("1")
     page.keyboard.press("Enter")
     page.locator(".widget-html", has_text="would move").wait_for(timeout=30_000)
+    page.locator(".widget-html", has_text="would move").scroll_into_view_if_needed()
     nb.shot("03-editor-draft.png")
     page.get_by_role("button", name="Apply", exact=True).click()
     page.locator(".widget-html", has_text="moved 1 block(s)").wait_for(timeout=120_000)
     page.wait_for_function("""() => [...document.querySelectorAll('.js-plotly-plot')]
         .some(gd => ((gd.layout.title || {}).text || '').startsWith('Measured'))""",
                            timeout=30_000)  # fmt: skip
+    page.locator(".widget-html", has_text="moved 1 block(s)").scroll_into_view_if_needed()
     nb.shot("04-editor-applied.png")
 
 

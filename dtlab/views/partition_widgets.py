@@ -64,6 +64,7 @@ class PartitionEditor:
             max=top,
             description=f"stage {k} from",
             continuous_update=False,
+            style={"description_width": "initial"},
         )
         slider.observe(lambda _: self._guarded(self.preview), names="value")
         return slider
