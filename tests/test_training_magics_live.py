@@ -27,6 +27,11 @@ def test_dt_demo_attaches_and_says_what(ip, live4, capsys):
         ip.run_line_magic("dt_demo", "--set num_layers=2.5")
     with pytest.raises(UsageError, match="moe_layer=2 must be in range"):
         ip.run_line_magic("dt_demo", "--set num_layers=2")
+    ip.run_line_magic("dt_demo", "--scaler --accumulate 2 --set num_samples=256")
+    assert "GradScaler" in capsys.readouterr().out
+    live4.step(1)
+    last = live4.trace.at(1)
+    assert all(r.micro_batches == 2 and r.scale == 2.0**10 for r in last.values())
 
 
 def test_dt_step_and_dt_run_report_steps_and_stops(ip, demo_attached, capsys):

@@ -202,13 +202,17 @@ def _batch_table(records: Records, lr: float | None) -> str:
     batch = f"global batch {each} = {total}"
     if lr is None:
         return f"{batch}; LR not recorded"
-    world = len(sizes)
-    linear, sqrt = lr * world, lr * math.sqrt(world)
+    micro = Counter(r.micro_batches for recs in records.values() for r in recs).most_common(1)
+    micro_batches = micro[0][0] if micro else 1
+    # the unit an LR is usually tuned for: one micro-batch on one rank
+    factor = total / max(1, sizes[0] // micro_batches)
+    linear, sqrt = lr * factor, lr * math.sqrt(factor)
+    accumulated = f", {micro_batches} micro-batches a step" if micro_batches > 1 else ""
     return (
-        f"{batch}; LR at the last step {lr:.3g}. Advice, not a verdict: if that LR was "
-        f"tuned for one rank's batch, {world} ranks would call for {linear:.3g} (linear "
-        f"rule) or {sqrt:.3g} (square-root rule), with a warm-up; if it was tuned for the "
-        "global batch, keep it"
+        f"{batch}{accumulated}; LR at the last step {lr:.3g}. Advice, not a verdict: if that "
+        f"LR was tuned for one rank's micro-batch, the global batch is {factor:g}x that and "
+        f"would call for {linear:.3g} (linear rule) or {sqrt:.3g} (square-root rule), with a "
+        "warm-up; if it was tuned for the global batch, keep it"
     )
 
 

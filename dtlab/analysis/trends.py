@@ -39,7 +39,8 @@ LEAK_FIX = (
     "something on this rank keeps references across steps (a growing list, stored losses "
     "without .item(), hooks): look for code that runs only on this rank (if rank == 0: "
     "logging, metrics, checkpoint buffers) and tensors kept with their autograd graph; "
-    "compare tracemalloc snapshots (or torch.cuda.memory_snapshot()) of two steps on it"
+    "count the live tensors of two steps on it (gc.get_objects(); tracemalloc does not see "
+    "tensor storage) or compare torch.cuda.memory_snapshot()s"
 )
 SHARED_GROWTH_FIX = (
     "growth on every rank at once is warm-up (allocator caches, autotuning, data loader "

@@ -58,6 +58,9 @@ class TrainingMagics(Magics):
     @argument("--no-ddp", action="store_true", help="leave the model bare (no DDP wrapper)")
     @argument("--no-record", action="store_true", help="record only loss, LR, times, memory")
     @argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    @argument("--scaler", action="store_true", help="step through a GradScaler (as AMP jobs do)")
+    @argument("--accumulate", type=int, default=1, metavar="K",
+              help="K micro-batches per step (DDP syncs only the last)")  # fmt: skip
     @argument(
         "--pipeline",
         action="store_true",
@@ -96,6 +99,8 @@ class TrainingMagics(Magics):
                     ddp=not args.no_ddp,
                     record=not args.no_record,
                     lr=args.lr,
+                    scaler=args.scaler,
+                    accumulate=args.accumulate,
                     **config,
                 )
         except PlanError as e:

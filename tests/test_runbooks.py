@@ -1,0 +1,188 @@
+"""Runbooks 02, 05, 06, 07 and 10, executed top to bottom by a real kernel: each names the
+fault it makes on purpose (rank, step, parameter or module) and shows that the fix worked."""
+
+import re
+from ast import literal_eval
+
+import pytest
+
+from tests.test_notebooks import descendants, execute, text_of
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+PLOTLY = "application/vnd.plotly.v1+json"
+
+
+def run_clean(name: str) -> list:
+    """Execute the notebook; no cell raised, and nothing it started outlives its last cell
+    (``%dt_shutdown``). Returns its code cells."""
+    before = descendants()
+    nb, seen, left = execute(name, lambda: descendants() - before)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    errors = [(c.source, o["ename"], o["evalue"]) for c in code for o in c.get("outputs", [])
+              if o["output_type"] == "error"]  # fmt: skip
+    assert errors == []
+    assert len(seen) >= 10  # controller, fork server, 4 engines, 4 nannies
+    assert left == []
+    return code
+
+
+def texts(code: list, start: str) -> list[str]:
+    """The text output of every cell whose source starts with ``start``, in order."""
+    found = [text_of(c) for c in code if c.source.startswith(start)]
+    assert found, f"no cell starts with {start!r}"
+    return found
+
+
+def figures(code: list, start: str) -> list[dict]:
+    """The plotly figure each cell starting with ``start`` shows."""
+    cells = [c for c in code if c.source.startswith(start)]
+    return [o["data"][PLOTLY] for c in cells for o in c.outputs if PLOTLY in o.get("data", {})]
+
+
+def rows(text: str) -> dict[int, list[str]]:
+    """A printed table's rows keyed by their first column, when it is a number."""
+    return {int(line.split()[0]): line.split()[1:] for line in text.splitlines()
+            if line.split() and line.split()[0].isdigit()}  # fmt: skip
+
+
+def test_drift_runbook_names_step_rank_and_parameter_and_a_restart_ends_it():
+    code = run_clean("02_gradients_drift.ipynb")
+    assert "checkpoint of step 3:" in texts(code, "%dt_demo")[0]
+    found, after = texts(code, "%dt_doctor")[0], texts(code, "%dt_step 5\n%dt_doctor")[0]
+    named = "parameters diverge from step 4: blocks.1.attn.qkv.weight differs on rank 2"
+    assert named in found and "(ranks 0-1,3 agree)" in found
+    divergence = texts(code, 'found = dt.divergence("param")')[0]
+    assert "step 4, parameter blocks.1.attn.qkv.weight, outliers (2,)" in divergence
+    assert "rank 2 against rank 0: 12288 of 12288 elements differ" in divergence
+    assert "max abs 0.001" in divergence  # the edit, and nothing else
+    restarted = texts(code, "%dt_restart --from-checkpoint 3")[0]
+    assert "restarted 4 ranks in " in restarted and "the job is at step 3 from " in restarted
+    # the evidence: the same steps again, nothing found, one parameter state per step
+    assert "steps 4-8 in " in after and "no problem found: every check passed" in after
+    states = texts(code, "for step in")[0].splitlines()
+    assert states == [f"step {s}: ranks [0, 1, 2, 3] hold 1 parameter state(s)"
+                      for s in range(4, 9)] + ["first divergence: None"]  # fmt: skip
+    assert texts(code, "%dt_shutdown")[0].startswith("stopped 4 ranks in ")
+
+
+def test_mixed_precision_runbook_names_rank_module_and_the_scalers_skips():
+    code = run_clean("05_loss_explodes_mixed_precision.ipynb")
+    attached = texts(code, "from dtlab import demo")[0]
+    assert "AdamW, LambdaLR, GradScaler" in attached and "steps 1-3 in " in attached
+    stopped = texts(code, "%dt_run --until nonfinite --max-steps 20")[0]
+    assert "steps 4-6 in " in stopped and "stopped: nonfinite" in stopped
+    first, second = texts(code, "%dt_doctor")[:2]
+    for doctor in (first, second):
+        assert "rank 2 went non-finite at step 6: loss nan" in doctor
+        assert "first non-finite output: blocks.1.ffn on rank 2" in doctor
+    assert "GradScaler skipped 9 steps, up to 9 in a row, from step 6" in second
+    assert "ranks 0-3: GradScaler" in second and "scale 1024 at first, 2 at least" in second
+    at_step = texts(code, "for rank, rec in dt.trace.at")[0].splitlines()
+    assert len(at_step) == 4 and all(line.endswith("step skipped: True") for line in at_step)
+    assert "loss nan" in at_step[2] and "first non-finite output: blocks.1.ffn" in at_step[2]
+    assert all("first non-finite output: None" in at_step[r] for r in (0, 1, 3))
+    # the scaler's history on rank 2: steps 6-14 skipped, the scale halved at each
+    history = rows(texts(code, "%dt_step 10")[0].split("step  rank", 1)[1])
+    assert sorted(history) == list(range(1, 17))
+    skipped = [s for s, (_, _, _, skip) in history.items() if skip == "True"]
+    assert skipped == list(range(6, 15))
+    scales = {s: float(row[2]) for s, row in history.items()}
+    assert [scales[s] for s in (5, 6, 7, 14, 15, 16)] == [1024, 1024, 512, 4, 2, 2]
+    # the fix: 16 steps, nothing non-finite, nothing skipped, the scale never lowered
+    fixed = texts(code, "print(job_summary(demo.attach(dt, scaler=True)))")[0]
+    assert "steps 1-16 in " in fixed and "nonfinite never held" in fixed
+    evidence = texts(code, "df = dt.trace.to_dataframe()\nhistory")[0]
+    assert rows(evidence) == {r: ["16", "0", "1024.0"] for r in range(4)}
+    assert "no problem found: every check passed" in evidence
+
+
+def test_learning_rate_runbook_scales_the_lr_and_finds_the_rank_that_differs():
+    code = run_clean("06_learning_rate_at_scale.ipynb")
+    rules = texts(code, "per_rank, accumulate, ranks")[0]
+    assert "effective batch: 8 x 4 ranks x 2 micro-batches = 64" in rules
+    assert "linear rule (SGD):           0.024" in rules
+    assert "square-root rule (Adam-type): 0.00849" in rules
+    warmup = texts(code, "df = dt.trace.to_dataframe()\nprint(df.pivot")[0]
+    lrs = {step: [float(x) for x in row] for step, row in rows(warmup).items()}
+    assert sorted(lrs) == list(range(1, 13))
+    assert all(len(set(row)) == 1 for row in lrs.values())  # one LR per step on 4 ranks
+    first = [lrs[s][0] for s in range(1, 13)]
+    assert first[:10] == sorted(first[:10]) and first[9:] == [0.00849] * 3  # warm-up, then flat
+    assert "samples per rank and step: [16]" in warmup
+    explained = texts(code, "%dt_doctor --explain")[0]
+    assert "no problem found" in explained and "global batch 4 ranks x 16 = 64" in explained
+    assert re.search(r"^learning_rate +passed", explained, re.M)
+    found = texts(code, "%dt_doctor")[1]
+    lr = re.search(r"the learning rate at step 13 is ([\d.]+) on rank 1 but ([\d.]+) on the "
+                   r"others \(differs at 4 of 16 steps\)", found)  # fmt: skip
+    assert lr and float(lr.group(1)) == pytest.approx(2 * float(lr.group(2)), rel=1e-5), found
+    tail = rows(texts(code, "df = dt.trace.to_dataframe()\nlr = ")[0])
+    assert [tail[s][1] for s in range(13, 17)] == ["0.017"] * 4
+    assert all(tail[s][r] == "0.00849" for s in range(11, 17) for r in (0, 2, 3))
+    fixed = texts(code, "print(job_summary(demo.attach(dt, lr=sqrt_lr")[0]
+    assert "steps 1-16 in " in fixed
+    evidence = texts(code, "df = dt.trace.to_dataframe()\nper_step")[0]
+    assert "steps 1-16: 1 LR per step across ranks" in evidence
+    assert "no problem found: every check passed" in evidence
+
+
+def growth(text: str) -> dict[int, float]:
+    """``growth_per_step`` as printed: MiB per step by rank."""
+    return {rank: float(value[0]) for rank, value in rows(text).items()}
+
+
+def test_leak_runbook_names_the_rank_and_its_growth_and_the_memory_is_flat_after():
+    code = run_clean("07_memory_leak_one_rank.ipynb")
+    leak = re.search(r"rank 1 leaks memory: rss grows ([\d.]+) MiB per step",
+                     texts(code, "%dt_doctor")[0])  # fmt: skip
+    assert leak and 3.0 < float(leak.group(1)) < 5.0
+    before = growth(texts(code, "def growth_per_step")[0])
+    assert sorted(before) == [0, 1, 2, 3] and 3.0 < before[1] < 5.0
+    assert all(before[r] < 0.5 for r in (0, 2, 3))
+    kept = literal_eval(texts(code, "%dt_step 5")[0].splitlines()[-1])
+    assert kept[1] == pytest.approx(20.0, abs=0.5)  # 5 steps x 4 MiB of live tensors
+    assert all(abs(kept[r]) < 0.5 for r in (0, 2, 3))
+    assert "steps 1-20 in " in texts(code, "%dt_demo\n%dt_step 20")[0]
+    evidence = texts(code, "%dt_doctor\ngrowth_per_step")[0]
+    assert "no problem found: every check passed" in evidence
+    after = growth(evidence)
+    assert sorted(after) == [0, 1, 2, 3] and all(g < 1.0 for g in after.values())
+    assert len(figures(code, "%dt_step 20")) == 1 and len(figures(code, "%dt_plot memory")) == 1
+
+
+def facts(text: str) -> dict[int, tuple[float, int, str]]:
+    """``data_facts`` as printed: rank -> (data share, shared samples, epoch 1 repeats)."""
+    return {rank: (float(row[0]), int(row[1]), row[2]) for rank, row in rows(text).items()}
+
+
+def data_ms(figure: dict) -> dict[str, float]:
+    """The data-loading bar of ``%dt_plot times``: ms by rank label."""
+    bar = next(t for t in figure["data"] if t["name"] == "data")
+    return dict(zip(bar["x"], bar["y"], strict=True))
+
+
+def test_data_runbook_finds_shared_shards_a_missing_set_epoch_and_a_slow_rank():
+    code = run_clean("10_data_loading.ipynb")
+    found = texts(code, "%dt_doctor")[0]
+    assert re.search(r"ranks 0,3 read the same samples: \d+ sample indices seen by more than "
+                     r"one rank in epochs 0, 1, first at step 1", found), found  # fmt: skip
+    assert "ranks 0-3 read epoch 1 in the same order as epoch 0" in found
+    assert "from step 9): the sampler's set_epoch is not called" in found
+    assert "waiting for data takes a large share of each step (median): rank 1 " in found
+    assert "rank 1 is a straggler" in found and "mostly in data" in found
+    before = facts(texts(code, "from statistics import median")[0])
+    after = facts(texts(code, "data_facts(dt.trace)")[0])
+    assert before[0][1] == before[3][1] > 0 and before[1][1] == before[2][1] == 0
+    assert all(before[r][2] == "True" for r in range(4))
+    assert before[1][0] > 0.3 and all(before[r][0] < 0.3 for r in (0, 2, 3))
+    # the fix: no shared sample, a new order in epoch 1, no rank waiting for data
+    assert after == {r: (after[r][0], 0, "False") for r in range(4)}
+    assert all(share < 0.3 for share, _, _ in after.values())
+    explained = texts(code, "%dt_doctor --explain")[0]
+    assert explained.startswith("no problem found: every check passed")
+    assert re.search(r"^data_order +passed", explained, re.M)
+    assert re.search(r"^stragglers +passed", explained, re.M)
+    slow, fixed = (data_ms(f) for f in figures(code, "%dt_plot times"))
+    assert slow["rank 1"] > 50 and all(slow[f"rank {r}"] < 20 for r in (0, 2, 3))
+    assert all(ms < 20 for ms in fixed.values())
