@@ -161,3 +161,24 @@ def test_imbalanced_pipeline_runbook_finds_the_idle_stage_and_moves_the_boundary
     assert exported[1].startswith("E") and exported[1].endswith("L")
     assert literal_eval(exported[2])[0][:2] == ["embed", "blocks.0"]
     assert left == []
+
+
+def test_communication_runbook_names_the_odd_variable_and_compares_two_sweeps():
+    before = descendants()
+    nb, seen, left = execute("04_communication_settings.ipynb", lambda: descendants() - before)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    errors = [o for c in code for o in c.get("outputs", []) if o["output_type"] == "error"]
+    assert errors == []
+    found = next(text_of(c) for c in code if c.source.startswith("%dt_demo"))
+    assert "env NCCL_ALGO differs: ranks 0-1,3 = unset; rank 2 = 'Tree'" in found
+    fixed = next(text_of(c) for c in code if c.source == "%dt_doctor")
+    assert fixed.startswith("no problem found")
+    sweeps = [text_of(c) for c in code if c.source.startswith("%dt_bandwidth --min")]
+    assert len(sweeps) == 2 and "all_reduce of bfloat16 on 4 ranks (gloo)" in sweeps[1]
+    rows = [re.findall(r"^\d+ [KM]iB ", text, flags=re.M) for text in sweeps]
+    assert [len(r) for r in rows] == [13, 13]  # 4 KiB .. 16 MiB, each size x2
+    compared = next(text_of(c) for c in code if c.source == "%dt_bandwidth --compare")
+    assert compared.startswith("bfloat16 vs float32: latency at 4096 B")
+    pairs = next(text_of(c) for c in code if c.source.startswith("fp32, bf16"))
+    assert len(pairs.splitlines()) == 12 and "4,194,304 gradients: float32" in pairs
+    assert left == []
