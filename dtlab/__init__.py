@@ -44,17 +44,26 @@ def launch(
     restart: bool = False,
     profile: str = "",
     launcher_config: Mapping[str, Mapping[str, object]] | None = None,
+    hosts: str | Mapping[str, int] | None = None,
+    listen: str = "",
     progress: Callable[[str, int, int], None] | None = None,
 ) -> Session:
     """Start ``num_ranks`` ranks (or reuse the live session) and return the Session.
 
     Same options as ``%dt_launch``; ``launcher_config`` passes traitlets settings to
     ipyparallel's launchers, e.g. ``{"SlurmEngineSetLauncher": {"queue": "gpu"}}``.
+    ``hosts`` (ssh launcher): ``"node1:4,node2:4"`` or ``{"node1": 4, ...}``; ``listen``:
+    the interface or address the notebook side listens on for ranks on other hosts.
     """
     from dtlab.control import lifecycle
     from dtlab.control.config import LaunchConfig
+    from dtlab.control.launchers import parse_hosts, ssh_config
     from dtlab.views.progress import auto_progress
 
+    launcher_config = dict(launcher_config or {})
+    if hosts:
+        engines = parse_hosts(hosts) if isinstance(hosts, str) else dict(hosts)
+        launcher_config = {**ssh_config(engines), **launcher_config}
     config = LaunchConfig(
         num_ranks=num_ranks,
         backend=backend,
@@ -65,7 +74,8 @@ def launch(
         port=port,
         pg_timeout_s=pg_timeout,
         profile=profile,
-        launcher_config=dict(launcher_config or {}),
+        launcher_config=launcher_config,
+        listen=listen,
     )
     return lifecycle.launch(config, progress or auto_progress(), restart=restart)
 

@@ -39,15 +39,21 @@ def gather(obj) -> list:
 
 
 # --- the parts ----------------------------------------------------------------------------
+def local_optimizer(job):
+    """The optimizer that holds this rank's state: ZeroRedundancyOptimizer keeps only its
+    shard's, in the optimizer it wraps (its own state_dict would gather every rank's)."""
+    return getattr(job.optimizer, "optim", job.optimizer)
+
+
 def optimizer_names(job) -> list[str]:
     """Parameter names in the optimizer's own order (its state_dict numbers them)."""
     names = {id(p): n for n, p in job.module.named_parameters()}
-    return [names[id(p)] for g in job.optimizer.param_groups for p in g["params"]]
+    return [names[id(p)] for g in local_optimizer(job).param_groups for p in g["params"]]
 
 
 def optimizer_split(job) -> tuple[dict, dict]:
-    """(state tensors by parameter name, plain data) of the optimizer."""
-    sd = job.optimizer.state_dict()
+    """(state tensors by parameter name, plain data) of this rank's optimizer state."""
+    sd = local_optimizer(job).state_dict()
     names = optimizer_names(job)
     tensors, plain = {}, {}
     for index, state in sd["state"].items():
@@ -55,6 +61,10 @@ def optimizer_split(job) -> tuple[dict, dict]:
         tensors[name] = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         plain[name] = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
+    if local_optimizer(job) is not job.optimizer:  # ZeRO: its own groups are up to date (the
+        # scheduler sets them; the wrapped optimizer's follow only at the next step)
+        for group, outer in zip(groups, job.optimizer.param_groups, strict=True):
+            group.update({k: v for k, v in outer.items() if k != "params"})
     return tensors, {"groups": groups, "state": plain}
 
 
@@ -67,6 +77,8 @@ def model_hash(job) -> int:
     are replicated (XXH3 of the bytes, ~10 GB/s; a fingerprint on GPU)."""
     hasher = xxhash.xxh3_64()
     for tensor in model_state(job).values():
+        if hasattr(tensor, "to_local"):
+            continue  # a shard (FSDP2): different on every rank by design; DCP keeps its layout
         if tensor.device.type == "cpu":
             hasher.update(tensor.contiguous().view(-1).view(torch.uint8).numpy())
         else:

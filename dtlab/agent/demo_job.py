@@ -22,14 +22,17 @@ last: DemoJob | None = None  # this rank's demo job, for a closer look from a %%
 
 
 def attach_demo(*, ddp: bool = True, record: bool = True, lr: float = 3e-3, accumulate: int = 1,
-                no_sync: bool = True, scaler: bool = False, **config) -> JobInfo:  # fmt: skip
+                no_sync: bool = True, scaler: bool = False, sharding: str | None = None,
+                **config) -> JobInfo:  # fmt: skip
     """Build the demo (same weights on every rank, data sharded by DistributedSampler) and
     attach it. ``ddp`` wraps it in DistributedDataParallel when there is more than one rank;
-    ``scaler`` adds a GradScaler; ``accumulate``/``no_sync`` as for dtlab.attach."""
+    ``scaler`` adds a GradScaler; ``accumulate``/``no_sync`` as for dtlab.attach;
+    ``sharding``: ``"fsdp2"`` or ``"zero"`` (see build_demo)."""
     global last
     me = identity()
     last = build_demo(DemoConfig(**config), rank=me.rank, world_size=me.world_size,
-                      ddp=ddp and me.world_size > 1, lr=lr, device=me.device)  # fmt: skip
+                      ddp=ddp and me.world_size > 1, lr=lr, device=me.device,
+                      sharding=sharding)  # fmt: skip
     # a GradScaler as mixed-precision jobs use it (it scales the loss on CPU too)
     grad_scaler = torch.amp.GradScaler(me.device.split(":")[0], init_scale=2.0**10)
     return jobs.attach(

@@ -284,18 +284,30 @@ def build_demo(
     lr: float = 3e-3,
     warmup_steps: int = 10,
     device: str | torch.device = "cpu",
+    sharding: str | None = None,
 ) -> DemoJob:
-    """This rank's demo job. ``ddp=True`` needs an initialised process group."""
+    """This rank's demo job. ``ddp=True`` needs an initialised process group.
+    ``sharding``: ``"fsdp2"`` (each block and the root under ``fully_shard``) or ``"zero"``
+    (DDP with a ZeroRedundancyOptimizer: optimizer state sharded, ZeRO-1/2 style)."""
     config = config or DemoConfig()
+    if sharding not in (None, "fsdp2", "zero"):
+        raise ValueError(f"sharding={sharding!r}; choose fsdp2, zero or None")
     torch.manual_seed(config.seed)  # every rank builds identical weights
     model: nn.Module = DemoLM(config).to(device)
-    if ddp:
+    if sharding == "fsdp2":
+        model = _fully_shard(model, device)
+    elif ddp:
         model = nn.parallel.DistributedDataParallel(
             model,
             # a routed expert that gets no token on a rank has no gradient there
             find_unused_parameters=True,
         )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    if sharding == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=lr)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     scheduler = warmup_schedule(optimizer, warmup_steps)
     dataset = SyntheticTokens(config)
     sampler = DistributedSampler(
@@ -303,6 +315,18 @@ def build_demo(
     )
     data = DataLoader(dataset, batch_size=config.batch_size, sampler=sampler, num_workers=0)
     return DemoJob(config, model, optimizer, scheduler, data, sampler, demo_loss)
+
+
+def _fully_shard(model: DemoLM, device) -> nn.Module:
+    """FSDP2 as torchtitan applies it: each block its own unit, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    kind = torch.device(device).type
+    mesh = init_device_mesh(kind, (torch.distributed.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def demo_step(job: DemoJob, batch: dict[str, torch.Tensor]) -> float:

@@ -235,8 +235,7 @@ class Job:
                 starts.append(len(indices))
             t1 = self._now()
             last = micro == self.accumulate - 1
-            quiet = not last and self.no_sync and hasattr(self.model, "no_sync")
-            with self.model.no_sync() if quiet else contextlib.nullcontext():
+            with _without_sync(self.model, not last and self.no_sync):
                 loss = self.loss_fn(self.model, batch)
                 t2 = self._now()
                 share = loss / self.accumulate if self.accumulate > 1 else loss
@@ -351,6 +350,23 @@ class Job:
     def kept_steps(self) -> tuple[int, int]:
         """(first, last) step the buffer holds; (0, 0) when empty."""
         return (self.records[0].step, self.records[-1].step) if self.records else (0, 0)
+
+
+@contextlib.contextmanager
+def _without_sync(model, quiet: bool):
+    """No gradient sync inside, when ``quiet``: DDP's ``no_sync()``, FSDP2's
+    ``set_requires_gradient_sync(False)`` (its reduce-scatter waits for the last one)."""
+    if quiet and hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    elif quiet and hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def _default_indices(batch) -> Iterable[int]:

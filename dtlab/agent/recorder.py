@@ -3,7 +3,8 @@
 Cheap by design (FACTS.md, 8 ranks on 2 cores): one fused ``_foreach_norm`` for every
 gradient, one position-weighted sum of the bit patterns per tensor (~0.5 ms for the demo
 model's 271k parameters on one core), and byte counts from tensor metadata. Nothing here
-moves a tensor off the rank.
+moves a tensor off the rank, except that a sharded (FSDP2) tensor is gathered whole to be
+fingerprinted: one all-gather per parameter per recorded step.
 """
 
 from __future__ import annotations
@@ -58,13 +59,30 @@ def fingerprint(tensor: torch.Tensor) -> int:
     return mixed or 1
 
 
+def whole(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A sharded tensor (FSDP2's DTensor) gathered whole, so that ranks can compare it;
+    a collective, so every rank must ask for the same tensors in the same order."""
+    if tensor is not None and hasattr(tensor, "full_tensor"):
+        return tensor.full_tensor()
+    return tensor
+
+
+def local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's part of a sharded tensor (what it holds in memory), else the tensor."""
+    if tensor is not None and hasattr(tensor, "to_local"):
+        return tensor.to_local()
+    return tensor
+
+
 def fingerprints(tensors: Sequence[torch.Tensor | None]) -> list[int]:
-    """Fingerprint per tensor; 0 for a missing one (a parameter without a gradient)."""
-    return [0 if t is None else fingerprint(t) for t in tensors]
+    """Fingerprint per tensor (of the whole tensor when sharded: under FSDP the gathered
+    gradients and parameters must agree across ranks); 0 for a missing one."""
+    return [0 if t is None else fingerprint(whole(t)) for t in tensors]
 
 
 def grad_stats(grads: Sequence[torch.Tensor | None]) -> tuple[list[float], list[int], list[int]]:
     """(L2 norm per gradient (nan if missing), non-finite count, indices of missing ones)."""
+    grads = [whole(g) for g in grads]
     dense = [None if g is None else (g.to_dense() if g.is_sparse else g).detach() for g in grads]
     present = [g for g in dense if g is not None]
     norms_iter = iter(torch.stack(torch._foreach_norm(present)).tolist()) if present else iter(())
@@ -83,10 +101,14 @@ def grad_stats(grads: Sequence[torch.Tensor | None]) -> tuple[list[float], list[
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    """Bytes this rank holds (its shard of a sharded tensor)."""
+    held = (local(t) for t in tensors)
+    return sum(t.numel() * t.element_size() for t in held if t is not None)
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's optimizer state (ZeroRedundancyOptimizer: its shard's)."""
+    optimizer = getattr(optimizer, "optim", optimizer)
     return sum(
         tensor_bytes(v for v in state.values() if isinstance(v, torch.Tensor))
         for state in optimizer.state.values()

@@ -131,14 +131,14 @@ def _check_optimizer(saved: dict, job, folder: Path) -> None:
     live, _ = parts.optimizer_split(job)
     kinds = {k for state in live.values() for k in state}
     if kinds and keys and kinds != keys:
-        kind = type(job.optimizer).__name__
+        kind = type(parts.local_optimizer(job)).__name__
         raise CheckpointError(f"{folder}: the optimizer state holds {sorted(keys)}, this "
                               f"job's {kind} {sorted(kinds)}: another optimizer")  # fmt: skip
 
 
 def _groups_by_name(job) -> list[list[str]]:
     names = {id(p): n for n, p in job.module.named_parameters()}
-    return [[names[id(p)] for p in g["params"]] for g in job.optimizer.param_groups]
+    return [[names[id(p)] for p in g["params"]] for g in parts.local_optimizer(job).param_groups]
 
 
 def _position(manifest: dict, job, world_size: int) -> tuple[int, int] | None:
@@ -181,8 +181,9 @@ def _targets(job, manifest: dict, extras: dict, source: int) -> dict:
         tensors["model"] = parts.model_state(job)
     if "optimizer" in extras["parts"]:
         live, _ = parts.optimizer_split(job)
+        params = dict(job.module.named_parameters())
         tensors["optim"] = {
-            name: {k: _reuse(live.get(name, {}).get(k), shape, dtype)
+            name: {k: _reuse(live.get(name, {}).get(k), shape, dtype, params.get(name))
                    for k, (shape, dtype) in s.items()}
             for name, s in extras["optimizer"]["shapes"].items()
         }  # fmt: skip
@@ -191,10 +192,14 @@ def _targets(job, manifest: dict, extras: dict, source: int) -> dict:
     return {key: {str(source): value} for key, value in tensors.items()}
 
 
-def _reuse(tensor, shape: list[int], dtype: str):
-    if tensor is not None and list(tensor.shape) == shape and tensor.dtype == getattr(torch, dtype):
+def _reuse(tensor, shape: list[int], dtype: str, param=None):
+    kind = getattr(torch, dtype)
+    if tensor is not None and list(tensor.shape) == shape and tensor.dtype == kind:
         return tensor
-    return torch.empty(shape, dtype=getattr(torch, dtype))
+    if param is not None and hasattr(param, "to_local") and list(param.shape) == shape:
+        # state of a sharded (FSDP2) parameter: sharded like it, so DCP reads this rank's part
+        return torch.zeros_like(param, dtype=kind)
+    return torch.empty(shape, dtype=kind)
 
 
 def _apply(job, tensors: dict, extras: dict, position, same_world: bool) -> list[str]:
@@ -205,7 +210,11 @@ def _apply(job, tensors: dict, extras: dict, position, same_world: bool) -> list
         plain = extras["optimizer"]
         state = {index[n]: {**t, **plain["state"].get(n, {})} for n, t in tensors["optim"].items()}
         groups = [{**g, "params": [index[n] for n in g["params"]]} for g in plain["groups"]]
-        job.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        local = parts.local_optimizer(job)
+        local.load_state_dict({"state": state, "param_groups": groups})
+        if local is not job.optimizer:  # ZeRO copies its own groups' settings down each step
+            for outer, inner in zip(job.optimizer.param_groups, local.param_groups, strict=True):
+                outer.update({k: v for k, v in inner.items() if k != "params"})
         restored.append("optimizer")
     for part, target in (("scheduler", job.scheduler), ("scaler", job.scaler)):
         if part in extras and target is not None:

@@ -26,7 +26,8 @@ import psutil
 from dtlab.control.config import LaunchConfig
 from dtlab.control.errors import DtlabError, LaunchError
 from dtlab.control.forkserver import EXIT_LOG_ENV
-from dtlab.control.launchers import engine_launcher_class
+from dtlab.control.launchers import engine_launcher_class, launcher_problem, mpi_defaults
+from dtlab.control.network import listen_address
 from dtlab.control.rankmap import threads_per_rank
 
 # Registration waits for a heartbeat tick: 3 s by default, ~1.5 s at 250 ms (FACTS.md).
@@ -67,6 +68,8 @@ def make_cluster(config: LaunchConfig) -> ipp.Cluster:
         # local engines read the connection file from the shared profile dir, so they can
         # start before the controller; remote ones get it through their environment
         send_engines_connection_env=not local,
+        # loopback unless --listen says where (message signing stays on either way)
+        controller_ip=listen_address(config.listen),
         delay=0,
         log_level=30,
     )
@@ -77,6 +80,8 @@ def make_cluster(config: LaunchConfig) -> ipp.Cluster:
         env.setdefault("OMP_NUM_THREADS", str(_local_threads(config)))
         env[EXIT_LOG_ENV] = exit_log_path(cluster)  # how engines died
     cluster.config.EngineLauncher.environment = env
+    if config.launcher == "mpi":
+        cluster.config.MPIEngineSetLauncher.mpi_args = mpi_defaults()
     for section, values in config.launcher_config.items():
         for key, value in values.items():
             setattr(cluster.config[section], key, value)
@@ -111,6 +116,8 @@ class EngineCluster:
 
     def _start(self, progress: Progress) -> None:
         n = self.config.num_ranks
+        if problem := launcher_problem(self.config.launcher):
+            raise LaunchError(problem)
         progress("engines registered", 0, n)
         if self.config.launcher == "local":
             self.cluster.start_engines_sync()

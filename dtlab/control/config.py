@@ -7,6 +7,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from dtlab.control.launchers import LAUNCHERS
+from dtlab.control.network import is_loopback, listen_address
+
+LOCAL_NAMES = {"localhost", "127.0.0.1"}
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -41,6 +44,7 @@ class LaunchConfig:
     pg_timeout_s: float = 600.0
     profile: str = ""
     launcher_config: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
+    listen: str = ""  # interface or address the notebook side listens on ("": loopback)
 
     def __post_init__(self):
         if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
@@ -61,6 +65,18 @@ class LaunchConfig:
             raise ValueError(f"--port must be 0 (any free port) or 1-65535, got {self.port!r}")
         if not self.pg_timeout_s > 0:
             raise ValueError(f"process-group timeout must be > 0 s, got {self.pg_timeout_s!r}")
+        address = listen_address(self.listen)  # ValueError names the interfaces
+        if self.launcher == "local" and not is_loopback(address):
+            raise ValueError("--listen is for ranks on other hosts; the local launcher's are "
+                             "all on this one and stay on 127.0.0.1")  # fmt: skip
+        engines = self.launcher_config.get("SSHEngineSetLauncher", {}).get("engines")
+        if self.launcher == "ssh" and not engines:
+            raise ValueError("the ssh launcher needs hosts: --hosts node1:4,node2:4")
+        if self.launcher == "ssh" and is_loopback(address) and set(engines) - LOCAL_NAMES:
+            raise ValueError(
+                "engines on other hosts cannot reach a controller on 127.0.0.1: add --listen "
+                "<interface or address of this machine> (e.g. --listen eth0)"
+            )
         omp = self.env.get("OMP_NUM_THREADS", "1")
         if not (omp.isdigit() and int(omp) >= 1):
             raise ValueError(f"--env OMP_NUM_THREADS must be a whole number >= 1, got {omp!r}")
@@ -68,7 +84,8 @@ class LaunchConfig:
     def engine_settings(self) -> str:
         """What the engine processes are started with; a change means new engines (the
         environment is read when torch and OpenMP start, too late to change later)."""
-        fixed = (self.num_ranks, self.launcher, self.profile, self.env, self.launcher_config)
+        fixed = (self.num_ranks, self.launcher, self.profile, self.env, self.launcher_config,
+                 self.listen)  # fmt: skip
         return json.dumps(fixed, sort_keys=True, default=str)
 
     def group_settings(self) -> tuple:

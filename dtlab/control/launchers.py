@@ -8,6 +8,11 @@ are ipyparallel's own launchers, passed through unchanged.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+import shutil
+import subprocess
 import sys
 
 from ipyparallel.cluster.launcher import LocalEngineLauncher
@@ -48,3 +53,61 @@ def engine_launcher_class(name: str):
     """The class or ipyparallel name to pass as ``Cluster(engine_launcher_class=...)``
     (``name`` is one of LAUNCHERS, checked by LaunchConfig)."""
     return ForkingEngineSetLauncher if name == "local" else name
+
+
+def launcher_problem(name: str) -> str | None:
+    """What this machine lacks to use launcher ``name``, with the fix; None if nothing."""
+    if name == "mpi":
+        if shutil.which("mpiexec") is None:
+            return ("the mpi launcher needs mpiexec on PATH: install an MPI (Debian: apt-get "
+                    "install openmpi-bin) or load your cluster's MPI module")  # fmt: skip
+        if importlib.util.find_spec("mpi4py") is None:
+            return ("the mpi launcher needs mpi4py where the engines run (ipyparallel numbers "
+                    "MPI engines by their MPI rank): pip install 'dtlab[mpi]'")  # fmt: skip
+    if name == "slurm" and shutil.which("sbatch") is None:
+        return "the slurm launcher needs sbatch on PATH (run on a Slurm login node)"
+    if name == "ssh" and shutil.which("ssh") is None:
+        return "the ssh launcher needs an ssh client on PATH"
+    return None
+
+
+def mpi_defaults() -> list[str]:
+    """mpiexec arguments dtlab adds (``launcher_config`` can replace them): Open MPI refuses
+    more ranks than cores without --oversubscribe, and root without --allow-run-as-root."""
+    if not _is_open_mpi():
+        return []
+    return ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+
+
+@functools.cache
+def _is_open_mpi() -> bool:
+    try:
+        out = subprocess.run(["mpiexec", "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    text = out.stdout + out.stderr  # "mpiexec (OpenRTE) 4.1.4 ... open-mpi.org" (v4)
+    return any(mark in text for mark in ("Open MPI", "OpenRTE", "open-mpi.org"))
+
+
+def parse_hosts(text: str) -> dict[str, int]:
+    """``"node1:4,node2:4"`` (as mpirun -H) -> ``{"node1": 4, "node2": 4}``; a host without
+    a count gets one engine. Ports and users go in ~/.ssh/config (``:`` is the count)."""
+    hosts: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        host, _, count = item.partition(":")
+        if not host or (count and not (count.isdigit() and int(count) >= 1)):
+            raise ValueError(f"bad --hosts item {item!r}: expected HOST or HOST:N, e.g. node1:4")
+        hosts[host] = hosts.get(host, 0) + (int(count) if count else 1)
+    if not hosts:
+        raise ValueError("--hosts is empty: expected e.g. node1:4,node2:4")
+    return hosts
+
+
+def ssh_config(hosts: dict[str, int], *, python: str | None = None) -> dict:
+    """``launcher_config`` for ipyparallel's SSH launcher: ``hosts`` ({host: engines});
+    ``python``: the interpreter on the hosts (default: this one's path, for a shared
+    filesystem or identical images)."""
+    return {
+        "SSHEngineSetLauncher": {"engines": dict(hosts)},
+        "SSHEngineLauncher": {"remote_python": python or sys.executable},
+    }

@@ -30,6 +30,7 @@ from dtlab.analysis.conditions import describe_condition
 from dtlab.analysis.ranks import label_ranks
 from dtlab.control.channel import Channel
 from dtlab.control.errors import DtlabError
+from dtlab.control.network import EVERYWHERE, LOOPBACK, is_loopback, listen_address, route_ip
 from dtlab.control.runs import FAILURE_GRACE_S, POLL_S, Run
 from dtlab.records import Condition, JobInfo, RunResult
 from dtlab.trace import Trace, new_run_folder
@@ -356,14 +357,20 @@ def _count_interrupts():
 
 
 def _channel_hosts(session) -> tuple[str, str]:
-    """(where to listen, what address to give the ranks)."""
-    if session.config.launcher == "local":
-        return "127.0.0.1", "127.0.0.1"
-    return "*", _route_ip(session.infos[0].host)
-
-
-def _route_ip(host: str) -> str:
-    """This machine's address on the interface that routes to ``host`` (no packet sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))
-        return probe.getsockname()[0]
+    """(where to listen, what address to give the ranks): loopback while every rank is on
+    this host, else the launch's ``--listen`` address."""
+    here = socket.gethostname()
+    address = listen_address(session.config.listen)
+    if session.config.launcher == "local" or (
+        is_loopback(address) and all(i.host == here for i in session.infos.values())
+    ):
+        return LOOPBACK, LOOPBACK
+    if is_loopback(address):
+        remote = sorted({i.host for i in session.infos.values()} - {here})
+        raise DtlabError(
+            f"ranks run on other hosts ({', '.join(remote)}) but dtlab listens on loopback "
+            "only: launch with --listen <interface or address> (e.g. --listen eth0)"
+        )
+    if address == EVERYWHERE:
+        return "*", route_ip(session.infos[0].host)
+    return address, address

@@ -94,6 +94,16 @@ class DtlabMagics(Magics):
         help="process-group timeout in seconds: frees ranks stuck in a collective",
     )
     @argument(
+        "--hosts",
+        default=None,
+        help="ssh launcher: hosts and engines per host, e.g. node1:4,node2:4",
+    )
+    @argument(
+        "--listen",
+        default="",
+        help="interface or address to listen on for ranks on other hosts (eth0, ib0, *)",
+    )
+    @argument(
         "--restart",
         action="store_true",
         help="start fresh engines even if a live session with N ranks exists",
@@ -108,7 +118,8 @@ class DtlabMagics(Magics):
             session = dtlab.launch(
                 args.num_ranks, backend=args.backend, launcher=args.launcher,
                 timeout=args.timeout, threads=args.threads, env=env, port=args.port,
-                pg_timeout=args.pg_timeout, restart=args.restart,
+                pg_timeout=args.pg_timeout, restart=args.restart, hosts=args.hosts,
+                listen=args.listen,
             )  # fmt: skip
         except ValueError as e:  # raised by validation, before anything starts
             raise UsageError(str(e)) from None
