@@ -46,6 +46,8 @@ def launch(
     launcher_config: Mapping[str, Mapping[str, object]] | None = None,
     hosts: str | Mapping[str, int] | None = None,
     listen: str = "",
+    partition: str | None = None,
+    sbatch_args: tuple[str, ...] = (),
     progress: Callable[[str, int, int], None] | None = None,
 ) -> Session:
     """Start ``num_ranks`` ranks (or reuse the live session) and return the Session.
@@ -53,17 +55,20 @@ def launch(
     Same options as ``%dt_launch``; ``launcher_config`` passes traitlets settings to
     ipyparallel's launchers, e.g. ``{"SlurmEngineSetLauncher": {"queue": "gpu"}}``.
     ``hosts`` (ssh launcher): ``"node1:4,node2:4"`` or ``{"node1": 4, ...}``; ``listen``:
-    the interface or address the notebook side listens on for ranks on other hosts.
+    the interface or address the notebook side listens on for ranks on other hosts;
+    ``partition`` and ``sbatch_args`` (slurm launcher): ``#SBATCH`` lines of the engines' job.
     """
     from dtlab.control import lifecycle
     from dtlab.control.config import LaunchConfig
-    from dtlab.control.launchers import parse_hosts, ssh_config
+    from dtlab.control.launchers import parse_hosts, slurm_config, ssh_config
     from dtlab.views.progress import auto_progress
 
     launcher_config = dict(launcher_config or {})
     if hosts:
         engines = parse_hosts(hosts) if isinstance(hosts, str) else dict(hosts)
         launcher_config = {**ssh_config(engines), **launcher_config}
+    if partition or sbatch_args:
+        launcher_config = {**slurm_config(partition, tuple(sbatch_args)), **launcher_config}
     config = LaunchConfig(
         num_ranks=num_ranks,
         backend=backend,

@@ -25,6 +25,14 @@ def quiet(phase, done, total):
     pass
 
 
+def needs(problem: str | None, required_by: str = "DTLAB_REQUIRE_LAUNCHERS"):
+    """A skip mark saying what is missing, or, where ``$required_by`` is 1 (CI), a failure:
+    CI installs what these tests drive, so a skip there would hide a broken install."""
+    if problem and os.environ.get(required_by) == "1":
+        pytest.fail(f"{problem} (required here: {required_by}=1)", pytrace=False)
+    return pytest.mark.skipif(problem is not None, reason=problem or "")
+
+
 def default_threads(ranks_on_host: int) -> int:
     """The thread count a default launch gives each rank on this machine."""
     return threads_per_rank(None, len(os.sched_getaffinity(0)), ranks_on_host)

@@ -8,7 +8,7 @@ import pytest
 import dtlab
 from dtlab.control.errors import LaunchError
 from dtlab.control.launchers import launcher_problem
-from tests.conftest import quiet
+from tests.conftest import needs, quiet
 from tests.test_session_live import (  # noqa: F401 - collected here, on MPI ranks
     test_a_failure_interrupts_the_ranks_still_running,
     test_each_engine_is_the_rank_the_map_says,
@@ -28,7 +28,7 @@ MISSING = launcher_problem("mpi")
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.timeout(180),
-    pytest.mark.skipif(MISSING is not None, reason=MISSING or ""),
+    needs(MISSING),
 ]
 
 

@@ -11,6 +11,7 @@ Stages, each run on the engines by control/session.py:
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 from dataclasses import dataclass
@@ -22,8 +23,10 @@ from dtlab.records import RankInfo, RankPlan
 _state: dict = {}  # this process's rank: {"store": TCPStore, "plan": RankPlan, "device": ...}
 
 
-def open_store(port: int, world_size: int, timeout_s: float) -> int:
+def open_store(port: int, world_size: int, timeout_s: float, bind: str = "") -> int:
     """Listen for the rendezvous on this engine (rank 0); return the port (0 = any free).
+    ``bind``: the address to listen on ("127.0.0.1" when every rank is on this host;
+    "" for all interfaces, which ranks on other hosts need).
 
     The new store listens before the old group is left, so a port that is taken leaves the
     live group as it was.
@@ -31,24 +34,35 @@ def open_store(port: int, world_size: int, timeout_s: float) -> int:
     old = _state.get("store")
     if old is not None and port and old.port == port:
         leave()  # the old store holds this very port
-    store = _listen(port, world_size, timeout_s)
+    store = _listen(port, world_size, timeout_s, bind)
     leave()
     _state["store"] = store
     return store.port
 
 
-def _listen(port: int, world_size: int, timeout_s: float):
+def _listen(port: int, world_size: int, timeout_s: float, bind: str = ""):
     import torch.distributed as dist
 
     try:
+        # TCPStore alone listens on every interface; a socket bound here and handed over
+        # keeps a one-host job's rendezvous on loopback
+        listening = _bound_socket(bind, port) if bind else None
         store = dist.TCPStore(
-            socket.gethostname(),
-            port,
+            bind or socket.gethostname(),
+            listening.getsockname()[1] if listening else port,
             world_size,
             is_master=True,
             timeout=timedelta(seconds=timeout_s),
             wait_for_workers=False,
+            master_listen_fd=listening.detach() if listening else None,
         )
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise OSError(
+                f"port {port} is already in use on {socket.gethostname()} (the host of "
+                "rank 0); pick another with --port, or leave --port out to use a free one"
+            ) from None
+        raise
     except dist.DistNetworkError as e:
         if "EADDRINUSE" in str(e) or "address already in use" in str(e):
             raise OSError(
@@ -57,6 +71,18 @@ def _listen(port: int, world_size: int, timeout_s: float):
             ) from None
         raise
     return store
+
+
+def _bound_socket(address: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _export_env(plan: RankPlan) -> None:

@@ -213,6 +213,11 @@ class EngineCluster:
         process = getattr(self.cluster.controller, "process", None)
         return process is not None and not running([process.pid])
 
+    def job_ids(self) -> list[str]:
+        """The batch jobs holding the engines (Slurm's job id), empty for other launchers."""
+        sets = self.cluster.engines.values()
+        return [str(s.job_id) for s in sets if getattr(s, "job_id", "")]
+
     def output_tail(self, launchers=None, lines: int = 15) -> str:
         """The last lines each launcher's process wrote (engines first)."""
         if launchers is None:

@@ -111,3 +111,27 @@ def ssh_config(hosts: dict[str, int], *, python: str | None = None) -> dict:
         "SSHEngineSetLauncher": {"engines": dict(hosts)},
         "SSHEngineLauncher": {"remote_python": python or sys.executable},
     }
+
+
+SLURM_TEMPLATE = """#!/bin/sh
+#SBATCH --export=ALL
+#SBATCH --job-name=ipengine-{{cluster_id}}
+#SBATCH --ntasks={{n}}
+{extra}srun {{program_and_args}}
+"""
+
+
+def slurm_config(partition: str | None = None, sbatch_args: tuple[str, ...] = ()) -> dict:
+    """``launcher_config`` for ipyparallel's Slurm launcher: the partition and any other
+    ``sbatch`` options (``--cpus-per-task=1``, ``--gpus-per-task=1``, ``--nodes=2``, ...) as
+    ``#SBATCH`` lines of its batch script (a custom script gets no option added for it)."""
+    lines = [f"#SBATCH --partition={partition}"] if partition else []
+    for arg in sbatch_args:
+        if not arg.startswith("-") or "\n" in arg:
+            raise ValueError(f"bad --sbatch-arg {arg!r}: expected an sbatch option like "
+                             "--cpus-per-task=1")  # fmt: skip
+        lines.append(f"#SBATCH {arg}".replace("{", "{{").replace("}", "}}"))
+    if not lines:
+        return {}
+    template = SLURM_TEMPLATE.format(extra="".join(line + "\n" for line in lines))
+    return {"SlurmEngineSetLauncher": {"batch_template": template}}

@@ -22,7 +22,7 @@ from dtlab.agent import identity, rendezvous
 from dtlab.control.cluster import EngineCluster, Progress
 from dtlab.control.config import LaunchConfig
 from dtlab.control.errors import DtlabError, LaunchError, NoSessionError, RankTimeoutError
-from dtlab.control.rankmap import assign_ranks, choose_backend, make_plans
+from dtlab.control.rankmap import LOCALHOST, assign_ranks, choose_backend, make_plans, master_addr
 from dtlab.control.session import Session
 
 CHECK_TIMEOUT_S = 10.0
@@ -175,7 +175,7 @@ def join(
     port = _launch_step(
         lambda: session.run(
             rendezvous.open_store, config.port, session.world_size, config.pg_timeout_s,
-            ranks=[0], timeout=remaining(),
+            _store_bind(session), ranks=[0], timeout=remaining(),
         )[0]
     )  # fmt: skip
     try:
@@ -221,3 +221,8 @@ def _launch_step(step):
         return step()
     except DtlabError as e:
         raise LaunchError(f"launch failed:\n{e}") from None
+
+
+def _store_bind(session) -> str:
+    """Where rank 0's rendezvous store listens: loopback when every rank is on one host."""
+    return LOCALHOST if master_addr(session.rank_map) == LOCALHOST else ""

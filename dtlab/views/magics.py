@@ -98,6 +98,10 @@ class DtlabMagics(Magics):
         default=None,
         help="ssh launcher: hosts and engines per host, e.g. node1:4,node2:4",
     )
+    @argument("--partition", default=None, help="slurm launcher: the partition to submit to")
+    @argument("--sbatch-arg", action="append", default=[], metavar="OPTION",
+              help="slurm launcher: an sbatch option for the engines' job, e.g. "
+                   "--sbatch-arg=--cpus-per-task=1 (repeatable)")  # fmt: skip
     @argument(
         "--listen",
         default="",
@@ -119,7 +123,8 @@ class DtlabMagics(Magics):
                 args.num_ranks, backend=args.backend, launcher=args.launcher,
                 timeout=args.timeout, threads=args.threads, env=env, port=args.port,
                 pg_timeout=args.pg_timeout, restart=args.restart, hosts=args.hosts,
-                listen=args.listen,
+                listen=args.listen, partition=args.partition,
+                sbatch_args=tuple(args.sbatch_arg),
             )  # fmt: skip
         except ValueError as e:  # raised by validation, before anything starts
             raise UsageError(str(e)) from None
@@ -184,11 +189,11 @@ class DtlabMagics(Magics):
     def dt_status(self, line):
         """Each rank: idle, busy or dead."""
         session = current_session()
-        display(
-            status_table(
-                session.status(), session.infos, f"{session.world_size} ranks, {session.backend}"
-            )
-        )
+        title = f"{session.world_size} ranks, {session.backend}"
+        jobs = session.engines.job_ids()
+        if jobs:
+            title += f", {session.config.launcher} job {', '.join(jobs)}"
+        display(status_table(session.status(), session.infos, title))
 
     @line_magic
     def dt_shutdown(self, line):
