@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scancel")
+PARTITION = "debug"
 CPUS = 8  # more than this machine's cores: enough slots for 8 one-CPU tasks
 
 
@@ -64,7 +65,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
-PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
+PartitionName={partition} Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """
 
 
@@ -83,7 +84,9 @@ class SlurmCluster:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         ports = {"ctld_port": _free_port(), "d_port": _free_port()}
-        (f / "slurm.conf").write_text(CONFIG.format(node=self.node, folder=f, cpus=CPUS, **ports))
+        (f / "slurm.conf").write_text(
+            CONFIG.format(node=self.node, folder=f, cpus=CPUS, partition=PARTITION, **ports)
+        )
         munge = [_binary("munged"), "--foreground", "--force", f"--key-file={key}",
                  f"--socket={f}/munge.socket", f"--pid-file={f}/munged.pid",
                  f"--log-file={f}/munged.log", f"--seed-file={f}/munge.seed"]  # fmt: skip
@@ -124,6 +127,16 @@ class SlurmCluster:
         return [line for line in out.stdout.splitlines() if line.strip()]
 
     def stop(self) -> None:
+        """Cancel what is still queued or running and let slurmd end its job steps, then
+        stop the daemons; job-step processes left after that (slurmstepd detaches from
+        slurmd) are found by what they hold of this cluster, and killed by pid."""
+        if self.procs and self.procs[-1].poll() is None:
+            subprocess.run(["scancel", "--full", f"--partition={PARTITION}"], env=self.env,
+                           capture_output=True, timeout=30)  # fmt: skip
+            try:
+                self._wait(lambda: not self.jobs(), 30, "jobs did not end")
+            except (TimeoutError, RuntimeError):
+                pass  # the leftovers are killed below
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -133,3 +146,26 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=5)
+        for pid in self._leftovers():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _leftovers(self) -> list[int]:
+        """Job-step processes of this cluster: they hold its spool folder, or carry its
+        SLURM_CONF (srun), and their descendants."""
+        import psutil
+
+        mine = []
+        spool, conf = str(self.folder), self.env["SLURM_CONF"]
+        for proc in psutil.process_iter():
+            try:
+                held = [c.laddr for c in proc.net_connections("unix")]
+                if any(isinstance(a, str) and a.startswith(spool) for a in held) or (
+                    proc.environ().get("SLURM_CONF") == conf
+                ):
+                    mine += [proc.pid] + [c.pid for c in proc.children(recursive=True)]
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return sorted(set(mine) - {os.getpid()})

@@ -44,6 +44,7 @@ def slurm(tmp_path_factory):
             session.shutdown()
         cluster.stop()
         patch.undo()
+    assert cluster._leftovers() == [], "job-step processes left behind"
 
 
 @pytest.fixture
