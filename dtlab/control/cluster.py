@@ -36,6 +36,7 @@ HEARTBEAT_MS = 250
 # 120 missed beats (30 s) keep a merely slow engine on a loaded machine from being dropped.
 HEARTBEAT_MISSES = 120
 STOP_GRACE_S = 3.0
+ENGINE_EXIT_WAIT_S = 3.0  # engines asked to exit (mpi, slurm) before the launcher stops
 QUERY_TIMEOUT_S = 10.0
 CHECK_EVERY_S = 0.5
 
@@ -251,6 +252,8 @@ class EngineCluster:
         """Stop engines, then the controller; SIGKILL whatever is left. Idempotent."""
         procs = self.local_processes()
         if self.client is not None:
+            if self.config.launcher != "local":
+                self._ask_engines_to_exit()
             self.client.close()
             self.client = None
         for step in (self.cluster.stop_engines_sync, self.cluster.stop_controller_sync):
@@ -262,6 +265,21 @@ class EngineCluster:
         try:
             os.unlink(exit_log_path(self.cluster))
         except OSError:
+            pass
+
+    def _ask_engines_to_exit(self) -> None:
+        """Engines that exit by themselves end mpiexec (or the Slurm job) at once; the
+        launcher's own stop interrupts them, which a kernel survives, and kills after 5 s."""
+        try:
+            # block=True waits until the requests are sent (not for replies): a stuck
+            # engine cannot hold it, and closing the client cannot drop them
+            self.client.shutdown(targets="all", hub=False, block=True)
+            deadline = time.monotonic() + ENGINE_EXIT_WAIT_S
+            processes = [getattr(s, "process", None) for s in self.cluster.engines.values()]
+            processes = [p for p in processes if p is not None and hasattr(p, "poll")]
+            while time.monotonic() < deadline and any(p.poll() is None for p in processes):
+                time.sleep(0.05)
+        except Exception:  # dead engines or controller: the launcher's stop still runs
             pass
 
     def exits(self) -> dict[int, int]:
