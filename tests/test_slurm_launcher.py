@@ -6,6 +6,7 @@ that cancels the job; then the foundation's cluster tests again on Slurm ranks (
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +88,5 @@ def test_launch_step_status_and_shutdown_through_slurm(slurm, ip, capsys, cluste
     while time.monotonic() < deadline and any("RUNNING" in j for j in slurm.jobs()):
         time.sleep(0.5)
     assert not any("RUNNING" in j for j in slurm.jobs()), slurm.jobs()  # cancelled
+    written = list(Path.cwd().glob("slurm-*.out")) + list(Path.cwd().glob("*.sbatch"))
+    assert written == []  # the script and the job's output go to the profile's log folder

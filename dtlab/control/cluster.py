@@ -83,6 +83,11 @@ def make_cluster(config: LaunchConfig) -> ipp.Cluster:
     cluster.config.EngineLauncher.environment = env
     if config.launcher == "mpi":
         cluster.config.MPIEngineSetLauncher.mpi_args = mpi_defaults()
+    if config.launcher == "slurm":  # the batch script beside the job's log, not in the cwd
+        log_dir = os.path.join(cluster.profile_dir, "log")
+        os.makedirs(log_dir, exist_ok=True)
+        script = os.path.join(log_dir, f"{cluster.cluster_id}-engines.sbatch")
+        cluster.config.SlurmEngineSetLauncher.batch_file_name = script
     for section, values in config.launcher_config.items():
         for key, value in values.items():
             setattr(cluster.config[section], key, value)

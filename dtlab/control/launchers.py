@@ -117,6 +117,7 @@ SLURM_TEMPLATE = """#!/bin/sh
 #SBATCH --export=ALL
 #SBATCH --job-name=ipengine-{{cluster_id}}
 #SBATCH --ntasks={{n}}
+#SBATCH --output={{output_file}}
 {extra}srun {{program_and_args}}
 """
 
