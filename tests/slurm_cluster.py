@@ -126,10 +126,10 @@ class SlurmCluster:
                              env=self.env, timeout=10)  # fmt: skip
         return [line for line in out.stdout.splitlines() if line.strip()]
 
-    def stop(self) -> None:
+    def stop(self) -> list[int]:
         """Cancel what is still queued or running and let slurmd end its job steps, then
         stop the daemons; job-step processes left after that (slurmstepd detaches from
-        slurmd) are found by what they hold of this cluster, and killed by pid."""
+        slurmd) are found by what they hold of this cluster, killed by pid, and returned."""
         if self.procs and self.procs[-1].poll() is None:
             subprocess.run(["scancel", "--full", f"--partition={PARTITION}"], env=self.env,
                            capture_output=True, timeout=30)  # fmt: skip
@@ -146,11 +146,13 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=5)
-        for pid in self._leftovers():
+        killed = self._leftovers()
+        for pid in killed:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        return killed  # empty when every job step ended by itself
 
     def _leftovers(self) -> list[int]:
         """Job-step processes of this cluster: they hold its spool folder, or carry its

@@ -86,6 +86,7 @@ def test_a_live_move_keeps_training_as_if_nothing_moved(live4):
     dt = live4
     demo.attach_pipeline(dt, plan="uniform", microbatches=MICRO, schedule="1f1b")
     dt.step(3)
+    dt.profile_blocks()  # measuring the blocks must leave the job as it was
     before = dt.partition()
     moved = dt.repartition([[ "embed"], ["blocks.0", "blocks.1"], ["blocks.2"],
                             ["blocks.3", "norm", "head"]])  # fmt: skip
@@ -138,6 +139,26 @@ def test_a_failure_mid_move_leaves_every_rank_as_it_was(live4):
         dt.repartition("parameters")
     assert dt.partition().bounds == (0, 2, 4, 6, 7)
     dt.step(2)  # the job goes on from where it was, bit for bit
+    assert losses(dt, 3, 4) == one_process(4, microbatches=MICRO)[0][2:]
+
+
+def _unpicklable_block() -> None:
+    from dtlab.agent.pipeline_job import current
+
+    current().module.block("blocks.1").note = lambda: None  # a closure cannot be sent
+
+
+def test_a_block_that_cannot_move_is_refused_before_anything_moves(live4):
+    dt = live4
+    demo.attach_pipeline(dt, plan="uniform", microbatches=MICRO)
+    dt.step(2)
+    dt.run(_unpicklable_block, ranks=[1])
+    with pytest.raises(RepartitionFailed, match=r"(?s)called off.*blocks\.1.*cannot move"):
+        dt.repartition(
+            [["embed"], ["blocks.0"], ["blocks.1", "blocks.2", "blocks.3"], ["norm", "head"]]
+        )  # fmt: skip  (blocks.1 would leave rank 1)
+    assert dt.partition().bounds == (0, 2, 4, 6, 7)
+    dt.step(2)
     assert losses(dt, 3, 4) == one_process(4, microbatches=MICRO)[0][2:]
 
 

@@ -43,9 +43,21 @@ def slurm(tmp_path_factory):
         session = lifecycle._current  # its job must be cancelled while Slurm still runs
         if session is not None and not session.closed and session.config.launcher == "slurm":
             session.shutdown()
-        cluster.stop()
+        drained = _drained(cluster)
+        killed = cluster.stop()
         patch.undo()
-    assert cluster._leftovers() == [], "job-step processes left behind"
+    assert drained, "a job was still queued or running after the last shutdown"
+    assert killed == [], f"job-step processes outlived their job: {killed}"
+
+
+def _drained(cluster, timeout_s: float = 30) -> bool:
+    """No job left in the queue within the timeout (a cancelled job passes COMPLETING)."""
+    deadline = time.monotonic() + timeout_s
+    while cluster.jobs():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
 
 
 @pytest.fixture

@@ -274,8 +274,8 @@ class Job:
 
     def _grad_fields(self) -> dict:
         grads = [p.grad for p in self.params]
-        norms, nonfinite, missing = recorder.grad_stats(grads)
-        fingerprints = tuple(recorder.fingerprints(grads))
+        norms, nonfinite, missing, prints = recorder.grad_summary(grads)
+        fingerprints = tuple(prints)
         return {
             "grad_norms": tuple(norms),
             "grad_fingerprints": fingerprints,

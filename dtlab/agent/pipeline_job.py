@@ -118,7 +118,8 @@ class PipelineJob(jobs.Job):
 
     def _build_schedule(self) -> None:
         world = dist.get_world_size()
-        self.timed = TimedStage(self.module, self.stage_index, world, self.device)
+        # self._now syncs CUDA first: events time kernels, not their launches
+        self.timed = TimedStage(self.module, self.stage_index, world, self.device, clock=self._now)
         self.runner = SCHEDULES[self.schedule_name](
             self.timed, n_microbatches=self.microbatches, loss_fn=self._loss
         )

@@ -9,6 +9,7 @@ across ranks and across re-partitions.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Iterable
@@ -133,7 +134,8 @@ def profile_block(name: str, block: nn.Module, sample: torch.Tensor, *, repeats:
         return t
 
     devices = [sample.device] if sample.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    buffers = {name: b.detach().clone() for name, b in block.named_buffers()}
+    with torch.random.fork_rng(devices=devices), _buffers_restored(block, buffers):
         for attempt in range(repeats + 1):  # the first one warms up
             x = sample.detach().requires_grad_(sample.is_floating_point())
             saved[0] = 0
@@ -154,6 +156,17 @@ def profile_block(name: str, block: nn.Module, sample: torch.Tensor, *, repeats:
     nbytes = sum(p.numel() * p.element_size() for p in block.parameters())
     return BlockCost(name, size, nbytes, statistics.median(forward),
                      statistics.median(backward), saved[0])  # fmt: skip
+
+
+@contextlib.contextmanager
+def _buffers_restored(block: nn.Module, saved: dict[str, torch.Tensor]):
+    """Buffers as they were (a BatchNorm's running statistics move in every forward)."""
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, buffer in block.named_buffers():
+                buffer.copy_(saved[name])
 
 
 class InputCapture:

@@ -100,6 +100,24 @@ def grad_stats(grads: Sequence[torch.Tensor | None]) -> tuple[list[float], list[
     return norms, nonfinite, missing
 
 
+def grad_summary(grads: Sequence[torch.Tensor | None]):
+    """(norms, non-finite counts, missing indices, fingerprints) of the gradients. Sharded
+    ones are gathered one at a time and dropped before the next: holding them all whole
+    at once would undo what FSDP saves."""
+    if not any(g is not None and hasattr(g, "full_tensor") for g in grads):
+        return (*grad_stats(grads), fingerprints(grads))
+    norms, nonfinite, missing, prints = [], [], [], []
+    for i, grad in enumerate(grads):
+        one = whole(grad)
+        (norm,), (bad,), gone = grad_stats([one])
+        norms.append(norm)
+        nonfinite.append(bad)
+        if gone:
+            missing.append(i)
+        prints.append(0 if one is None else fingerprint(one))
+    return norms, nonfinite, missing, prints
+
+
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     """Bytes this rank holds (its shard of a sharded tensor)."""
     held = (local(t) for t in tensors)

@@ -43,10 +43,17 @@ def open_store(port: int, world_size: int, timeout_s: float, bind: str = "") -> 
 def _listen(port: int, world_size: int, timeout_s: float, bind: str = ""):
     import torch.distributed as dist
 
+    in_use = OSError(
+        f"port {port} is already in use on {socket.gethostname()} (the host of rank 0); "
+        "pick another with --port, or leave --port out to use a free one"
+    )
+    # TCPStore alone listens on every interface; a socket bound here and handed over
+    # keeps a one-host job's rendezvous on loopback
     try:
-        # TCPStore alone listens on every interface; a socket bound here and handed over
-        # keeps a one-host job's rendezvous on loopback
         listening = _bound_socket(bind, port) if bind else None
+    except OSError as e:
+        raise (in_use if e.errno == errno.EADDRINUSE else e) from None
+    try:
         store = dist.TCPStore(
             bind or socket.gethostname(),
             listening.getsockname()[1] if listening else port,
@@ -54,22 +61,16 @@ def _listen(port: int, world_size: int, timeout_s: float, bind: str = ""):
             is_master=True,
             timeout=timedelta(seconds=timeout_s),
             wait_for_workers=False,
-            master_listen_fd=listening.detach() if listening else None,
+            master_listen_fd=listening.fileno() if listening else None,
         )
-    except OSError as e:
-        if e.errno == errno.EADDRINUSE:
-            raise OSError(
-                f"port {port} is already in use on {socket.gethostname()} (the host of "
-                "rank 0); pick another with --port, or leave --port out to use a free one"
-            ) from None
-        raise
-    except dist.DistNetworkError as e:
+    except Exception as e:
+        if listening is not None:
+            listening.close()
         if "EADDRINUSE" in str(e) or "address already in use" in str(e):
-            raise OSError(
-                f"port {port} is already in use on {socket.gethostname()} (the host of "
-                "rank 0); pick another with --port, or leave --port out to use a free one"
-            ) from None
+            raise in_use from None
         raise
+    if listening is not None:
+        listening.detach()  # the store owns the descriptor now
     return store
 
 

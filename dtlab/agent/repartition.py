@@ -17,6 +17,7 @@ cannot be serialised or a peer that dies mid-move leaves nothing half-moved.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
@@ -42,31 +43,80 @@ class MoveFailed(RuntimeError):
     """The move was abandoned before any rank changed; the job is as it was."""
 
 
-def repartition(blocks: tuple[str, ...], bounds: tuple[int, ...],
-                timeout_s: float = MOVE_TIMEOUT_S) -> dict:  # fmt: skip
+def repartition(blocks: tuple[str, ...], bounds: tuple[int, ...], timeout_s: float = MOVE_TIMEOUT_S,
+                move_id: str = "") -> dict:  # fmt: skip
     """Take the stage that ``Plan(blocks, bounds)`` gives this rank; returns what moved.
 
-    Raises :class:`MoveFailed` (nothing changed) naming what went wrong where."""
+    One deadline covers every phase. Raises :class:`MoveFailed` (nothing changed here)
+    naming what went wrong where."""
     job = current()
     new = Plan(tuple(blocks), tuple(bounds))
     if new.blocks != job.plan.blocks:
         raise MoveFailed("the plan's blocks are not this job's blocks; nothing moved")
     rank, world = dist.get_rank(), dist.get_world_size()
     group = _group()
-    started = time.perf_counter()
+    started, deadline = time.perf_counter(), time.monotonic() + timeout_s
     moves = job.plan.moves_to(new)
     outgoing, problem = _prepare(job, moves, rank)
-    _agree(problem, group, "prepare", timeout_s)
-    incoming = _exchange(outgoing, moves, rank, world, group, timeout_s)
+    decision = Decision(move_id or f"{time.time_ns()}", rank)
     try:
-        built, problem = _build(job, new, incoming, rank), ""
-    except Exception as e:  # noqa: BLE001 - reported to every rank before anyone commits
-        built, problem = None, f"{type(e).__name__}: {e}"
-    _agree(problem, group, "build", timeout_s)
-    job.rebind(*built)
+        _agree(problem, group, "prepare", deadline)
+        incoming = _exchange(outgoing, moves, rank, world, group, deadline)
+        try:
+            built, problem = _build(job, new, incoming, rank), ""
+        except Exception as e:  # noqa: BLE001 - reported to every rank before anyone commits
+            built, problem = None, f"{type(e).__name__}: {e}"
+        _agree(problem, group, "build", deadline)
+    except BaseException:
+        decision.abort()  # a peer still waiting must not commit on a late agreement
+        raise
+    if not decision.commit():  # another rank gave up first: nobody commits
+        raise MoveFailed("a peer gave up at its deadline; nothing moved: every rank kept its stage")
+    with _no_interrupt():
+        job.rebind(*built)
     sent = sum(len(b) for b in outgoing.values())
     return {"moved": {n: list(m) for n, m in moves.items()}, "bytes_sent": sent,
             "seconds": time.perf_counter() - started, "blocks": list(job.module.order)}  # fmt: skip
+
+
+class Decision:
+    """Commit or abort, settled once for all ranks in the job's store: the first rank to
+    write wins (compare_set), and every rank obeys what is there. A rank that timed out
+    writes "abort", so a peer whose late agreement still completes does not commit."""
+
+    def __init__(self, move_id: str, rank: int) -> None:
+        self.key = f"dtlab/repartition/{move_id}"
+        self.rank = rank
+
+    def _settle(self, vote: str) -> str:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        try:
+            value = _get_default_store().compare_set(self.key, "", vote)
+        except Exception:  # no store (one rank) or it is gone: this rank's own vote
+            return vote
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    def commit(self) -> bool:
+        return self._settle("commit") == "commit"
+
+    def abort(self) -> None:
+        self._settle("abort")
+
+
+@contextlib.contextmanager
+def _no_interrupt():
+    """The commit swaps several attributes: a SIGINT half-way would leave a mixed job."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def _group():
@@ -105,12 +155,12 @@ def _pack(job: PipelineJob, names: list[str]) -> bytes:
     return buffer.getvalue()
 
 
-def _agree(problem: str, group, phase: str, timeout_s: float) -> None:
+def _agree(problem: str, group, phase: str, deadline: float) -> None:
     """All ranks learn whether any rank has a problem; MoveFailed on all if so (the rank
     that had it says what; the notebook gathers every rank's message)."""
     flag = torch.tensor([int(bool(problem))], dtype=torch.int64)
     work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    _finish(work, time.monotonic() + timeout_s, phase)
+    _finish(work, deadline, phase)
     if problem:
         raise MoveFailed(f"{phase}: {problem}. Nothing moved: every rank kept its stage")
     if flag.item():
@@ -130,12 +180,11 @@ def _finish(work, deadline: float, phase: str) -> None:
 
 
 def _exchange(outgoing: dict[int, bytes], moves: dict, rank: int, world: int, group,
-              timeout_s: float) -> dict[int, bytes]:  # fmt: skip
+              deadline: float) -> dict[int, bytes]:  # fmt: skip
     sizes = torch.zeros(world, dtype=torch.int64)
     for dest, data in outgoing.items():
         sizes[dest] = len(data)
     table = [torch.zeros(world, dtype=torch.int64) for _ in range(world)]
-    deadline = time.monotonic() + timeout_s
     _finish(dist.all_gather(table, sizes, group=group, async_op=True), deadline, "exchange")
     ops, incoming = [], {}
     for dest, data in outgoing.items():
@@ -166,13 +215,14 @@ def _build(job: PipelineJob, new: Plan, incoming: dict[int, bytes], rank: int):
     received = {}
     for data in incoming.values():
         # from this job's own ranks over its process group: the same trust as the job
-        received.update(torch.load(io.BytesIO(data), weights_only=False))
+        received.update(torch.load(io.BytesIO(data), weights_only=False,
+                                   map_location=job.device))  # fmt: skip
     if _inject.pop("fail_build", False):
         raise RuntimeError("injected failure while building the new stage")
     blocks = []
     for name in new.stage_blocks(rank):
         if name in received:
-            blocks.append((name, received[name]["module"].to(job.device)))
+            blocks.append((name, received[name]["module"]))
         else:
             blocks.append((name, job.module.block(name)))
     stage = StageModule(blocks)
@@ -191,10 +241,12 @@ def _carry_optimizer(job: PipelineJob, stage: StageModule, optimizer, received: 
            if p in job.optimizer.state}  # fmt: skip
     for block in received.values():
         old.update(block["optimizer"])
-    for name, param in stage.named_parameters():
-        if name in old:
-            optimizer.state[param] = {k: v.to(param.device) if isinstance(v, torch.Tensor)
-                                      and v.dim() else v for k, v in old[name].items()}  # fmt: skip
+    names = [n for n, _ in stage.named_parameters()]
+    state = {i: old[n] for i, n in enumerate(names) if n in old}
+    # through load_state_dict: it puts each state tensor where the optimizer wants it
+    # (a fused or capturable AdamW's step on the device, a plain one's on the CPU)
+    groups = optimizer.state_dict()["param_groups"]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _copy_hyperparameters(old, new) -> None:

@@ -17,6 +17,7 @@ import concurrent.futures
 import os
 import secrets
 import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -147,7 +148,8 @@ class EngineCluster:
                     f"only {len(self.client.ids)} of {n} engines registered within "
                     f"{self.config.timeout_s:g} s ({self.config.launcher} launcher). "
                     "Raise --timeout if the engines are just slow "
-                    f"(a batch queue), else read the launcher output:\n{self.output_tail()}"
+                    f"(a batch queue){self._reach_hint()}, else read the launcher "
+                    f"output:\n{self.output_tail()}"
                 )
             time.sleep(0.02)
         progress("engines registered", n, n)
@@ -219,6 +221,12 @@ class EngineCluster:
         process = getattr(self.cluster.controller, "process", None)
         return process is not None and not running([process.pid])
 
+    def _reach_hint(self) -> str:
+        if self.config.launcher == "local" or self.config.listen:
+            return ""
+        return ("; engines on other hosts cannot reach a controller on 127.0.0.1: launch "
+                "with --listen <interface or address> (e.g. --listen ib0)")  # fmt: skip
+
     def job_ids(self) -> list[str]:
         """The batch jobs holding the engines (Slurm's job id), empty for other launchers."""
         sets = self.cluster.engines.values()
@@ -276,15 +284,23 @@ class EngineCluster:
         """Engines that exit by themselves end mpiexec (or the Slurm job) at once; the
         launcher's own stop interrupts them, which a kernel survives, and kills after 5 s."""
         try:
-            # block=True waits until the requests are sent (not for replies): a stuck
-            # engine cannot hold it, and closing the client cannot drop them
-            self.client.shutdown(targets="all", hub=False, block=True)
+            # block=True waits for the engines' replies, without a limit: from a thread,
+            # so that a dead controller or a stuck engine cannot hold the shutdown
+            asking = threading.Thread(target=self._shutdown_request, daemon=True)
+            asking.start()
             deadline = time.monotonic() + ENGINE_EXIT_WAIT_S
+            asking.join(ENGINE_EXIT_WAIT_S)
             processes = [getattr(s, "process", None) for s in self.cluster.engines.values()]
             processes = [p for p in processes if p is not None and hasattr(p, "poll")]
             while time.monotonic() < deadline and any(p.poll() is None for p in processes):
                 time.sleep(0.05)
         except Exception:  # dead engines or controller: the launcher's stop still runs
+            pass
+
+    def _shutdown_request(self) -> None:
+        try:
+            self.client.shutdown(targets="all", hub=False, block=True)
+        except Exception:  # engines already gone: nothing to ask
             pass
 
     def exits(self) -> dict[int, int]:

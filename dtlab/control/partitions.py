@@ -11,6 +11,7 @@ Each is collect (``StageReport`` / ``BlockCost`` from every rank) -> combine
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from dtlab.analysis.balance import Balance, measured_balance, predict_balance
@@ -38,10 +39,10 @@ def _profile(repeats: int) -> list[BlockCost]:
     return current().profile(repeats)
 
 
-def _move(blocks: tuple, bounds: tuple, timeout_s: float) -> dict:
+def _move(blocks: tuple, bounds: tuple, timeout_s: float, move_id: str) -> dict:
     from dtlab.agent.repartition import repartition
 
-    return repartition(blocks, bounds, timeout_s)
+    return repartition(blocks, bounds, timeout_s, move_id)
 
 
 class PartitionMixin:
@@ -108,15 +109,29 @@ class PartitionMixin:
         new = parse_plan(spec, old.blocks, old.num_stages, costs=self._costs())
         if new == old:
             return {"moved": {}, "plan": new, "seconds": 0.0}
+        move_id = secrets.token_hex(8)  # names the commit-or-abort decision in the store
         try:
-            done = self.run(_move, new.blocks, new.bounds, timeout, timeout=timeout + 30)
+            done = self.run(_move, new.blocks, new.bounds, timeout, move_id,
+                            timeout=timeout + 30)  # fmt: skip
         except RankError as e:
+            self.stepper._regroup = True  # an agreement may be left pending in the group
             raise RepartitionFailed(self._move_failure(e)) from None
-        self.stepper.new_trace(repartitioned=new.describe())  # the ranks' names changed
+        self._remember_plan(new)
+        self.stepper.new_trace(describe=True, repartitioned=new.describe())  # new stages
         first = next(iter(done.values()))
         return {"moved": first["moved"], "plan": new,
                 "seconds": max(d["seconds"] for d in done.values()),
                 "bytes": sum(d["bytes_sent"] for d in done.values())}  # fmt: skip
+
+    def _remember_plan(self, plan: Plan) -> None:
+        """Fresh engines (a restart, a resume check) rebuild the job with the plan it runs
+        now, so that its checkpoints load."""
+        from dtlab.demo import _attach_pipeline_on_rank
+
+        if self.job_setup is not None and self.job_setup[0] is _attach_pipeline_on_rank:
+            setup, (record, lr, options, config) = self.job_setup
+            options = {**options, "plan": list(plan.bounds)}
+            self.job_setup = (setup, (record, lr, options, config))
 
     def _move_failure(self, error: RankError) -> str:
         dead = [r for r, f in error.failures.items() if f.ename == "EngineError"]

@@ -146,11 +146,15 @@ class Stepper:
         finally:
             self.trace = old
 
-    def new_trace(self, **meta) -> None:
-        """Start the job's trace afresh (a checkpoint was loaded: a new timeline)."""
+    def new_trace(self, *, describe: bool = False, **meta) -> None:
+        """Start the job's trace afresh (a checkpoint was loaded: a new timeline).
+        ``describe``: ask the ranks what they hold now (a pipeline's stages moved)."""
         self._sync_job()
         self.trace.close()
-        self.trace = Trace(self.trace.jobs, folder=new_run_folder(),
+        jobs = self.trace.jobs
+        if describe:
+            jobs = {r: info for r, (_, info) in self.session.run(_describe_job).items()}
+        self.trace = Trace(jobs, folder=new_run_folder(),
                            meta={"backend": self.session.backend, **meta})  # fmt: skip
 
     def close(self) -> None:
@@ -371,6 +375,7 @@ def _channel_hosts(session) -> tuple[str, str]:
             f"ranks run on other hosts ({', '.join(remote)}) but dtlab listens on loopback "
             "only: launch with --listen <interface or address> (e.g. --listen eth0)"
         )
-    if address == EVERYWHERE:
-        return "*", route_ip(session.infos[0].host)
+    if address == EVERYWHERE:  # the address of this machine that remote ranks can reach
+        remote = [i.host for i in session.infos.values() if i.host != here]
+        return "*", route_ip(remote[0]) if remote else LOOPBACK
     return address, address

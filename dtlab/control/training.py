@@ -71,6 +71,18 @@ class TrainingMixin:
         """Step until ``condition`` (e.g. ``"loss>5"``, ``"nonfinite"``, ``"diverged"``)
         holds on any rank, or ``max_steps``; every rank pauses after the same step."""
         cond = parse_condition(condition) if isinstance(condition, str) else condition
+        if cond.kind == "diverged":
+            self.stepper._sync_job()  # the attached job's trace, made now if need be
+        trace = self.trace
+        if (
+            cond.kind == "diverged"
+            and trace is not None
+            and len({info.params for info in trace.jobs.values()}) > 1
+        ):
+            raise DtlabError(
+                "'diverged' compares replicas, and this job's ranks hold different parameters "
+                "(pipeline stages): there is nothing for them to agree on"
+            )
         return self.resilient(max_steps, lambda steps: self.stepper.run(
             steps, cond, record=record, timeout=timeout, progress=progress))  # fmt: skip
 

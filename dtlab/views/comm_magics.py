@@ -51,7 +51,10 @@ class CommMagics(Magics):
             if not dt.sweeps:
                 raise UsageError("no sweep yet: run %dt_bandwidth first")
             for sweep in dt.sweeps[1:]:
-                print(compare_sweeps(dt.sweeps[0], sweep))
+                try:
+                    print(compare_sweeps(dt.sweeps[0], sweep))
+                except ValueError as e:  # swept other sizes: the figure still shows both
+                    print(f"{sweep.label} vs {dt.sweeps[0].label}: {e}")
             return bandwidth_figure(dt.sweeps)
         try:
             low, high = parse_size(args.min), parse_size(args.max)

@@ -127,13 +127,14 @@ class PartitionEditor:
         self.status.value = "measuring the running plan..."
         self.session.step(self.measure_steps)
         self.before = self.session.balance()
-        self.status.value = f"moving {len(self.plan.moves_to(draft))} block(s)..."
+        self.status.value = (f"moving {len(self.plan.moves_to(draft))} block(s), then "
+                             f"{self.measure_steps} steps to measure...")  # fmt: skip
         moved = self.session.repartition(draft)
+        self.plan = draft  # it runs now, whatever the next steps do
+        self.blocks.value = _block_strip(draft)
         self.session.step(self.measure_steps)
         self.after = self.session.balance()
-        self.plan = draft
         self._show(balance_figure(self.after))
-        self.blocks.value = _block_strip(draft)
         self.apply_button.disabled = True
         took = f"moved {len(moved['moved'])} block(s) in {moved['seconds'] * 1e3:.0f} ms"
         self.status.value = f"{took}; {compare(self.before, self.after)}"
