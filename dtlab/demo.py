@@ -31,7 +31,7 @@ def attach(
     return infos
 
 
-def _attach_pipeline_on_rank(record: bool, lr: float, options: dict, config: dict) -> JobInfo:
+def _attach_pipeline_on_rank(record: bool, lr: float, config: dict, **options) -> JobInfo:
     from dtlab.agent.demo_job import attach_demo_pipeline
 
     return attach_demo_pipeline(record=record, lr=lr, **options, **config)
@@ -50,11 +50,11 @@ def attach_pipeline(session=None, *, plan: Any = "uniform", microbatches: int = 
     session = session or lifecycle.current()
     options = {"plan": plan, "microbatches": microbatches, "schedule": schedule}
     try:
-        infos = session.run(_attach_pipeline_on_rank, record, lr, options, dict(config))
+        infos = session.run(_attach_pipeline_on_rank, record, lr, dict(config), **options)
     except RankError as e:  # every rank reads the plan alike: one PlanError, not N
         said = {(f.ename, f.evalue) for f in e.failures.values()}
         if len(said) == 1 and next(iter(said))[0] == "PlanError" and not e.stuck:
             raise PlanError(next(iter(said))[1]) from None
         raise
-    session.set_job_setup(_attach_pipeline_on_rank, record, lr, options, dict(config))
+    session.set_job_setup(_attach_pipeline_on_rank, record, lr, dict(config), **options)
     return infos

@@ -70,14 +70,14 @@ def _records(first: int, last: int) -> list:
     return [r for r in current().records if first <= r.step <= last]
 
 
-def _set_up(setup: Callable, args: tuple) -> Any:
-    return setup(*args)
+def _set_up(setup: Callable, args: tuple, kwargs: dict) -> Any:
+    return setup(*args, **kwargs)
 
 
 class CheckpointMixin:
     """Checkpoint control for a Session (needs ``run``, ``stepper``, ``require_trace``)."""
 
-    job_setup: tuple[Callable | str, tuple] | None = None
+    job_setup: tuple[Callable | str, tuple, dict] | None = None
     autosave_every: int | None = None
     _checkpoint_root: Path | None = None
 
@@ -185,13 +185,15 @@ class CheckpointMixin:
             raise
 
     # --- building the job on fresh engines ---------------------------------------------
-    def set_job_setup(self, setup: Callable | str, *args) -> None:
+    def set_job_setup(self, setup: Callable | str, *args, **kwargs) -> None:
         """How to build and attach the job on every rank (a function called with ``args``
-        on each rank, or the source of a %%dt cell); used where dtlab needs the job on
-        fresh engines (``dt.resume_check``). ``%dt_demo`` sets it for the demo job."""
+        and ``kwargs`` on each rank, or the source of a %%dt cell); used where dtlab needs
+        the job on fresh engines (``dt.resume_check``, ``dt.restart``). ``%dt_demo`` sets
+        it for the demo job. A pipeline's setup that takes ``plan=`` is given the plan the
+        job runs after ``dt.repartition``."""
         if not (callable(setup) or isinstance(setup, str)):
             raise TypeError("setup must be a function run on every rank, or %%dt cell source")
-        self.job_setup = (setup, args)
+        self.job_setup = (setup, args, kwargs)
 
     def set_up_job(self) -> None:
         if self.job_setup is None:
@@ -200,11 +202,11 @@ class CheckpointMixin:
                 "dt.set_job_setup(fn) with a function that attaches it on every rank "
                 "(or pass fresh=False to check on the live engines)"
             )
-        setup, args = self.job_setup
+        setup, args, kwargs = self.job_setup
         if isinstance(setup, str):
             self.execute(setup)
         else:
-            self.run(_set_up, setup, args)
+            self.run(_set_up, setup, args, kwargs)
 
     def remove_checkpoint(self, info: CheckpointInfo) -> None:
         shutil.rmtree(info.path, ignore_errors=True)

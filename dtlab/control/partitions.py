@@ -81,21 +81,26 @@ class PartitionMixin:
     def plan(self, spec: Any) -> Plan:
         """Read ``spec`` (any form :func:`~dtlab.analysis.partition.parse_plan` reads)
         for this job; PlanError says what is wrong with it."""
-        current = self.partition()
-        return parse_plan(spec, current.blocks, current.num_stages, costs=self._costs())
+        return self._read(spec, self.stage_reports())[1]
 
     def predict(self, spec: Any) -> Balance:
         """How ``spec`` would balance, from the blocks' measured costs (profile first)."""
         reports = self.stage_reports()
-        current = self.partition_from(reports)
-        plan = parse_plan(spec, current.blocks, current.num_stages, costs=self._costs())
+        _, plan, costs = self._read(spec, reports)
         first = next(iter(reports.values()))
-        return predict_balance(plan, self._costs(), microbatches=first.microbatches,
+        return predict_balance(plan, costs, microbatches=first.microbatches,
                                schedule=first.schedule)  # fmt: skip
 
-    def _costs(self) -> dict[str, BlockCost]:
-        """Measured costs where profiled, else sizes from the ranks' reports."""
-        sizes = {c.name: c for r in self.stage_reports().values() for c in r.costs}
+    def _read(self, spec: Any, reports) -> tuple[Plan, Plan, dict[str, BlockCost]]:
+        """(the running plan, ``spec`` read for this job, the block costs), from one
+        round of reports."""
+        current, costs = self.partition_from(reports), self.costs(reports)
+        return current, parse_plan(spec, current.blocks, current.num_stages, costs=costs), costs
+
+    def costs(self, reports=None) -> dict[str, BlockCost]:
+        """Each block's cost: measured where profiled, else its size from the reports."""
+        reports = self.stage_reports() if reports is None else reports
+        sizes = {c.name: c for r in reports.values() for c in r.costs}
         return {**sizes, **(self.block_costs or {})}
 
     def repartition(self, spec: Any, *, timeout: float = MOVE_TIMEOUT_S) -> dict:
@@ -105,8 +110,7 @@ class PartitionMixin:
         A bad plan raises PlanError before anything moves. If the move fails, no rank
         changed (each rank commits only after all said they are ready); if a rank died
         in it, RepartitionFailed says so and names the last checkpoint to restart from."""
-        old = self.partition()
-        new = parse_plan(spec, old.blocks, old.num_stages, costs=self._costs())
+        old, new, _ = self._read(spec, self.stage_reports())
         if new == old:
             return {"moved": {}, "plan": new, "seconds": 0.0}
         move_id = secrets.token_hex(8)  # names the commit-or-abort decision in the store
@@ -125,13 +129,10 @@ class PartitionMixin:
 
     def _remember_plan(self, plan: Plan) -> None:
         """Fresh engines (a restart, a resume check) rebuild the job with the plan it runs
-        now, so that its checkpoints load."""
-        from dtlab.demo import _attach_pipeline_on_rank
-
-        if self.job_setup is not None and self.job_setup[0] is _attach_pipeline_on_rank:
-            setup, (record, lr, options, config) = self.job_setup
-            options = {**options, "plan": list(plan.bounds)}
-            self.job_setup = (setup, (record, lr, options, config))
+        now, so that its checkpoints load: a setup that takes ``plan=`` is given it."""
+        if self.job_setup is not None and "plan" in self.job_setup[2]:
+            setup, args, kwargs = self.job_setup
+            self.job_setup = (setup, args, {**kwargs, "plan": list(plan.bounds)})
 
     def _move_failure(self, error: RankError) -> str:
         dead = [r for r, f in error.failures.items() if f.ename == "EngineError"]

@@ -22,6 +22,7 @@ from dtlab.analysis.balance import Balance, StageBalance
 from dtlab.analysis.partition import Plan
 from dtlab.stage_records import BlockCost, ScheduleEvent
 from dtlab.views.figures import _PHASE_COLORS, MIB, PHASES, TEMPLATE, _layout
+from dtlab.views.partition_tables import balance_facts
 
 # Not the rank palette: a stage is not a rank, and a figure that shows both should not
 # suggest "stage 2 is rank 2" by colour. Safe is colour-blind safe.
@@ -67,13 +68,7 @@ def _summary(balance: Balance) -> str:
     """E.g. ``Measured balance (1f1b, 8 micro-batches): step 12.0 ms, bubble 25%, imbalance
     1.30x``; the facts not known yet are left out."""
     kind = "Measured" if balance.measured else "Predicted"
-    facts = []
-    if balance.step_s is not None:
-        facts.append(f"step {balance.step_s * 1000:.1f} ms")
-    if balance.bubble is not None:
-        facts.append(f"bubble {balance.bubble:.0%}")
-    if balance.imbalance is not None:
-        facts.append(f"imbalance {balance.imbalance:.2f}x")
+    facts = balance_facts(balance)
     head = f"{kind} balance ({balance.schedule}, {balance.microbatches} micro-batches)"
     return f"{head}: {', '.join(facts) or NOT_PROFILED}"
 

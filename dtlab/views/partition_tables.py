@@ -27,19 +27,26 @@ def balance_table(balance) -> Table:
         for s in balance.stages
     )  # fmt: skip
     kind = "measured" if balance.measured else "predicted"
-    facts = [f"{balance.schedule}, {balance.microbatches} micro-batches"]
-    if balance.step_s is not None:
-        facts.append(f"step {balance.step_s * 1e3:.1f} ms")
-    if balance.bubble is not None:
-        facts.append(f"bubble {balance.bubble:.0%}")
-    if balance.imbalance is not None:
-        facts.append(f"slowest stage / mean {balance.imbalance:.2f}x")
+    facts = [f"{balance.schedule}, {balance.microbatches} micro-batches",
+             *balance_facts(balance, "slowest stage / mean")]  # fmt: skip
     notes = [f"{kind}: " + "; ".join(facts)]
     if any(s.forward_s is None for s in balance.stages):
         notes.append("times per block come from profiling: %dt_partition --profile")
     headers = ("stage", "rank", "blocks", "params", "param MiB", "grad MiB", "optim MiB",
                "activ. MiB", "fwd ms/mb", "bwd ms/mb")  # fmt: skip
     return Table("pipeline stages", headers, rows, tuple(notes))
+
+
+def balance_facts(balance, imbalance: str = "imbalance") -> list[str]:
+    """Step time, bubble and imbalance, those known so far (for titles and notes)."""
+    facts = []
+    if balance.step_s is not None:
+        facts.append(f"step {balance.step_s * 1e3:.1f} ms")
+    if balance.bubble is not None:
+        facts.append(f"bubble {balance.bubble:.0%}")
+    if balance.imbalance is not None:
+        facts.append(f"{imbalance} {balance.imbalance:.2f}x")
+    return facts
 
 
 def _span(blocks) -> str:

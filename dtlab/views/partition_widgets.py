@@ -32,6 +32,7 @@ class PartitionEditor:
         first = next(iter(reports.values()))
         self.microbatches, self.schedule = first.microbatches, first.schedule
         self.plan = session.partition_from(reports)
+        self.costs = session.costs(reports)  # one ask of the ranks, not one per slider move
         self.before = None  # measured balance before the last Apply
         self.after = None  # and after it
         self.figure = go.FigureWidget()
@@ -98,7 +99,7 @@ class PartitionEditor:
             return
         self.apply_button.disabled = draft == self.plan
         self.blocks.value = _block_strip(draft)
-        predicted = predict_balance(draft, self.session._costs(), schedule=self.schedule,
+        predicted = predict_balance(draft, self.costs, schedule=self.schedule,
                                     microbatches=self.microbatches)  # fmt: skip
         self._show(balance_figure(predicted))
         moved = self.plan.moves_to(draft)
@@ -115,6 +116,7 @@ class PartitionEditor:
     def profile(self) -> None:
         self.status.value = "profiling every block on its rank..."
         self.session.profile_blocks()
+        self.costs = self.session.costs()
         self.preview()
 
     def auto(self) -> None:
