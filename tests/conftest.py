@@ -16,6 +16,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 import dtlab
+from dtlab.agent.threads import common_threads
 from dtlab.control import lifecycle
 from dtlab.control.cluster import running
 from dtlab.control.rankmap import threads_per_rank
@@ -33,19 +34,26 @@ def needs(problem: str | None, required_by: str = "DTLAB_REQUIRE_LAUNCHERS"):
     return pytest.mark.skipif(problem is not None, reason=problem or "")
 
 
+def rank_threads(session) -> int:
+    """The thread count every rank of ``session`` computes at (one count, or an error)."""
+    return common_threads({r: i.num_threads for r, i in session.infos.items()})
+
+
 def default_threads(ranks_on_host: int) -> int:
     """The thread count a default launch gives each rank on this machine."""
     return threads_per_rank(None, len(os.sched_getaffinity(0)), ranks_on_host)
 
 
-def signal_when_exists(path, pid: int, sig: int, timeout: float = 60) -> threading.Thread:
-    """Send ``sig`` to ``pid`` once ``path`` exists (a rank writes it when it is busy)."""
+def signal_when_exists(paths, pid: int, sig: int, timeout: float = 60) -> threading.Thread:
+    """Send ``sig`` to ``pid`` once ``paths`` (one or a list) all exist (ranks write them
+    when they are busy)."""
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
 
     def wait_then_signal():
         deadline = time.monotonic() + timeout
-        while not os.path.exists(path) and time.monotonic() < deadline:
+        while not all(map(os.path.exists, paths)) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if os.path.exists(path):
+        if all(map(os.path.exists, paths)):
             os.kill(pid, sig)
 
     thread = threading.Thread(target=wait_then_signal, daemon=True)

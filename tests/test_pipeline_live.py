@@ -15,17 +15,25 @@ from dtlab.agent.demo_model import (
     split_tokens,
     warmup_schedule,
 )
+from dtlab.agent.threads import same_threads
 from dtlab.analysis.partition import PlanError
 from dtlab.control.partitions import RepartitionFailed
+from tests.conftest import rank_threads
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 MICRO = 4
 
 
-def one_process(steps: int, *, microbatches: int = MICRO, **config):
-    """The demo trained in this process: per step the micro-batches' gradients summed,
-    then divided by their number (what the pipeline schedule does); losses and weights."""
-    c = DemoConfig(**config)
+def one_process(session, steps: int, *, microbatches: int = MICRO, **config):
+    """The demo trained in this process at the ranks' thread count (a count of its own
+    rounds differently, dtlab/agent/threads.py): per step the micro-batches' gradients
+    summed, then divided by their number (what the pipeline schedule does); losses and
+    weights."""
+    with same_threads(rank_threads(session)):
+        return _one_process(steps, microbatches, DemoConfig(**config))
+
+
+def _one_process(steps: int, microbatches: int, c: DemoConfig):
     torch.manual_seed(c.seed)
     model = DemoLM(c)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -73,12 +81,12 @@ def test_the_pipeline_trains_as_one_process_does(size, request):
     demo.attach_pipeline(dt, plan="parameters", microbatches=MICRO)
     assert dt.partition().num_stages == size
     dt.step(4)
-    expected, state = one_process(4)
+    expected, state = one_process(dt, 4)
     assert losses(dt, 1, 4) == expected  # bitwise: the same operations in the same order
     got = weights(dt)
     assert sorted(got) == sorted(state)
     assert all(torch.equal(got[name], state[name]) for name in state)
-    whole, _ = one_process(4, microbatches=1)  # one batch, no micro-batches: rounding only
+    whole, _ = one_process(dt, 4, microbatches=1)  # one batch, no micro-batches: rounding only
     assert losses(dt, 1, 4) == pytest.approx(whole, rel=1e-5)
 
 
@@ -93,12 +101,12 @@ def test_a_live_move_keeps_training_as_if_nothing_moved(live4):
     after = dt.partition()
     assert after != before and after.stage_blocks(3) == ("blocks.3", "norm", "head")
     assert set(moved["moved"]) == {"blocks.0", "blocks.2", "blocks.3", "norm"}
-    state = one_process(0)[1]
+    state = one_process(dt, 0)[1]
     travelled = ("blocks.0.", "blocks.2.", "blocks.3.", "norm.")
     numel = sum(v.numel() for k, v in state.items() if k.startswith(travelled))
     assert moved["bytes"] > 3 * 4 * numel  # float32 weights and both Adam moments travelled
     dt.step(3)
-    expected, state = one_process(6)
+    expected, state = one_process(dt, 6)
     assert losses(dt, 4, 6) == expected[3:]
     got = weights(dt)
     assert all(torch.equal(got[name], state[name]) for name in state)
@@ -139,7 +147,7 @@ def test_a_failure_mid_move_leaves_every_rank_as_it_was(live4):
         dt.repartition("parameters")
     assert dt.partition().bounds == (0, 2, 4, 6, 7)
     dt.step(2)  # the job goes on from where it was, bit for bit
-    assert losses(dt, 3, 4) == one_process(4, microbatches=MICRO)[0][2:]
+    assert losses(dt, 3, 4) == one_process(dt, 4, microbatches=MICRO)[0][2:]
 
 
 def _unpicklable_block() -> None:
@@ -159,7 +167,7 @@ def test_a_block_that_cannot_move_is_refused_before_anything_moves(live4):
         )  # fmt: skip  (blocks.1 would leave rank 1)
     assert dt.partition().bounds == (0, 2, 4, 6, 7)
     dt.step(2)
-    assert losses(dt, 3, 4) == one_process(4, microbatches=MICRO)[0][2:]
+    assert losses(dt, 3, 4) == one_process(dt, 4, microbatches=MICRO)[0][2:]
 
 
 def test_a_rank_dying_mid_move_is_reported_with_the_way_back(live4, tmp_path):
@@ -177,4 +185,4 @@ def test_a_rank_dying_mid_move_is_reported_with_the_way_back(live4, tmp_path):
     dt.restart(from_checkpoint="latest")  # the way back it offers works
     assert dt.partition().bounds == (0, 2, 4, 6, 7)
     dt.step(1)
-    assert losses(dt, 3, 3) == one_process(3, microbatches=2)[0][2:]
+    assert losses(dt, 3, 3) == one_process(dt, 3, microbatches=2)[0][2:]

@@ -111,11 +111,11 @@ def test_rank_blocked_in_a_collective_is_reported_stuck(cluster_cleanup):
 
 
 def test_ctrl_c_interrupts_the_ranks(live2, tmp_path):
-    busy = tmp_path / "busy"
-    # Ctrl-C in the notebook is SIGINT to the kernel, sent once the ranks are sleeping
-    signal_when_exists(busy, os.getpid(), signal.SIGINT)
-    with pytest.raises(RankTimeoutError) as e:
-        live2.execute(f"import time\nopen({str(busy)!r}, 'w').close()\ntime.sleep(600)")
+    # Ctrl-C in the notebook is SIGINT to the kernel, sent once both ranks are sleeping
+    signal_when_exists([tmp_path / "busy0", tmp_path / "busy1"], os.getpid(), signal.SIGINT)
+    cell = f"import time\nopen({str(tmp_path)!r} + f'/busy{{rank}}', 'w').close()\ntime.sleep(600)"
+    with pytest.raises(RankTimeoutError) as e:  # a lost SIGINT would end as "timed out"
+        live2.execute(cell, timeout=90)
     assert e.value.reason == "interrupted" and e.value.stopped == (0, 1)
     assert live2.status() == {0: "idle", 1: "idle"}
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from dtlab.agent.identity import describe_rank
+from dtlab.agent.threads import thread_env, use_threads
 from dtlab.records import RankInfo, RankPlan
 
 _state: dict = {}  # this process's rank: {"store": TCPStore, "plan": RankPlan, "device": ...}
@@ -95,9 +96,9 @@ def _export_env(plan: RankPlan) -> None:
         LOCAL_WORLD_SIZE=str(plan.local_world_size),
         MASTER_ADDR=plan.master_addr,
         MASTER_PORT=str(plan.master_port),
-        # for processes the rank starts (DataLoader workers), as torchrun does
-        OMP_NUM_THREADS=str(plan.num_threads),
     )
+    # for processes the rank starts (DataLoader workers), as torchrun does
+    os.environ.update(thread_env(plan.num_threads))
 
 
 def join(plan: RankPlan) -> RankInfo:
@@ -110,7 +111,7 @@ def join(plan: RankPlan) -> RankInfo:
     from dtlab.agent.sidecar import FR_BUFFER_ENV, FR_BUFFER_SIZE
 
     os.environ.setdefault(FR_BUFFER_ENV, FR_BUFFER_SIZE)
-    torch.set_num_threads(plan.num_threads)
+    use_threads(plan.num_threads)
     if dist.is_initialized():
         dist.destroy_process_group()
     timeout = timedelta(seconds=plan.timeout_s)

@@ -9,14 +9,20 @@ One request per rank is in flight (an ipyparallel AsyncResult each). ``gather`` 
 - a dead engine arrives from ipyparallel's nanny within ~0.05 s as ``EngineError``;
 - on failure, timeout or Ctrl-C the unfinished ranks get SIGINT, and the error says which
   stopped and which are still busy (a rank blocked in a gloo collective ignores SIGINT);
-- a request the engine aborted (right after an interrupt, FACTS.md) is sent once more.
+- a request the engine aborted (right after an interrupt) is sent once more;
+- a Ctrl-C while the requests go out is held until all are out, then acts: one that cut
+  the sending short left a rank running that nobody knew to interrupt (under load a rank
+  can start, and be seen busy, before the request for the next rank has left).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import signal
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 
 from ipyparallel.error import RemoteError, TaskAborted
 
@@ -49,7 +55,8 @@ class _Round:
         self.resend_aborted = True
 
     def send(self, ranks: list[int]) -> None:
-        self.pending.update(self.submit(ranks))
+        with held_interrupts():
+            self.pending.update(self.submit(ranks))
 
     def collect(self) -> None:
         aborted = []
@@ -144,3 +151,32 @@ def _interrupt(state: _Round, interrupt) -> list[int]:
     while state.pending and time.monotonic() < deadline:
         state.wait(POLL_S)
     return sorted(state.pending)
+
+
+@contextmanager
+def counted_interrupts() -> Iterator[list[int]]:
+    """Inside the block Ctrl-C (SIGINT) only counts the presses (``presses[0]``), so a
+    message being sent or read is never cut in half. Off the main thread there is no
+    Ctrl-C to count."""
+    presses = [0]
+    if threading.current_thread() is not threading.main_thread():
+        yield presses
+        return
+
+    def count(signum, frame):
+        presses[0] += 1
+
+    old = signal.signal(signal.SIGINT, count)
+    try:
+        yield presses
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+@contextmanager
+def held_interrupts() -> Iterator[None]:
+    """A Ctrl-C inside the block is raised as KeyboardInterrupt when the block ends."""
+    with counted_interrupts() as presses:
+        yield
+    if presses[0]:
+        raise KeyboardInterrupt

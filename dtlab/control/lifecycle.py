@@ -17,6 +17,7 @@ A fresh launch that fails anywhere stops what it started: nothing is left half-u
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from dtlab.agent import identity, rendezvous
 from dtlab.control.cluster import EngineCluster, Progress
@@ -78,13 +79,23 @@ def renew(session: Session, progress: Progress) -> Session:
     if not session.closed:
         session.engines.stop()
         session.closed = True  # until the new engines stand: a failed start leaves it shut
-    fresh = start(session.config, progress)
+    fresh = start(_keeping_threads(session), progress)
     for name in ("engines", "rank_map", "facts", "infos", "_stuck", "_sidecars"):
         setattr(session, name, getattr(fresh, name))
     session.closed = False
     session.calls += 1  # the job attached before lives no more
     _current = session
     return session
+
+
+def _keeping_threads(session: Session) -> LaunchConfig:
+    """The session's config with the thread count its ranks ran at: a resume check or a
+    replay on the fresh engines is bitwise only at the same count (agent/threads.py), also
+    when they land on a host with another number of cores."""
+    counts = {i.num_threads for i in session.infos.values()}
+    if session.config.threads is not None or len(counts) != 1:
+        return session.config
+    return replace(session.config, threads=counts.pop())
 
 
 def _reusable(session: Session, config: LaunchConfig) -> bool:

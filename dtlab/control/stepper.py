@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import signal
 import socket
 import statistics
-import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 
 from dtlab.analysis.conditions import describe_condition
 from dtlab.analysis.ranks import label_ranks
+from dtlab.control.calls import counted_interrupts
 from dtlab.control.channel import Channel
 from dtlab.control.errors import DtlabError
 from dtlab.control.network import EVERYWHERE, LOOPBACK, is_loopback, listen_address, route_ip
@@ -275,7 +274,7 @@ class Stepper:
         progress: Progress | None = None,
     ) -> RunResult:
         """Step every rank ``steps`` times or until ``until`` holds on some rank."""
-        with _count_interrupts() as interrupts:  # before the start: no Ctrl-C is lost
+        with counted_interrupts() as interrupts:  # before the start: no Ctrl-C is lost
             run = self._start(steps, until, record, timeout)
             try:
                 while not run.over():
@@ -339,25 +338,6 @@ class Stepper:
                 "attach with a larger capacity= to keep more"
             )
         return {rank: rec for rank, (rec, _) in found.items()}
-
-
-@contextmanager
-def _count_interrupts():
-    """Ctrl-C while ranks step only counts the presses (the run pauses on the first), so a
-    reply being read is never cut in half. Off the main thread there is no Ctrl-C."""
-    presses = [0]
-    if threading.current_thread() is not threading.main_thread():
-        yield presses
-        return
-
-    def count(signum, frame):
-        presses[0] += 1
-
-    old = signal.signal(signal.SIGINT, count)
-    try:
-        yield presses
-    finally:
-        signal.signal(signal.SIGINT, old)
 
 
 def _channel_hosts(session) -> tuple[str, str]:
