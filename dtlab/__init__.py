@@ -100,6 +100,17 @@ def attach(model, optimizer, data, loss_fn, **options):
     return attach_on_rank(model, optimizer, data, loss_fn, **options)
 
 
+def step_boundary() -> None:
+    """In a script run by ``%dt_script``: a step boundary here (for loops with several
+    optimizers, where the first one's steps would be the boundaries otherwise). Does
+    nothing outside dtlab, so the script still runs under plain torchrun."""
+    import sys
+
+    script = sys.modules.get("dtlab.agent.script")  # imported only when a script runs
+    if script is not None:
+        script.step_boundary()
+
+
 def __getattr__(name: str):
     if name == "Trace":  # lazily, so `import dtlab` stays cheap
         from dtlab.trace import Trace

@@ -105,6 +105,10 @@ def attach_count() -> int:
     return _attach_count
 
 
+class JobEnded(Exception):
+    """The job has nothing more to step (a script job whose script is over)."""
+
+
 class Job:
     """One rank's attached training job; ``step()`` runs and records one optimizer step."""
 

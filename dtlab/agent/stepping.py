@@ -298,7 +298,11 @@ class StepServer:
         last_report = time.monotonic()
         for index in range(state.steps):
             state.index = index
-            rec = job.step(state.record)
+            try:
+                rec = job.step(state.record)
+            except jobs.JobEnded:  # a script job whose script is over: a clean stop
+                state.stopped = "ended"
+                return
             state.pending.append(rec)
             if job.autosave is not None and job.step_count % job.autosave[1] == 0:
                 from dtlab.agent.checkpoint import save  # every rank: the same step
@@ -326,7 +330,8 @@ class StepServer:
         """Say what went wrong first, then meet the peers at the step boundary where they
         next agree (bounded), so they stop there too instead of waiting for this rank."""
         pending = state.pending if state is not None else []
-        error = {"ename": type(e).__name__, "evalue": str(e), "traceback": traceback.format_exc()}
+        error = {"ename": getattr(e, "ename", type(e).__name__), "evalue": str(e),  # a script's
+                 "traceback": getattr(e, "script_traceback", None) or traceback.format_exc()}
         self._send(
             "error",
             msg_id,

@@ -63,6 +63,25 @@ class Session(
         self._stepper = None
         self.restarts: list[dict] = []  # dt.restart() events, oldest first
         self.sweeps: list = []  # dt.bandwidth_sweep() results, oldest first
+        self._scripts = None
+
+    # --- the user's own script (dtlab.control.scripts) --------------------------------
+    @property
+    def scripts(self):
+        from dtlab.control.scripts import Scripts
+
+        if self._scripts is None:
+            self._scripts = Scripts(self)
+        return self._scripts
+
+    def run_script(self, path: str, argv=(), cwd: str | None = None, **options):
+        """Run an unchanged torchrun script on every rank, paused at step 0 (see
+        :meth:`dtlab.control.scripts.Scripts.run`)."""
+        return self.scripts.run(path, argv, cwd, **options)
+
+    def continue_script(self, **options):
+        """Let the paused script run to its end (``dt.pause()`` / Ctrl-C pause it again)."""
+        return self.scripts.continue_(**options)
 
     # --- what it is -------------------------------------------------------------------
     @property

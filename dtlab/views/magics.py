@@ -213,6 +213,7 @@ def register(ipython) -> None:
     from dtlab.views.comm_magics import CommMagics
     from dtlab.views.partition_magics import PartitionMagics
     from dtlab.views.recovery_magics import RecoveryMagics
+    from dtlab.views.script_magics import ScriptMagics
     from dtlab.views.training_magics import TrainingMagics
 
     ipython.register_magics(DtlabMagics)
@@ -221,6 +222,7 @@ def register(ipython) -> None:
     ipython.register_magics(RecoveryMagics)
     ipython.register_magics(PartitionMagics)
     ipython.register_magics(CommMagics)
+    ipython.register_magics(ScriptMagics)
     from dtlab.control.session import Session
 
     html = ipython.display_formatter.formatters["text/html"]

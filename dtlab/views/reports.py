@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 from dtlab.analysis.conditions import describe_condition
 from dtlab.analysis.ranks import label_ranks
-from dtlab.records import Finding, JobInfo, RunResult
+from dtlab.records import Finding, JobInfo, RunResult, ScriptStatus
 from dtlab.views.tables import Table
 
 
@@ -26,6 +26,49 @@ def job_summary(infos: Mapping[int, JobInfo]) -> str:
     )
 
 
+def script_summary(status: ScriptStatus) -> str:
+    """Where the script stopped on the ranks, and what dtlab did for it."""
+    name = status.path.rsplit("/", 1)[-1]
+    lines = []
+    if status.paused:
+        model = f"{status.wrapper}({status.model})" if status.wrapper else status.model
+        took = f" after {status.setup_s:.1f} s of set-up" if status.setup_s is not None else ""
+        lines.append(
+            f"{name} paused on {label_ranks(status.states)} at step 0{took}: about to make "
+            f"its first optimizer step ({', '.join(status.optimizers)} on {model}); "
+            "%dt_step N runs its next steps, %dt_continue to its end, and %%dt cells see "
+            "its globals as `script`"
+        )
+    else:
+        lines.extend(_script_endings(status, name))
+    lines.extend(f"note: {n}" for n in status.notes)
+    return "\n".join(lines)
+
+
+def _script_endings(status: ScriptStatus, name: str) -> list[str]:
+    by_end: dict[str, list[int]] = {}
+    for rank, outcome in status.outcomes.items():
+        o = outcome or {}
+        if o.get("kind") == "exited":
+            what = f"exited with code {o.get('code')}" + (
+                f" ({o['evalue']})" if o.get("evalue") else ""
+            )
+        elif o.get("kind") == "failed":
+            what = f"failed: {o.get('ename')}: {o.get('evalue')} ({status.where(rank)})"
+        else:
+            what = "finished"
+        by_end.setdefault(what, []).append(rank)
+    lines = [f"{name} {what} on {label_ranks(ranks)} after {status.steps[ranks[0]]} optimizer "
+             "steps" for what, ranks in by_end.items()]  # fmt: skip
+    if not any(status.steps.values()):
+        calls = (
+            status.backward_calls.get(min(status.backward_calls), 0) if status.backward_calls else 0
+        )
+        lines.append(f"it never called optimizer.step() ({calls} backward() calls): there was "
+                     "no step for dtlab to pause at")  # fmt: skip
+    return lines
+
+
 def run_summary(result: RunResult, trace) -> str:
     """One line: how many steps, how fast, how it stopped, the loss spread at the end."""
     n = result.num_steps
@@ -40,6 +83,8 @@ def run_summary(result: RunResult, trace) -> str:
         line += "; paused (every rank stopped after the same step)"
     elif result.stopped == "timeout":
         line += "; timed out: every rank paused after the same step"
+    elif result.stopped == "ended":
+        line += "; the script ended (run %dt_script again for another run)"
     elif result.condition is not None:
         line += f"; {describe_condition(result.condition)} never held"
     losses = {r: rec.loss for r, rec in trace.at(result.last_step).items()} if trace else {}

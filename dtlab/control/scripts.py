@@ -1,0 +1,119 @@
+"""The user's own training script on the live ranks: ``dt.scripts`` (``%dt_script``,
+``%dt_continue``).
+
+``run(path, argv, cwd)`` stages:
+1. the stepping channel is connected first: the paused script is stepped through it;
+2. :func:`dtlab.agent.script.start` on every rank at once; while it runs, what rank 0
+   prints is passed to ``on_output`` as it arrives (ipyparallel streams engine output);
+3. every rank reports where it stopped: all paused at step 0 (checked to be the same
+   step everywhere), or ended (exit code or error per rank, grouped); a ScriptStatus.
+
+Then the script job is the attached job: ``dt.step`` / ``dt.run_until`` / the dashboard
+run it to its next optimizer steps; ``continue_(...)`` lets it run to its end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from dtlab.analysis.ranks import label_ranks
+from dtlab.control.errors import DtlabError, RankError
+from dtlab.records import RemoteFailure, RunResult, ScriptStatus
+
+TO_THE_END = 10**12  # steps of a run that only the script's end (or a pause) stops
+
+
+def _start_on_rank(path: str, argv: list[str], cwd: str | None, record: bool) -> dict:
+    from dtlab.agent.script import start
+
+    return start(path, argv, cwd, record)
+
+
+def _stop_on_rank():
+    from dtlab.agent.script import stop
+
+    return stop()
+
+
+class Scripts:
+    """Scripts run on one Session's ranks (``dt.scripts``)."""
+
+    def __init__(self, session):
+        self.session = session
+        self.last: ScriptStatus | None = None
+
+    def run(
+        self,
+        path: str,
+        argv: Sequence[str] = (),
+        cwd: str | None = None,
+        *,
+        record: bool = True,
+        timeout: float | None = None,
+        on_output: Callable[[str], None] | None = None,
+    ) -> ScriptStatus:
+        """Run ``path`` as torchrun would on every rank, until each is paused at step 0
+        (set-up done, about to make the first optimizer step) or the script ended."""
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"the script's path must be a non-empty string, got {path!r}")
+        argv = [str(a) for a in argv]
+        session = self.session
+        session.stepper._connect()
+        sent: dict = {}
+        shown = [0]
+
+        def request(view, rank):
+            sent[rank] = view.apply_async(_start_on_rank, path, argv, cwd, record)
+            return sent[rank]
+
+        def progress(done, total):
+            if on_output is not None and 0 in sent:
+                text = sent[0].stdout or ""
+                if len(text) > shown[0]:
+                    on_output(text[shown[0] :])
+                    shown[0] = len(text)
+
+        t0 = time.monotonic()
+        try:
+            states = session.submit(
+                request, None, what=f"script {path}", timeout=timeout, progress=progress
+            )
+        finally:
+            progress(0, 0)
+        status = ScriptStatus.from_ranks(path, argv, states, time.monotonic() - t0)
+        self.last = status
+        _raise_failures(status)
+        return status
+
+    def continue_(self, *, timeout: float | None = None, progress=None) -> RunResult:
+        """Let the paused script run free to its end (a pause, Ctrl-C or ``until`` stops
+        it again at a step boundary)."""
+        self._require_paused()
+        return self.session.stepper.run(TO_THE_END, None, timeout=timeout, progress=progress)
+
+    def stop(self) -> dict:
+        """End a paused script on every rank now (its ``finally`` blocks run)."""
+        return self.session.run(_stop_on_rank)
+
+    def _require_paused(self) -> None:
+        if self.last is None:
+            raise DtlabError("no script is running: start one with %dt_script PATH [ARGS ...]")
+
+
+def _raise_failures(status: ScriptStatus) -> None:
+    """A script that failed on some ranks is one error naming them (the ranks stay)."""
+    failed = {r: o for r, o in status.outcomes.items() if o and o["kind"] == "failed"}
+    if failed:
+        failures = {
+            r: RemoteFailure(o["ename"], f"{o['evalue']} ({status.where(r)})", o["traceback"])
+            for r, o in failed.items()
+        }
+        finished = [r for r in status.states if r not in failed]
+        raise RankError(f"script {status.path}", failures, finished=finished)
+    steps = {status.steps[r] for r, s in status.states.items() if s == "paused"}
+    if len(steps) > 1:
+        raise DtlabError(
+            f"ranks paused at different steps {sorted(steps)}: "
+            f"{label_ranks(status.states)} should agree"
+        )

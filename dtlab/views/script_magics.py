@@ -1,0 +1,87 @@
+"""Magics for the user's own script: %dt_script, %dt_continue.
+
+%dt_script train.py --lr 3e-4     # run it on every rank as torchrun would; pause at step 0
+%dt_step 5                        # its next five optimizer steps, recorded
+%%dt print(script.model)          # the script's globals, on every rank, while paused
+%dt_continue                      # let it run to its end
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from dtlab.control.errors import RankError
+from dtlab.views.magics import current_session
+from dtlab.views.progress import delayed_progress
+from dtlab.views.reports import run_summary, script_summary
+
+USAGE_ERRORS = {"FileNotFoundError", "IsADirectoryError", "ValueError", "ScriptWorldError"}
+
+
+def _rank0_output(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+@magics_class
+class ScriptMagics(Magics):
+    @line_magic
+    @magic_arguments()
+    @argument(
+        "--cwd",
+        default=None,
+        metavar="DIR",
+        help="the script's working directory on every rank (default: the notebook's)",
+    )
+    @argument(
+        "--no-record",
+        action="store_true",
+        help="record only loss, LR, times and memory at each step",
+    )
+    @argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds the set-up (up to the first optimizer step) may take",
+    )
+    @argument("path", help="the script, as you would give it to torchrun")
+    @argument(
+        "args", nargs=argparse.REMAINDER, help="the script's own arguments (everything after PATH)"
+    )
+    def dt_script(self, line):
+        """Run your own torchrun script, unchanged, on every rank; it pauses at step 0 (just
+        before its first optimizer step updates the weights), then %dt_step / %dt_run /
+        %dt_continue drive it and %%dt cells see its globals as `script`."""
+        args = parse_argstring(self.dt_script, line)
+        session = current_session()
+        try:
+            status = session.run_script(
+                args.path,
+                args.args,
+                args.cwd,
+                record=not args.no_record,
+                timeout=args.timeout,
+                on_output=_rank0_output,
+            )
+        except RankError as e:  # the same bad input on every rank: say it once, plainly
+            kinds = {f.ename for f in e.failures.values()}
+            messages = {f.evalue for f in e.failures.values()}
+            if kinds <= USAGE_ERRORS and len(messages) == 1 and not (e.finished or e.stuck):
+                raise UsageError(messages.pop()) from None
+            raise
+        print(script_summary(status))
+
+    @line_magic
+    @magic_arguments()
+    @argument("--timeout", type=float, default=None, help="seconds before ranks are interrupted")
+    def dt_continue(self, line):
+        """Let the paused script run free to its end; Ctrl-C pauses every rank again."""
+        args = parse_argstring(self.dt_continue, line)
+        session = current_session()
+        result = session.continue_script(timeout=args.timeout, progress=delayed_progress())
+        print(run_summary(result, session.trace))
