@@ -29,6 +29,8 @@ def modules_after(import_line: str) -> set[str]:
         "import dtlab.records, dtlab.trace, dtlab.checkpoint_format, dtlab.analysis.resume",
         "import dtlab.agent.checkpoint, dtlab.agent.restore, dtlab.agent.dcp_io, dtlab.agent.rng",
         "import dtlab.agent.sidecar, dtlab.agent.data_stream, dtlab.analysis.hangs",
+        "import dtlab.agent.script, dtlab.agent.script_env, dtlab.agent.script_observe",
+        "import dtlab.agent.threads",
     ],
 )
 def test_pure_and_rank_side_code_import_no_notebook_library(line):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import builtins
 import gc
+import io
 import os
 import signal
 import sys
@@ -89,8 +90,12 @@ def start(path: str, argv: list[str], cwd: str | None, record: bool = True) -> d
         stop()
     run = ScriptRun(path, list(argv), cwd, record)
     _run = run
-    _bind("script", run.module)
-    run.resume()
+    run.engine_ns["script"] = run.module
+    run.engine_ns["script_locals"] = run.module.__dict__
+    try:
+        run.resume()
+    except ScriptEnded:
+        pass
     return run.status()
 
 
@@ -112,14 +117,6 @@ def step_boundary() -> None:
     """The script marks a step boundary itself (``dtlab.step_boundary()``)."""
     if _run is not None and not _run.over and script_observe._observer is not None:
         script_observe._observer.explicit_boundary()
-
-
-def _bind(name: str, value) -> None:
-    """Bind ``name`` in the rank's interactive namespace (``%%dt`` cells see it there):
-    the engine's ``__main__`` module is that namespace."""
-    main = sys.modules.get("__main__")
-    if main is not None:
-        main.__dict__[name] = value
 
 
 class ScriptRun:
@@ -146,9 +143,12 @@ class ScriptRun:
         self.handlers: dict[int, object] = {}  # signals the script handles, while it runs
         self._slice_saved: dict[int, object] | None = None
         self.streams: tuple | None = None
+        self.capture: list[str] | None = None  # while stepped: what it prints goes here
         self.started_at = time.time()
         self.setup_s: float | None = None
         self.folder = os.path.dirname(self.path)
+        # the rank's interactive namespace (%%dt cells): the engine's __main__ module
+        self.engine_ns = getattr(sys.modules.get("__main__"), "__dict__", {})
         self._modules_before = set(sys.modules)
         self.observer = script_observe.Observer(self._on_boundary)
         self.observer.recording = record
@@ -205,12 +205,21 @@ class ScriptRun:
                 return Outcome("exited", None, evalue="stopped by dtlab")
             file, line = _script_line(e, self.path)
             return Outcome(
-                "failed", None, type(e).__name__, str(e), traceback.format_exc(), file, line
+                "failed", None, type(e).__name__, str(e), _script_traceback(e), file, line
             )
         return Outcome("finished", 0)
 
     def _pause(self, event):
+        self.engine_ns["script_locals"] = self._locals_here()
         return self.glet.parent.switch(event)
+
+    def _locals_here(self) -> dict:
+        """The locals of the script's frame that made this optimizer step (its training
+        loop, inside ``main()`` for most scripts): read, and mutate objects, from ``%%dt``."""
+        frame = sys._getframe()
+        while frame is not None and os.path.abspath(frame.f_code.co_filename) != self.path:
+            frame = frame.f_back
+        return frame.f_locals if frame is not None else self.module.__dict__
 
     def _on_boundary(self, kind: str, optimizer) -> None:
         """Called inside the script's greenlet, from the optimizer hooks."""
@@ -237,6 +246,8 @@ class ScriptRun:
         sys.argv, sys.modules["__main__"] = self.argv, self.module
         if self.streams is not None:  # the script replaced them (a logger's tee, say)
             sys.stdout, sys.stderr = self.streams
+        elif self.capture is not None:
+            sys.stdout = sys.stderr = _Capture(self.capture)
         os.chdir(self.cwd)
         torch.set_grad_enabled(self.grad_enabled)
         self._slice_saved = {sig: _real_signal(sig, h) for sig, h in self.handlers.items()}
@@ -244,7 +255,7 @@ class ScriptRun:
             yield
         finally:
             self.argv, self.cwd, self.grad_enabled = sys.argv, os.getcwd(), torch.is_grad_enabled()
-            if (sys.stdout, sys.stderr) != engine[4:]:
+            if not isinstance(sys.stdout, _Capture) and (sys.stdout, sys.stderr) != engine[4:]:
                 self.streams = (sys.stdout, sys.stderr)
             for sig, handler in self._slice_saved.items():
                 _real_signal(sig, handler)
@@ -331,6 +342,7 @@ class ScriptJob(jobs.Job):
             record=run.record,
         )
         self.run = run
+        self.output: list[str] = []
         self.initial = self._initial_state()
         self._rngs = rng.fingerprints() if run.record else ()
 
@@ -341,6 +353,7 @@ class ScriptJob(jobs.Job):
         self._recording, self._buffer_prints = record, ()
         self._rngs = rng.fingerprints() if record else ()  # as the step begins
         script_observe.set_recording(record)
+        self.run.capture = self.output  # no ipyparallel request carries it: the reply does
         try:
             return self.run.resume()
         except ScriptEnded:
@@ -348,6 +361,13 @@ class ScriptJob(jobs.Job):
             if o is not None and o.kind == "failed":
                 raise ScriptFailed(o, self.step_count) from None
             raise
+        finally:
+            self.run.capture = None
+
+    def take_output(self) -> str:
+        """What the script printed since the last call (stdout and stderr, in order)."""
+        text, self.output[:] = "".join(self.output), []
+        return text
 
     def finish_step(self, skipped: bool) -> StepRecord:
         """Inside the script, at its step boundary: what this step did, kept and returned."""
@@ -389,6 +409,20 @@ class ScriptJob(jobs.Job):
         )
         self.records.append(rec)
         return rec
+
+
+class _Capture(io.TextIOBase):
+    """A text stream that keeps what is written (the script's prints while stepped)."""
+
+    def __init__(self, parts: list[str]):
+        self.parts = parts
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return len(text)
+
+    def writable(self) -> bool:
+        return True
 
 
 # --- finding what the script made ----------------------------------------------------------
@@ -494,6 +528,14 @@ def _compile(path: str):
         return compile(_source(path), path, "exec", dont_inherit=True)
     except SyntaxError as e:
         raise ValueError(f"{path} is not a Python script: {e.msg} at line {e.lineno}") from None
+
+
+def _script_traceback(error: BaseException) -> str:
+    """The traceback from the script's own first frame on (dtlab's runner left out)."""
+    tb = error.__traceback__
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(error), error, tb))
 
 
 def _script_line(error: BaseException, path: str) -> tuple[str, int | None]:

@@ -14,7 +14,8 @@ Protocol, one JSON frame per message, every message carries the session ``key``:
   ``{"op": "pause"}``;
 - rank -> notebook: ``{"kind": "hello" | "progress" | "done" | "error", "id", "rank",
   "step", "attach", "records": [one steps.jsonl line per step, a summary],
-  "stopped": "steps" | "until" | "pause" | "error", "hit": bool,
+  "stopped": "steps" | "until" | "pause" | "error" | "ended" (a script's end),
+  "output": what a script job printed meanwhile, "hit": bool,
   "error": {"ename", "evalue", "traceback"}}``.
 
 Ranks stay in step: every ``agree_every`` steps of a run (every step when a condition is
@@ -330,8 +331,11 @@ class StepServer:
         """Say what went wrong first, then meet the peers at the step boundary where they
         next agree (bounded), so they stop there too instead of waiting for this rank."""
         pending = state.pending if state is not None else []
-        error = {"ename": getattr(e, "ename", type(e).__name__), "evalue": str(e),  # a script's
-                 "traceback": getattr(e, "script_traceback", None) or traceback.format_exc()}
+        error = {
+            "ename": getattr(e, "ename", type(e).__name__),
+            "evalue": str(e),  # a script's
+            "traceback": getattr(e, "script_traceback", None) or traceback.format_exc(),
+        }
         self._send(
             "error",
             msg_id,
@@ -339,6 +343,7 @@ class StepServer:
             attach=jobs.attach_count(),
             records=self._lines(pending),
             error=error,
+            output=_output_of(job),
         )
         at = state.next_agreement() if state is not None else None
         if at is None:
@@ -361,5 +366,12 @@ class StepServer:
             step=job.step_count,
             attach=jobs.attach_count(),
             records=lines,
+            output=_output_of(job),
             **fields,
         )
+
+
+def _output_of(job) -> str:
+    """What a script job printed since the last reply (other jobs print nothing here)."""
+    take = getattr(job, "take_output", None)
+    return take() if take is not None else ""

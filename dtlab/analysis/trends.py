@@ -25,6 +25,9 @@ MiB = 1 << 20
 # What a rank computes itself; backward also holds DDP's all-reduce, where ranks wait.
 COMPUTE_PHASES = ("data", "forward", "optimizer")
 SLOWEST_FRACTION = 0.6  # a straggler is the slowest rank in at least this share of steps
+# ... and its extra compute is at least this share of a step: 0.2 ms more in a 17 ms step
+# is scheduling noise of 4 ranks on 2 cores (seen on a healthy script), not a straggler
+STRAGGLER_MIN_SHARE = 0.05
 
 LEAK_T_STAT = 4.0  # slope / its standard error
 LEAK_MIN_GROWTH = 4 * MiB  # fitted growth over the window, at least ...
@@ -112,7 +115,8 @@ def find_stragglers(
     all-reduce, so whole step times look alike; compute time does not. The first
     ``skip_first`` common steps (warm-up) are left out and at least ``min_steps`` must
     remain. Rule: a rank's compute / the median over ranks, per step, has a median of at
-    least ``threshold``, and the rank is the slowest in at least 60% of the steps.
+    least ``threshold``, the rank is the slowest in at least 60% of the steps, and its
+    median extra compute is at least STRAGGLER_MIN_SHARE of a step.
     """
     steps = aligned_steps(records)[skip_first:]
     if len(steps) < min_steps or len(records) < 2:
@@ -126,10 +130,14 @@ def find_stragglers(
     ratio = compute / np.maximum(np.median(compute, axis=1, keepdims=True), 1e-12)
     slowest = np.argmax(compute, axis=1)
     backward = np.array([[at[r].times.backward for r in ranks] for _, at in steps])
+    excess = compute - np.median(compute, axis=1, keepdims=True)
+    step_s = np.median([[at[r].times.total for r in ranks] for _, at in steps])
     found = []
     for i, rank in enumerate(ranks):
         slowest_in = int(np.sum(slowest == i))
-        if np.median(ratio[:, i]) >= threshold and slowest_in >= SLOWEST_FRACTION * len(steps):
+        matters = np.median(excess[:, i]) >= STRAGGLER_MIN_SHARE * step_s
+        if (np.median(ratio[:, i]) >= threshold and slowest_in >= SLOWEST_FRACTION * len(steps)
+                and matters):  # fmt: skip
             first = next(s for (s, _), r in zip(steps, ratio[:, i], strict=True) if r >= threshold)
             found.append(
                 _straggler_finding(rank, i, phases, ratio[:, i], backward, slowest_in, first)

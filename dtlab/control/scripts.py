@@ -30,6 +30,12 @@ def _start_on_rank(path: str, argv: list[str], cwd: str | None, record: bool) ->
     return start(path, argv, cwd, record)
 
 
+def _status_on_rank():
+    from dtlab.agent.script import status
+
+    return status()
+
+
 def _stop_on_rank():
     from dtlab.agent.script import stop
 
@@ -42,6 +48,13 @@ class Scripts:
     def __init__(self, session):
         self.session = session
         self.last: ScriptStatus | None = None
+        self.output: dict[int, str] = {}  # what each rank's script printed, this run
+        self.on_output: Callable[[str], None] | None = None  # rank 0's, as it comes
+
+    def _printed(self, rank: int, text: str) -> None:
+        self.output[rank] = self.output.get(rank, "") + text
+        if rank == 0 and self.on_output is not None:
+            self.on_output(text)
 
     def run(
         self,
@@ -60,6 +73,8 @@ class Scripts:
         argv = [str(a) for a in argv]
         session = self.session
         session.stepper._connect()
+        self.output, self.on_output = {}, on_output
+        session.stepper.on_output = self._printed  # steps bring it in their replies
         sent: dict = {}
         shown = [0]
 
@@ -81,6 +96,9 @@ class Scripts:
             )
         finally:
             progress(0, 0)
+            for rank, ar in sent.items():
+                if rank != 0:
+                    self.output[rank] = (ar.stdout or "") + (ar.stderr or "")
         status = ScriptStatus.from_ranks(path, argv, states, time.monotonic() - t0)
         self.last = status
         _raise_failures(status)
@@ -91,6 +109,16 @@ class Scripts:
         it again at a step boundary)."""
         self._require_paused()
         return self.session.stepper.run(TO_THE_END, None, timeout=timeout, progress=progress)
+
+    def refresh(self) -> ScriptStatus | None:
+        """Ask the ranks where their script stands now (after a run that ended it)."""
+        if self.last is None:
+            return None
+        states = self.session.run(_status_on_rank)
+        if any(s is None for s in states.values()):
+            return self.last
+        self.last = ScriptStatus.from_ranks(self.last.path, self.last.argv, states, 0.0)
+        return self.last
 
     def stop(self) -> dict:
         """End a paused script on every rank now (its ``finally`` blocks run)."""

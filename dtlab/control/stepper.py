@@ -88,6 +88,7 @@ class Stepper:
         self.watch_modules = False  # name the first module with a non-finite output
         self.record_outputs = False  # fingerprint every module's output (bisection)
         self.interrupted = False  # a run was ended by SIGINT: collectives may hang on
+        self.on_output: Callable[[int, str], None] | None = None  # what a script prints
 
     # --- connecting and tracing --------------------------------------------------------
     def _connect(self) -> None:
@@ -180,6 +181,8 @@ class Stepper:
                 self._regroup = True  # its agreement may be left pending in the old group
 
     def ingest(self, rank: int, reply: dict) -> None:
+        if reply.get("output") and self.on_output is not None:
+            self.on_output(rank, reply["output"])
         if reply.get("attach") != self.attach_counts.get(rank):
             self._calls_seen = -1  # attached behind our back: look again before the next run
         if reply.get("records"):

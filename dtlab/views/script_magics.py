@@ -85,3 +85,5 @@ class ScriptMagics(Magics):
         session = current_session()
         result = session.continue_script(timeout=args.timeout, progress=delayed_progress())
         print(run_summary(result, session.trace))
+        if result.stopped == "ended":
+            print(script_summary(session.scripts.refresh()))

@@ -32,6 +32,7 @@ from dtlab.views.reports import (
     findings_table,
     job_summary,
     run_summary,
+    script_summary,
 )
 
 
@@ -49,6 +50,14 @@ def _config_items(pairs: list[str]) -> dict:
             except ValueError:
                 raise UsageError(f"--set {key}: {value!r} is not a number") from None
     return config
+
+
+def _script_end(session, result) -> None:
+    """A run that ended the user's script: how it ended (exit code, error) per rank."""
+    if result.stopped == "ended":
+        status = session.scripts.refresh()
+        if status is not None:
+            print(script_summary(status))
 
 
 @magics_class
@@ -130,6 +139,7 @@ class TrainingMagics(Magics):
             progress=delayed_progress(),
         )
         print(run_summary(result, session.trace))  # dt.step() / dt.run_until() return it
+        _script_end(session, result)
 
     @line_magic
     @magic_arguments()
@@ -159,6 +169,7 @@ class TrainingMagics(Magics):
             condition, max_steps=args.max_steps, timeout=args.timeout, progress=delayed_progress()
         )
         print(run_summary(result, session.trace))  # dt.step() / dt.run_until() return it
+        _script_end(session, result)
 
     @line_magic
     def dt_findings(self, line):

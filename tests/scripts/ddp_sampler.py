@@ -44,8 +44,7 @@ def main():
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=1)
     if args.same_data:
         sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=1)
-    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler,
-                        num_workers=args.workers)
+    loader = DataLoader(data, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     if not args.no_ddp:
         model = DDP(model)

@@ -1,0 +1,242 @@
+"""Users' own training scripts, unchanged, on 4 live ranks with %dt_script, and the same
+scripts under plain torchrun in the same test: the losses must be bit-identical.
+
+The scripts in tests/scripts/ are written in the forms people write them: the DDP
+tutorial's (argparse, DistributedSampler, clipping, a hand-set LR), nanoGPT's (module
+globals, random windows, its own accumulation), a GradScaler loop, accelerate, and a
+main() that ends with sys.exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtlab.agent.threads import thread_env
+from dtlab.control.errors import RankError
+from tests.conftest import rank_threads
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+TORCHRUN_TIMEOUT_S = 180
+
+
+def torchrun(session, script: str, args: list[str], n: int = 4) -> None:
+    """The script under plain torchrun, at the ranks' thread count (another count rounds
+    differently: dtlab/agent/threads.py)."""
+    env = {**os.environ, **thread_env(rank_threads(session))}
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = [*run, f"--nproc-per-node={n}", str(SCRIPTS / script), *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def losses_in(folder: Path, n: int = 4) -> dict[int, list]:
+    return {r: json.loads((folder / f"rank{r}.json").read_text()) for r in range(n)}
+
+
+def recorded(session, field: str = "loss") -> dict[int, list]:
+    return {r: [getattr(rec, field) for rec in recs] for r, recs in session.trace.records.items()}
+
+
+def test_the_ddp_tutorial_script_runs_unchanged_and_matches_torchrun(live4, tmp_path):
+    dt = live4
+    args = ["--steps", "10", "--batch-size", "8"]
+    torchrun(dt, "ddp_sampler.py", [*args, "--out", str(tmp_path / "torchrun")])
+    status = dt.run_script(str(SCRIPTS / "ddp_sampler.py"), [*args, "--out", str(tmp_path / "dt")])
+    assert status.paused and set(status.steps.values()) == {0}
+    assert any("init_process_group(backend='gloo') uses dtlab's group" in n for n in status.notes)
+    found = (status.model, status.wrapper, status.optimizers)
+    assert found == ("Sequential", "DistributedDataParallel", ("SGD",))
+
+    result = dt.step(5)
+    assert result.last_step == 5
+    assert {r: recs[-1].step for r, recs in dt.trace.records.items()} == {r: 5 for r in range(4)}
+    # paused inside main(): its locals are readable (and their objects changeable) from %%dt
+    seen = dt.execute("len(script_locals['losses']), script_locals['step']")
+    assert {o.result for o in seen.values()} == {"(4, 4)"}  # appended after optimizer.step()
+
+    end = dt.continue_script()
+    assert end.stopped == "ended" and end.last_step == 10
+    mine, theirs = losses_in(tmp_path / "dt"), losses_in(tmp_path / "torchrun")
+    assert mine == theirs  # bit for bit, step by step, on every rank
+    assert recorded(dt) == mine  # what dtlab recorded is what the script computed
+    from tests.scripts.ddp_sampler import lr_at
+
+    assert recorded(dt, "lr")[0] == [lr_at(s, 0.05) for s in range(10)]  # set by hand
+    norms = [rec.grad_norm for rec in dt.trace.records[0]]
+    assert all(0 < n <= 1.0 + 1e-6 for n in norms)  # after the script's own clipping (1.0)
+    indices = recorded(dt, "indices")
+    assert all(len(ix) == 8 for recs in indices.values() for ix in recs)
+    assert dt.doctor() == []  # a healthy script: no finding
+    # its destroy_process_group() left the group alive: the ranks take the next job
+    notes = dt.scripts.refresh().notes
+    assert any("destroy_process_group() left dtlab's group alive" in n for n in notes)
+    out = dt.execute("t = torch.ones(1); dist.all_reduce(t); t.item()")
+    assert {o.result for o in out.values()} == {"4.0"}
+
+
+@pytest.mark.parametrize(
+    "bug, kind, ranks",
+    [
+        (["--same-data"], "data_order", (0, 1, 2, 3)),
+        (["--no-ddp"], "divergence", (1, 2, 3)),
+        (["--lr-rank", "2"], "learning_rate", (2,)),
+    ],
+)
+def test_planted_bugs_in_a_script_are_named_with_their_ranks(live4, bug, kind, ranks):
+    dt = live4
+    dt.run_script(str(SCRIPTS / "ddp_sampler.py"), ["--steps", "8", *bug])
+    assert dt.continue_script().stopped == "ended"
+    found = [f for f in dt.doctor() if f.kind == kind]
+    assert found, [f.summary for f in dt.doctor()]
+    assert set(found[0].ranks) & set(ranks), (found[0].ranks, found[0].summary)
+    assert found[0].step in (1, 2)
+
+
+def test_a_nanogpt_style_script_with_its_own_accumulation(live4, tmp_path):
+    dt = live4
+    torchrun(dt, "lm_windows.py", [f"--out={tmp_path / 'torchrun'}"])
+    status = dt.run_script(str(SCRIPTS / "lm_windows.py"), [f"--out={tmp_path / 'dt'}"])
+    assert status.paused and status.model == "TinyLM"
+    dt.step(2)
+    rec = dt.trace.records[0][-1]
+    # four backward() calls per step, only the last one synchronised (its own toggle)
+    assert (rec.micro_batches, rec.synced_micro_batches) == (4, 1)
+    assert dt.continue_script().last_step == 6
+    mine = losses_in(tmp_path / "dt")
+    assert mine == losses_in(tmp_path / "torchrun")
+    assert recorded(dt) == mine  # the sum of what backward() was called on, per step
+    assert dt.doctor() == []
+
+
+def test_a_script_variable_changed_while_paused_takes_effect(live4):
+    dt = live4
+    dt.run_script(str(SCRIPTS / "lm_windows.py"), ["--max_iters=4"])
+    dt.step(1)
+    assert {o.result for o in dt.execute("script.grad_clip").values()} == {"1.0"}
+    dt.execute("script.grad_clip = 1e-3")  # its module globals, on every rank
+    dt.continue_script()
+    norms = recorded(dt, "grad_norm")[0]
+    assert norms[0] > 1e-3 and all(n <= 1e-3 * (1 + 1e-5) for n in norms[1:])
+
+
+def test_a_grad_scaler_step_that_skips_is_still_a_step(live4, tmp_path):
+    dt = live4
+    args = ["--steps", "6", "--inf-at", "2"]
+    torchrun(dt, "amp_scaler.py", [*args, "--out", str(tmp_path / "torchrun")])
+    dt.run_script(str(SCRIPTS / "amp_scaler.py"), [*args, "--out", str(tmp_path / "dt")])
+    dt.continue_script()
+    assert losses_in(tmp_path / "dt") == losses_in(tmp_path / "torchrun")
+    assert recorded(dt, "skipped")[0] == [False, False, True, False, False, False]
+    assert recorded(dt, "scale")[0] == [1024.0] * 3 + [512.0] * 3  # backed off after it
+    assert [v for v, _ in losses_in(tmp_path / "dt")[1]][:2] == recorded(dt)[1][:2]  # unscaled
+
+
+def test_an_accelerate_script(live4, tmp_path):
+    dt = live4
+    torchrun(dt, "with_accelerate.py", [str(tmp_path / "torchrun")])
+    status = dt.run_script(str(SCRIPTS / "with_accelerate.py"), [str(tmp_path / "dt")])
+    assert status.paused and status.optimizers == ("AdamW",)
+    dt.continue_script()
+    mine = losses_in(tmp_path / "dt")
+    assert mine == losses_in(tmp_path / "torchrun")
+    assert recorded(dt) == {r: [loss for loss, _ in pairs] for r, pairs in mine.items()}
+    assert recorded(dt, "lr")[0] == [lr for _, lr in mine[0]]  # what its scheduler set
+
+
+def test_sys_exit_is_reported_per_rank_and_signal_handlers_work(live4):
+    dt = live4
+    engine_handlers = dt.run(lambda: str(signal.getsignal(signal.SIGTERM)))
+    dt.run_script(str(SCRIPTS / "exits.py"), ["--code", "3"])  # it calls signal.signal
+    assert dt.continue_script().stopped == "ended"
+    status = dt.scripts.refresh()
+    assert {o["kind"] for o in status.outcomes.values()} == {"exited"}
+    assert {o["code"] for o in status.outcomes.values()} == {3}
+    assert dt.run(lambda: str(signal.getsignal(signal.SIGTERM))) == engine_handlers
+
+
+def test_an_exception_in_the_script_is_one_error_and_the_ranks_stay(live4):
+    dt = live4
+    dt.run_script(str(SCRIPTS / "exits.py"), ["--fail-at", "2"])
+    with pytest.raises(RankError) as e:
+        dt.continue_script()
+    text = str(e.value)
+    assert "ranks 0-3 raised RuntimeError: planted failure at step 2" in text
+    assert "at step 2, exits.py:" in text
+    assert "dtlab/agent/script.py" not in e.value.failures[0].traceback
+    assert set(dt.run(os.getpid)) == {0, 1, 2, 3}
+    assert dt.run_script(str(SCRIPTS / "exits.py"), []).paused  # the next script runs
+
+
+BAD_SCRIPTS = {
+    "world.py": "import torch.distributed as dist\ndist.init_process_group('gloo', world_size=8)\n",
+    "nccl.py": "import torch.distributed as dist\ndist.init_process_group('nccl')\n",
+    "spawn.py": "import torch.multiprocessing as mp\n\ndef work(i):\n    pass\n\n"
+    "mp.spawn(work, nprocs=2)\n",
+}
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("missing.py", "no script"),
+        ("binary.py", "not a Python script"),
+        ("syntax.py", "not a Python script: invalid syntax at line 1"),
+        ("world.py", "world_size=8, but there are 4 ranks"),
+        ("nccl.py", "backend 'nccl', but these ranks run 'gloo'"),
+        ("spawn.py", "starts its own worker processes"),
+    ],
+)
+def test_bad_scripts_are_refused_clearly_and_the_ranks_stay(live4, tmp_path, name, message):
+    dt = live4
+    path = tmp_path / name
+    if name == "binary.py":
+        path.write_bytes(b"\x7fELF\x00\x01")
+    elif name == "syntax.py":
+        path.write_text("def (:\n")
+    elif name in BAD_SCRIPTS:
+        path.write_text(BAD_SCRIPTS[name])
+    with pytest.raises(RankError) as e:
+        dt.run_script(str(path))
+    assert message in str(e.value)
+    assert e.value.stuck == () and set(dt.run(os.getpid)) == {0, 1, 2, 3}
+
+
+def test_a_script_that_never_steps_says_so(live4, tmp_path, ip):
+    path = tmp_path / "nostep.py"
+    path.write_text(
+        "import torch\nw = torch.ones(2, requires_grad=True)\n"
+        "(w * 2).sum().backward()\nprint('done without a step')\n"
+    )
+    ip.run_line_magic("dt_launch", "4")
+    out = _captured(ip, "dt_script", str(path))
+    assert "done without a step" in out
+    assert "finished on ranks 0-3 after 0 optimizer steps" in out
+    assert "never called optimizer.step() (1 backward() calls)" in out
+
+
+def test_the_magics_run_a_script_and_pass_it_its_arguments(live4, ip, tmp_path):
+    ip.run_line_magic("dt_launch", "4")
+    out = _captured(ip, "dt_script", f"--cwd {tmp_path} {SCRIPTS / 'ddp_sampler.py'} --steps 3")
+    assert "ddp_sampler.py paused on ranks 0-3 at step 0" in out
+    assert _captured(ip, "dt_step", "1").startswith("step 1 in")
+    out = _captured(ip, "dt_continue", "")
+    assert "step 1 loss" in out or "step 2 loss" in out  # rank 0's prints, as they came
+    assert "finished on ranks 0-3 after 3 optimizer steps" in out
+    with pytest.raises(Exception, match="no script"):
+        ip.run_line_magic("dt_script", str(tmp_path / "nope.py"))
+
+
+def _captured(ip, magic: str, line: str) -> str:
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as out:
+        ip.run_line_magic(magic, line)
+    return out.stdout
