@@ -186,3 +186,24 @@ def test_data_runbook_finds_shared_shards_a_missing_set_epoch_and_a_slow_rank():
     slow, fixed = (data_ms(f) for f in figures(code, "%dt_plot times"))
     assert slow["rank 1"] > 50 and all(slow[f"rank {r}"] < 20 for r in (0, 2, 3))
     assert all(ms < 20 for ms in fixed.values())
+
+
+def test_your_own_script_runbook_pauses_it_finds_its_bug_and_runs_the_fix():
+    code = run_clean("11_your_own_script.ipynb")
+    started = texts(code, "%dt_script --cwd {folder} train.py --steps 20")[0]
+    assert "train.py paused on ranks 0-3 at step 0" in started
+    assert "init_process_group(backend='gloo') uses dtlab's group" in started
+    stepped = texts(code, "%dt_step 5")[0]
+    # what rank 0 printed after each step came back while it ran (step 5 prints once resumed)
+    assert "step 4: loss " in stepped and "step 5: loss" not in stepped
+    assert "steps 1-5 in " in stepped
+    batch = texts(code, "%%dt\nx = script_locals")[0]
+    assert batch.startswith("ranks 0-3: batch (16, 16), first sample sums to ")
+    found = texts(code, "%dt_doctor")[0]
+    assert "ranks 0-3" in found and "DistributedSampler" in found
+    fixed = texts(code, "%dt_script --cwd {folder} train.py --steps 20 --shard")[0]
+    assert "steps 1-20 in " in fixed and "finished on ranks 0-3 after 20 optimizer steps" in fixed
+    evidence = texts(code, "from itertools import combinations")[0]
+    assert "epoch 0: 256 samples per rank, 0 read by two ranks" in evidence
+    assert "epoch 1: 64 samples per rank, 0 read by two ranks" in evidence
+    assert "no problem found: every check passed" in evidence

@@ -217,3 +217,16 @@ def test_an_exact_linear_leak_is_found_whatever_its_residual_order():
         for i, r in enumerate(recs[1])
     ]
     assert [f.ranks for f in find_leaks(recs)] == [(1,)]
+
+
+def test_a_rank_slower_by_a_sliver_of_the_step_is_no_straggler():
+    # seen on a healthy 4-rank script on 2 cores: 0.9 vs 0.7 ms of compute (1.3x) in a
+    # step of ~17 ms spent mostly in the all-reduce; nobody waits for 0.2 ms
+    rng = np.random.default_rng(3)
+    times = np.empty((4, 12, 4))
+    for rank in range(4):
+        times[rank] = rng.uniform(0.95, 1.05, (12, 4)) * [0.0002, 0.0003, 0.016, 0.0002]
+    times[1, :, 0] += 0.0003  # 1.4x the others' compute, 1.7% of the step
+    assert find_stragglers(with_times(times)) == []
+    times[1, :, 0] += 0.004  # now a quarter of the step: the others do wait for it
+    assert [f.ranks for f in find_stragglers(with_times(times))] == [(1,)]
