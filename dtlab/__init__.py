@@ -92,9 +92,10 @@ def session() -> Session:
     return lifecycle.current()
 
 
-def attach(model, optimizer, data, loss_fn, **options):
+def attach(model, optimizer, data, loss_fn=None, **options):
     """Rank side: hand this rank's training job to dtlab (call it on every rank, e.g. in a
-    ``%%dt`` cell). See :func:`dtlab.agent.job.attach` for the options."""
+    ``%%dt`` cell): ``loss_fn(model, batch)``, or ``step=fn(batch)`` for a whole step of
+    your own. See :func:`dtlab.agent.job.attach` for the options."""
     from dtlab.agent.job import attach as attach_on_rank
 
     return attach_on_rank(model, optimizer, data, loss_fn, **options)

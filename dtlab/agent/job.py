@@ -45,8 +45,11 @@ def attach(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     data: Iterable,
-    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
     *,
+    step: Callable[[Any], Any] | None = None,
+    before_step: Callable[[torch.nn.Module, torch.optim.Optimizer], None] | None = None,
+    lr: Callable[[int], float] | None = None,
     scheduler: Any = None,
     scaler: Any = None,
     record: bool = True,
@@ -64,6 +67,14 @@ def attach(
     (e.g. ``sampler.set_epoch``). ``record=False`` keeps only loss, LR, times and memory.
     ``accumulate=k`` makes each step k micro-batches; with DDP only the last one syncs
     gradients unless ``no_sync=False`` (DDP's all-reduces are then counted each step).
+    ``before_step(model, optimizer)`` runs after backward (and unscale), before the step:
+    clipping, say. ``lr(step)`` sets every group's LR before each step (step counts from 0).
+
+    Or hand over the whole step: ``step=fn``, ``fn(batch) -> loss`` doing its own
+    zero_grad, backward, clipping, optimizer (and scheduler) step; dtlab watches it through
+    the optimizer and backward hooks (:mod:`dtlab.agent.step_fn_job`), as for a script.
+    Gradients are always recorded after every hook on the optimizer (a manual all-reduce in
+    a pre-hook included): what the step used.
     """
     global _job, _attach_count
     if not isinstance(model, torch.nn.Module):
@@ -72,16 +83,57 @@ def attach(
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    if not callable(loss_fn):
-        raise TypeError("loss_fn must be callable as loss_fn(model, batch) -> loss tensor")
+    if (loss_fn is None) == (step is None):
+        raise TypeError(
+            "give either loss_fn(model, batch) -> loss, or step=fn(batch) that "
+            "does the whole step (backward and optimizer step too), not both"
+        )
+    if not callable(loss_fn if step is None else step):
+        what = "loss_fn(model, batch) -> loss tensor" if step is None else "step=fn(batch)"
+        raise TypeError(f"{what} must be callable")
+    for name, fn in (("before_step", before_step), ("lr", lr)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name}= must be callable, got {type(fn).__name__}")
+    if step is not None and (before_step or lr or accumulate != 1 or scheduler or scaler):
+        raise TypeError(
+            "with step=fn the function does the whole step: leave out "
+            "before_step, lr, accumulate, scheduler and scaler"
+        )
     if capacity < 1:
         raise ValueError(f"capacity must be at least 1 step, got {capacity}")
     if accumulate < 1:
         raise ValueError(f"accumulate must be at least 1 micro-batch, got {accumulate}")
     _attach_count += 1
-    _job = Job(model, optimizer, data, loss_fn, scheduler=scheduler, scaler=scaler,
-               record=record, capacity=capacity, indices=indices, on_epoch=on_epoch,
-               accumulate=accumulate, no_sync=no_sync)  # fmt: skip
+    if step is not None:
+        from dtlab.agent.step_fn_job import StepFnJob
+
+        _job = StepFnJob(
+            model,
+            optimizer,
+            data,
+            step,
+            record=record,
+            capacity=capacity,
+            indices=indices,
+            on_epoch=on_epoch,
+        )
+    else:
+        _job = Job(
+            model,
+            optimizer,
+            data,
+            loss_fn,
+            scheduler=scheduler,
+            scaler=scaler,
+            record=record,
+            capacity=capacity,
+            indices=indices,
+            on_epoch=on_epoch,
+            accumulate=accumulate,
+            no_sync=no_sync,
+            before_step=before_step,
+            lr=lr,
+        )
     return _job.info
 
 
@@ -114,8 +166,10 @@ class Job:
 
     def __init__(self, model, optimizer, data, loss_fn, *, scheduler=None, scaler=None,
                  record=True, capacity=DEFAULT_CAPACITY, indices=None, on_epoch=None,
-                 accumulate=1, no_sync=True):  # fmt: skip
+                 accumulate=1, no_sync=True, before_step=None, lr=None):  # fmt: skip
         self.model = model
+        self.before_step = before_step
+        self.lr_at = lr
         self.module = getattr(model, "module", model)  # the user's model inside DDP
         self.optimizer = optimizer
         self.data = data
@@ -186,15 +240,19 @@ class Job:
         rngs = rng.fingerprints() if record else ()  # before the step draws from them
         if self.comm is not None:
             self.comm.reset()
+        if self.lr_at is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = float(self.lr_at(self.step_count))
         loss, indices, epoch, (data_s, forward_s, backward_s) = self._accumulate()
         t3 = self._now()
         lr = self.optimizer.param_groups[0].get("lr")
         scale = float(self.scaler.get_scale()) if self.scaler is not None else None
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # record true gradients, not scaled ones
-        grads = self._grad_fields() if record else {}
+        if self.before_step is not None:
+            self.before_step(self.model, self.optimizer)
         t4 = self._now()
-        skipped = self._optimizer_step()
+        skipped, grads, grads_s = self._step_recording_grads(record)
         self.step_count += 1  # at once: the parameters have moved, whatever comes next
         t5 = self._now()
         params = self._param_fields() if record else {}
@@ -207,7 +265,9 @@ class Job:
             lr=float(lr) if lr is not None else None,
             scale=scale,
             skipped=skipped,
-            times=StepTimes(data_s, forward_s, backward_s, t5 - t4, (t4 - t3) + (t6 - t5)),
+            times=StepTimes(
+                data_s, forward_s, backward_s, t5 - t4 - grads_s, (t4 - t3) + grads_s + (t6 - t5)
+            ),
             memory=recorder.memory(self.params, self.optimizer, self.device, self._buffer_bytes()),
             indices=indices,
             epoch=epoch,
@@ -262,6 +322,33 @@ class Job:
         if key not in self._record_size:
             self._record_size[key] = recorder.object_bytes(last)
         return len(self.records) * self._record_size[key]
+
+    def _step_recording_grads(self, record: bool) -> tuple[bool, dict, float]:
+        """The optimizer step, with the gradients recorded as it used them: in a post-hook,
+        which runs after every hook on the optimizer (a manual all-reduce in a pre-hook
+        included). A step the GradScaler skipped fires no hook: then as they are after it.
+        -> (skipped, gradient fields, seconds spent recording them)."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        seen: dict = {}
+
+        def capture(optimizer, args, kwargs) -> None:
+            if optimizer is self.optimizer and not seen:
+                t0 = time.perf_counter()
+                seen.update(self._grad_fields(), _s=time.perf_counter() - t0)
+
+        handle = register_optimizer_step_post_hook(capture) if record else None
+        try:
+            skipped = self._optimizer_step()
+        finally:
+            if handle is not None:
+                handle.remove()
+        spent = seen.pop("_s", 0.0)
+        if record and not seen:
+            t0 = time.perf_counter()
+            seen = self._grad_fields()
+            spent += time.perf_counter() - t0
+        return skipped, seen, spent
 
     def _optimizer_step(self) -> bool:
         if self.scaler is None:

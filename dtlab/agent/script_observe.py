@@ -143,7 +143,7 @@ class Observer:
         """The step's loss: the sum of what backward() was called on (nan: none)."""
         if not draft.losses:
             return math.nan
-        return math.fsum(float(v) for v in draft.losses)
+        return sum(float(v) for v in draft.losses)  # left to right, as `total += loss.item()`
 
     # --- forward (only while recording) -------------------------------------------------
     def on_forward_pre(self, module) -> None:
