@@ -240,3 +240,39 @@ def _captured(ip, magic: str, line: str) -> str:
     with capture_output() as out:
         ip.run_line_magic(magic, line)
     return out.stdout
+
+
+def _children(session) -> dict[int, list[int]]:
+    import psutil
+
+    return {r: [c.pid for c in psutil.Process(i.pid).children(recursive=True)]
+            for r, i in session.infos.items()}  # fmt: skip
+
+
+def test_dataloader_workers_record_the_same_samples_and_end_with_the_script(live4, tmp_path):
+    dt = live4
+    args = ["--steps", "6", "--workers", "2"]
+    dt.run_script(str(SCRIPTS / "ddp_sampler.py"), ["--steps", "6", "--out", str(tmp_path / "0")])
+    dt.continue_script()
+    inline = recorded(dt, "indices")
+    before = _children(dt)  # what each engine always has (its sidecar's process)
+    dt.run_script(str(SCRIPTS / "ddp_sampler.py"), [*args, "--out", str(tmp_path / "2")])
+    dt.step(2)
+    assert all(len(_children(dt)[r]) == len(before[r]) + 2 for r in range(4))  # 2 workers each
+    dt.continue_script()
+    assert recorded(dt, "indices") == inline  # prefetched ahead, attributed in order
+    assert losses_in(tmp_path / "2") == losses_in(tmp_path / "0")
+    assert _children(dt) == before  # shut down when the script ended
+
+
+def test_a_hung_set_up_is_interrupted_by_the_timeout_and_the_ranks_stay(live4, tmp_path):
+    from dtlab.control.errors import RankTimeoutError
+
+    dt = live4
+    path = tmp_path / "slow.py"
+    path.write_text("import time\nprint('loading the dataset...', flush=True)\ntime.sleep(600)\n")
+    with pytest.raises(RankTimeoutError) as e:
+        dt.run_script(str(path), timeout=3)
+    assert e.value.stopped == (0, 1, 2, 3) and e.value.stuck == ()
+    assert "loading the dataset" in dt.scripts.output[0]
+    assert dt.run_script(str(SCRIPTS / "exits.py"), []).paused  # usable at once

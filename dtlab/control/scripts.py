@@ -21,6 +21,7 @@ from dtlab.analysis.ranks import label_ranks
 from dtlab.control.errors import DtlabError, RankError
 from dtlab.records import RemoteFailure, RunResult, ScriptStatus
 
+OUTPUT_WAIT_S = 2.0
 TO_THE_END = 10**12  # steps of a run that only the script's end (or a pause) stops
 
 
@@ -76,18 +77,18 @@ class Scripts:
         self.output, self.on_output = {}, on_output
         session.stepper.on_output = self._printed  # steps bring it in their replies
         sent: dict = {}
-        shown = [0]
+        shown = [0, 0]  # characters of rank 0's stdout, stderr passed on
 
         def request(view, rank):
             sent[rank] = view.apply_async(_start_on_rank, path, argv, cwd, record)
             return sent[rank]
 
         def progress(done, total):
-            if on_output is not None and 0 in sent:
-                text = sent[0].stdout or ""
-                if len(text) > shown[0]:
-                    on_output(text[shown[0] :])
-                    shown[0] = len(text)
+            if 0 in sent:  # ipyparallel streams the engine's output while it runs
+                for i, text in enumerate((sent[0].stdout or "", sent[0].stderr or "")):
+                    if len(text) > shown[i]:
+                        self._printed(0, text[shown[i] :])
+                        shown[i] = len(text)
 
         t0 = time.monotonic()
         try:
@@ -95,6 +96,9 @@ class Scripts:
                 request, None, what=f"script {path}", timeout=timeout, progress=progress
             )
         finally:
+            for ar in sent.values():  # output travels apart from the reply: let it land
+                if ar.done():
+                    ar.wait_for_output(OUTPUT_WAIT_S)
             progress(0, 0)
             for rank, ar in sent.items():
                 if rank != 0:
