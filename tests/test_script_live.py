@@ -276,3 +276,14 @@ def test_a_hung_set_up_is_interrupted_by_the_timeout_and_the_ranks_stay(live4, t
     assert e.value.stopped == (0, 1, 2, 3) and e.value.stuck == ()
     assert "loading the dataset" in dt.scripts.output[0]
     assert dt.run_script(str(SCRIPTS / "exits.py"), []).paused  # usable at once
+
+
+def test_a_checkpoint_of_a_script_job_is_refused_not_made_wrong(live4, tmp_path):
+    dt = live4
+    dt.checkpoint_root = tmp_path / "checkpoints"
+    dt.run_script(str(SCRIPTS / "exits.py"), ["--steps", "4"])
+    dt.step(1)
+    with pytest.raises(Exception, match="checkpoints of a script job are not supported yet"):
+        dt.checkpoint()
+    assert not list((tmp_path / "checkpoints").glob("**/manifest.json"))
+    assert dt.continue_script().stopped == "ended"  # the script went on unharmed

@@ -325,6 +325,14 @@ class ScriptRun:
         }
 
 
+SCRIPT_CHECKPOINTS = (
+    "checkpoints of a script job are not supported yet: dtlab cannot restore where the "
+    "script's own loop and data are (its iterator, its step counter), so a resume would "
+    "be silently wrong. Use the script's own checkpointing; dt.checkpoint(), "
+    "%dt_resume_check, %dt_restart and replays work on attached jobs (dtlab.attach)"
+)
+
+
 class ScriptJob(jobs.Job):
     """The job a script runs, as the stepping channel and the doctor see it: found at the
     first optimizer step (the model that owns the optimizer's parameters, seen through
@@ -342,6 +350,7 @@ class ScriptJob(jobs.Job):
             record=run.record,
         )
         self.run = run
+        self.checkpoint_problem = SCRIPT_CHECKPOINTS
         self.output: list[str] = []
         self.initial = self._initial_state()
         self._rngs = rng.fingerprints() if run.record else ()
