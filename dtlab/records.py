@@ -190,6 +190,9 @@ class StepRecord:
     micro_batches: int = 1  # gradient accumulation: forward/backward passes in this step
     # of those, how many synchronised gradients under DDP (None: not known, or no DDP)
     synced_micro_batches: int | None = None
+    # a script job: fingerprints of the tensors its model's outermost forward calls got,
+    # in order (data checks compare ranks by them when no sample indices were recorded)
+    input_fingerprints: tuple[int, ...] = ()
     comm_calls: int | None = None  # DDP gradient all-reduces in this step (when counted)
     comm_bytes: int | None = None
     # ((generator, fingerprint), ...) of every RNG as the step began (dtlab.agent.rng)

@@ -314,3 +314,33 @@ def test_an_unshuffled_padded_sampler_is_not_a_missing_set_epoch():
     size = NUM_RANKS * STEPS_PER_EPOCH * BATCH - 2  # the last batch wraps to the start
     result = check_data_order(evidence(ddp_job(size, shuffle=False)))
     assert [f.severity for f in result.findings] == ["advice"]  # the padding, nothing more
+
+
+def windows_job(same_on=(), num_ranks=4, num_steps=6):
+    """A script with its own batching: no indices, one input fingerprint per micro-batch;
+    ranks in ``same_on`` draw what rank ``same_on[0]`` draws."""
+    records = {}
+    for rank in range(num_ranks):
+        source = same_on[0] if rank in same_on else rank
+        prints = [(1000 * source + s, 7 * s) for s in range(1, num_steps + 1)]
+        records[rank] = [
+            step_record(s, rank, indices=(), input_fingerprints=p) for s, p in enumerate(prints, 1)
+        ]
+    return records
+
+
+def test_ranks_fed_the_same_inputs_are_named_without_sample_indices():
+    result = check_data_order(evidence(windows_job(same_on=(0, 1, 2, 3))))
+    finding = only(result, "error")
+    assert finding.ranks == (0, 1, 2, 3) and finding.step == 1
+    assert "fed their model the same inputs in 6 of 6 steps" in finding.summary
+    assert "torch.manual_seed(seed + rank)" in finding.fix
+    two = only(check_data_order(evidence(windows_job(same_on=(1, 3)))), "error")
+    assert two.ranks == (1, 3)
+
+
+def test_different_inputs_on_every_rank_pass_and_say_what_was_looked_at():
+    result = check_data_order(evidence(windows_job()))
+    assert result.findings == ()
+    assert "model input fingerprints" in result.looked_at
+    assert "no two ranks fed their model the same inputs" in result.passed_because

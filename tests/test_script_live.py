@@ -116,6 +116,15 @@ def test_a_nanogpt_style_script_with_its_own_accumulation(live4, tmp_path):
     assert dt.doctor() == []
 
 
+def test_ranks_drawing_the_same_windows_are_named_without_sample_indices(live4):
+    dt = live4
+    dt.run_script(str(SCRIPTS / "lm_windows.py"), ["--same_seed=1"])
+    dt.continue_script()
+    [found] = [f for f in dt.doctor() if f.kind == "data_order"]
+    assert found.ranks == (0, 1, 2, 3) and found.step == 1
+    assert "fed their model the same inputs in 6 of 6 steps" in found.summary
+
+
 def test_a_script_variable_changed_while_paused_takes_effect(live4):
     dt = live4
     dt.run_script(str(SCRIPTS / "lm_windows.py"), ["--max_iters=4"])

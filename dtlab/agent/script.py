@@ -411,6 +411,7 @@ class ScriptJob(jobs.Job):
             nonfinite_module=self.watcher.first_bad,
             micro_batches=draft.backward_calls,
             synced_micro_batches=draft.synced_calls if draft.ddp_seen else None,
+            input_fingerprints=tuple(draft.input_prints),
             rng=self._rngs,
             module_outputs=tuple(self.outputs.prints) if self.recording_outputs else (),
             **grads,

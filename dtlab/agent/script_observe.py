@@ -52,7 +52,7 @@ class StepDraft:
     data_s: float = 0.0
     indices: list = field(default_factory=list)
     passes: list = field(default_factory=list)  # (position in indices, pass number)
-    forward_inputs: int = 0
+    input_prints: list = field(default_factory=list)  # outermost forwards' input tensors
 
 
 class Observer:
@@ -146,11 +146,13 @@ class Observer:
         return sum(float(v) for v in draft.losses)  # left to right, as `total += loss.item()`
 
     # --- forward (only while recording) -------------------------------------------------
-    def on_forward_pre(self, module) -> None:
+    def on_forward_pre(self, module, inputs) -> None:
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             self._last_sync = bool(module.require_backward_grad_sync and torch.is_grad_enabled())
         if self._depth == 0:
             self._forward_t0 = time.perf_counter()
+            if torch.is_grad_enabled():  # training inputs, not an evaluation's
+                self.draft.input_prints.extend(_input_prints(inputs))
         self._depth += 1
 
     def on_forward_post(self) -> None:
@@ -172,6 +174,21 @@ class Observer:
         if not d.passes or d.passes[-1][1] != pass_number:
             d.passes.append((len(d.indices), pass_number))
         d.indices.extend(_flat_indices(index))
+
+
+INPUT_PRINT_ELEMENTS = 1 << 20  # a batch is told apart by its first million values
+
+
+def _input_prints(inputs) -> list[int]:
+    """Fingerprints of the data tensors a forward got (not ones that need gradients:
+    those are activations of an earlier module, such as logits into a loss module)."""
+    from dtlab.agent.recorder import fingerprint
+
+    found = []
+    for t in inputs if isinstance(inputs, (tuple, list)) else (inputs,):
+        if isinstance(t, torch.Tensor) and not t.requires_grad and t.numel():
+            found.append(fingerprint(t.detach().reshape(-1)[:INPUT_PRINT_ELEMENTS]))
+    return found
 
 
 def _flat_indices(index) -> list[int]:
@@ -260,7 +277,7 @@ def _post_hook(optimizer, args, kwargs) -> None:
 
 def _forward_pre(module, inputs) -> None:
     if _observer is not None:
-        _observer.on_forward_pre(module)
+        _observer.on_forward_pre(module, inputs)
 
 
 def _forward_post(module, inputs, output) -> None:

@@ -77,6 +77,7 @@ class StepFnJob(Job):
             nonfinite_module=self.watcher.first_bad,
             micro_batches=draft.backward_calls,
             synced_micro_batches=draft.synced_calls if draft.ddp_seen else None,
+            input_fingerprints=tuple(draft.input_prints),
             rng=rngs,
             module_outputs=tuple(self.outputs.prints) if self.recording_outputs else (),
             **grads,

@@ -15,6 +15,7 @@ import numpy as np
 
 from dtlab.analysis.evidence import CheckResult, Evidence, shape_of
 from dtlab.analysis.ranks import label_ranks
+from dtlab.analysis.trends import aligned_steps
 from dtlab.records import Finding, StepRecord
 
 Records = Mapping[int, Sequence[StepRecord]]
@@ -52,20 +53,64 @@ def check_data_order(evidence: Evidence) -> CheckResult:
     """
     records = evidence.records
     has_indices = any(rec.indices for recs in records.values() for rec in recs)
+    has_inputs = any(rec.input_fingerprints for recs in records.values() for rec in recs)
     findings = []
     if has_indices:
         findings += _overlap_findings(records)
         findings += _same_order_findings(records)
+    elif has_inputs:
+        findings += _same_inputs_findings(records)
     findings += _data_wait_findings(records)
-    what = "sample indices by epoch and" if has_indices else "(sample indices not recorded)"
+    what = ("sample indices by epoch and" if has_indices else
+            "model input fingerprints (no sample indices) and" if has_inputs else
+            "(sample indices not recorded)")  # fmt: skip
     why = "no rank waited for data over 30% of a step" + (
         "; no two ranks read a sample in one epoch; each epoch came in a new order"
         if has_indices
+        else "; no two ranks fed their model the same inputs (set_epoch not checked: no "
+        "sample indices were recorded)"
+        if has_inputs
         else " (shard overlap and set_epoch not checked: sample indices were not recorded)"
     )
     looked = f"{shape_of(records)} of {what} data time per step"
     return CheckResult("data_order", "Data sharding and input pipeline", tuple(findings),
                        looked, "" if findings else why)  # fmt: skip
+
+
+SAME_INPUTS_FIX = (
+    "draw each rank's batches differently: seed its sampling with its rank "
+    "(torch.manual_seed(seed + rank), as nanoGPT does) or shard the data with "
+    "DistributedSampler(dataset, num_replicas=world_size, rank=rank)"
+)
+
+
+def _same_inputs_findings(records: Records) -> list[Finding]:
+    """Ranks whose model got bit-identical inputs at the same step, in at least half of the
+    steps (and two): without sample indices, the fingerprints of the model's input tensors
+    tell that the ranks train on the same data."""
+    steps = [(s, at) for s, at in aligned_steps(records)
+             if all(rec.input_fingerprints for rec in at.values())]  # fmt: skip
+    shared: dict[tuple[int, ...], list[int]] = {}
+    for step, at in steps:
+        groups: dict[tuple, list[int]] = {}
+        for rank, rec in sorted(at.items()):
+            groups.setdefault(rec.input_fingerprints, []).append(rank)
+        for ranks in groups.values():
+            if len(ranks) > 1:
+                shared.setdefault(tuple(ranks), []).append(step)
+    found = []
+    for ranks, at_steps in sorted(shared.items()):
+        if len(at_steps) >= max(2, len(steps) / 2):
+            summary = (
+                f"{label_ranks(ranks)} fed their model the same inputs in {len(at_steps)} of "
+                f"{len(steps)} steps, from step {at_steps[0]} (equal fingerprints of the input "
+                "tensors; no sample indices were recorded): they train on the same data, so "
+                f"{len(ranks)} ranks do the work of one"
+            )
+            evidence = {"steps": at_steps[:20], "num_steps": len(steps)}
+            found.append(Finding("data_order", ranks, summary, at_steps[0], evidence,
+                                 SAME_INPUTS_FIX, "error"))  # fmt: skip
+    return found
 
 
 _E, _I, _R, _S, _FIRST, _LAST = range(6)  # columns of the index table

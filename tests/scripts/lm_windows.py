@@ -22,6 +22,7 @@ vocab = 64
 learning_rate = 1e-2
 grad_clip = 1.0
 out = ""
+same_seed = 0  # planted bug: every rank draws the same windows
 for arg in sys.argv[1:]:  # nanoGPT's configurator, in short
     key, _, value = arg.removeprefix("--").partition("=")
     if key not in globals():
@@ -34,12 +35,13 @@ if ddp:
     rank = int(os.environ["RANK"])
 else:
     rank = 0
-torch.manual_seed(1337 + rank)
+# each rank draws its own windows (the model's own seed below must not reset this)
+windows = torch.Generator().manual_seed(1337 + (0 if same_seed else rank))
 text = torch.randint(0, vocab, (4096,), generator=torch.Generator().manual_seed(0))
 
 
 def get_batch():
-    ix = torch.randint(len(text) - block_size - 1, (batch_size,))
+    ix = torch.randint(len(text) - block_size - 1, (batch_size,), generator=windows)
     x = torch.stack([text[i : i + block_size] for i in ix])
     y = torch.stack([text[i + 1 : i + 1 + block_size] for i in ix])
     return x, y
