@@ -118,15 +118,30 @@ def run_state(steps, agree_every=1, until=None, index=0, agreed_at=-1):
     return state
 
 
+def agreements(state, step_s):
+    """The iterations at which ``state`` agrees when every agreement says ``step_s``."""
+    found = []
+    for i in range(state.steps):
+        if state.must_agree(i):
+            found.append(i)
+            state.agreed_at = i
+            state.agreed(i, step_s)
+    return found
+
+
 def test_every_rank_agrees_at_the_same_iterations_and_a_failed_rank_finds_the_next():
-    plain = run_state(10, agree_every=3)
-    assert [i for i in range(10) if plain.must_agree(i)] == [2, 5, 8]  # never the last
+    assert agreements(run_state(10, agree_every=3), step_s=0.34) == [2, 4, 6, 8]  # ~1 s apart
+    assert agreements(run_state(12, agree_every=3), step_s=0.2) == [2, 7]  # never the last
+    # a first run knows no step time (every step): twice as far each time, up to ~1 s apart
+    assert agreements(run_state(100, agree_every=1), step_s=0.03) == [0, 2, 6, 14, 30, 62, 95]
     assert [i for i in range(4) if run_state(4, until=Condition("nonfinite")).must_agree(i)] == [
         0, 1, 2, 3
     ]  # fmt: skip
     assert run_state(10, 3, index=0).next_agreement() == 2
     assert run_state(10, 3, index=2).next_agreement() == 2  # failed before agreeing at 2
-    assert run_state(10, 3, index=2, agreed_at=2).next_agreement() == 5
+    after = run_state(10, 3, index=2, agreed_at=2)
+    after.agreed(2, 0.34)
+    assert after.next_agreement() == 4
     assert run_state(10, 3, index=9).next_agreement() is None  # peers finish, no agreement
     assert run_state(1, until=Condition("loss_above", 1.0)).next_agreement() == 0
     assert run_state(1).next_agreement() is None

@@ -183,7 +183,9 @@ def test_an_error_mid_run_stops_the_other_ranks_at_the_step_boundary(live4):
     assert list(info.value.failures) == [2] and "step 4 on purpose" in str(info.value)
     assert set(info.value.finished) == {0, 1, 3} and info.value.stuck == ()
     steps = {rank: recs[-1].step for rank, recs in dt.trace.records.items()}
-    assert steps[2] == 3 and max(steps.values()) <= 5  # the others stopped, not ran on
+    # the others stopped at their next agreement, not ran on to step 20: agreements come
+    # twice as many steps apart each time (after steps 1, 3, 7, ...) up to ~1 s apart
+    assert steps[2] == 3 and max(steps.values()) <= 2 * 4
     assert dt.step(3).stopped == "steps"  # it raised once: the ranks go on together
 
 

@@ -41,6 +41,9 @@ from dtlab.agent import job as jobs
 from dtlab.records import Condition, StepRecord, step_record_to_dict
 
 AGREE_AFTER_ERROR_S = 5.0  # a failed rank waits this long for peers at the step boundary
+AGREE_S = 1.0  # in a plain run, ranks agree (pause?) about this often: one agreement costs
+# ~5 ms at 8 ranks on 2 cores, so agreeing at every step of a 30 ms job would add ~15%
+MAX_AGREE_EVERY = 1000
 AGREE_POLL_S = 0.0005  # polling the agreement keeps SIGINT deliverable
 
 _server: StepServer | None = None
@@ -119,20 +122,22 @@ class Agreement:
     hit: bool = False  # the condition held on some rank
     failed: bool = False  # some rank failed in this step
     differ: bool = False  # the ranks' fingerprints are not all equal
+    step_s: float = 0.0  # the slowest rank's seconds per step since the last agreement
 
 
 def agree(pause: bool, hit: bool, fp: int, *, failed: bool = False, seq: int = 0,
-          timeout_s: float | None = None) -> Agreement:  # fmt: skip
+          timeout_s: float | None = None, step_s: float = 0.0) -> Agreement:  # fmt: skip
     """What all ranks say together (one all-reduce). ``seq`` numbers the agreement: ranks
     that disagree on it are out of step (RuntimeError). The wait polls, so SIGINT can break
-    it; with ``timeout_s`` a rank stops waiting for peers (TimeoutError)."""
+    it; with ``timeout_s`` a rank stops waiting for peers (TimeoutError). ``step_s``: this
+    rank's seconds per step since the last agreement; every rank gets the slowest's."""
     import torch.distributed as dist
 
     group = control_group()
     if group is None:
         return Agreement(pause, hit, failed)
-    flags = torch.tensor([int(pause), int(hit), int(failed), fp, -fp, seq, -seq],
-                         dtype=torch.int64)  # fmt: skip
+    flags = torch.tensor([int(pause), int(hit), int(failed), fp, -fp, seq, -seq,
+                          int(step_s * 1e6)], dtype=torch.int64)  # fmt: skip
     work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while not work.is_completed():
@@ -140,13 +145,16 @@ def agree(pause: bool, hit: bool, fp: int, *, failed: bool = False, seq: int = 0
             raise TimeoutError(f"peers did not reach the step boundary within {timeout_s:g} s")
         time.sleep(AGREE_POLL_S)
     work.wait()  # raises the collective's own error, if it had one
-    some_pause, some_hit, some_failed, top, neg_bottom, seq_top, neg_seq_bottom = flags.tolist()
+    some_pause, some_hit, some_failed, top, neg_bottom, seq_top, neg_seq_bottom, us = (
+        flags.tolist()
+    )
     if seq_top != -neg_seq_bottom:
         raise RuntimeError(
             "ranks are out of step in their agreements (a leftover of a failed run); the "
             "notebook rebuilds their control group before the next run"
         )
-    return Agreement(bool(some_pause), bool(some_hit), bool(some_failed), top != -neg_bottom)
+    return Agreement(bool(some_pause), bool(some_hit), bool(some_failed), top != -neg_bottom,
+                     us / 1e6)  # fmt: skip
 
 
 @contextmanager
@@ -174,6 +182,10 @@ class _RunState:
     hit: bool = False
     index: int = 0  # the iteration being worked on
     agreed_at: int = -1  # the last iteration whose agreement this rank entered
+    next_at: int = -1  # the iteration of the next agreement (in a plain run)
+
+    def __post_init__(self):
+        self.next_at = self.agree_every - 1
 
     @classmethod
     def from_message(cls, msg: dict) -> _RunState:
@@ -190,7 +202,16 @@ class _RunState:
         """The same answer on every rank (it depends on the message only)."""
         if self.until is not None:
             return True  # stop exactly at the step the condition held
-        return index < self.steps - 1 and (index + 1) % self.agree_every == 0
+        return index < self.steps - 1 and index == self.next_at
+
+    def agreed(self, index: int, step_s: float) -> None:
+        """After the agreement at ``index``: the next one twice as many steps later, up to
+        about AGREE_S later by the step time every rank was told (the same on every rank, so
+        they meet again). Doubling keeps the first steps of a new job watched closely (a
+        failure there stops the peers within as many steps again) at log2(n) agreements."""
+        target = max(1, min(MAX_AGREE_EVERY, int(AGREE_S / max(step_s, 1e-4))))
+        self.agree_every = min(target, 2 * self.agree_every)
+        self.next_at = index + self.agree_every
 
     def seq(self, index: int) -> int:
         return self.msg_id * 2**24 + index
@@ -200,8 +221,7 @@ class _RunState:
         start = self.index + 1 if self.agreed_at == self.index else self.index
         if self.until is not None:
             return start if start < self.steps else None
-        first = -(-(start + 1) // self.agree_every) * self.agree_every - 1  # next multiple
-        return first if first <= self.steps - 2 else None
+        return self.next_at if start <= self.next_at <= self.steps - 2 else None
 
 
 def _check_condition(state: _RunState) -> None:
@@ -296,7 +316,7 @@ class StepServer:
             self._fail(e, job, state, msg.get("id"))
 
     def _loop(self, job, state: _RunState) -> None:
-        last_report = time.monotonic()
+        last_report = last_agreed = time.monotonic()
         for index in range(state.steps):
             state.index = index
             try:
@@ -312,8 +332,13 @@ class StepServer:
             state.hit = condition_holds(state.until, rec)
             if state.must_agree(index):
                 pause = self._pause_asked()
+                now = time.monotonic()
+                step_s = (now - last_agreed) / (index - state.agreed_at)
                 state.agreed_at = index
-                said = agree(pause, state.hit, _combined_fingerprint(rec), seq=state.seq(index))
+                said = agree(pause, state.hit, _combined_fingerprint(rec), seq=state.seq(index),
+                             step_s=step_s)  # fmt: skip
+                state.agreed(index, said.step_s)
+                last_agreed = now
                 met = said.hit
                 if state.until is not None and state.until.kind == "diverged":
                     state.hit = met = said.differ
