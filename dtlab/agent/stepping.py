@@ -145,9 +145,7 @@ def agree(pause: bool, hit: bool, fp: int, *, failed: bool = False, seq: int = 0
             raise TimeoutError(f"peers did not reach the step boundary within {timeout_s:g} s")
         time.sleep(AGREE_POLL_S)
     work.wait()  # raises the collective's own error, if it had one
-    some_pause, some_hit, some_failed, top, neg_bottom, seq_top, neg_seq_bottom, us = (
-        flags.tolist()
-    )
+    some_pause, some_hit, some_failed, top, neg_bottom, seq_top, neg_seq_bottom, us = flags.tolist()
     if seq_top != -neg_seq_bottom:
         raise RuntimeError(
             "ranks are out of step in their agreements (a leftover of a failed run); the "
