@@ -296,3 +296,26 @@ def test_a_checkpoint_of_a_script_job_is_refused_not_made_wrong(live4, tmp_path)
         dt.checkpoint()
     assert not list((tmp_path / "checkpoints").glob("**/manifest.json"))
     assert dt.continue_script().stopped == "ended"  # the script went on unharmed
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_two_optimizers_step_once_per_iteration(live4, tmp_path, explicit):
+    dt = live4
+    flags = ["--explicit"] if explicit else []
+    torchrun(dt, "two_optimizers.py", [*flags, f"--out={tmp_path / 'torchrun'}"])
+    status = dt.run_script(str(SCRIPTS / "two_optimizers.py"), [*flags, f"--out={tmp_path / 'dt'}"])
+    assert status.paused
+    dt.run_until("step>=2")  # %dt_run --until on a script job
+    assert {recs[-1].step for recs in dt.trace.records.values()} == {2}
+    assert dt.continue_script().last_step == 5  # five iterations, five steps
+    mine = losses_in(tmp_path / "dt")
+    assert mine == losses_in(tmp_path / "torchrun")
+    d, g = zip(*mine[0], strict=True)
+    if explicit:  # from its first step_boundary() on, that call ends each iteration
+        # (the first iteration's boundary was the discriminator's step: dtlab cannot read
+        # ahead whether the script will call it)
+        expected = [d[0], g[0] + d[1] + g[1]] + [d[i] + g[i] for i in range(2, 5)]
+    else:  # the first optimizer to step (the discriminator's) marks the boundaries, so a
+        # step's loss sums the backward() calls since the last: g_loss before, d_loss now
+        expected = [d[0]] + [g[i - 1] + d[i] for i in range(1, 5)]
+    assert recorded(dt)[0] == expected

@@ -152,7 +152,6 @@ class ScriptRun:
         self._modules_before = set(sys.modules)
         self.observer = script_observe.Observer(self._on_boundary)
         self.observer.recording = record
-        self.observer.explicit = "step_boundary(" in _source(self.path)
         self.glet = greenlet.greenlet(self._main)
         sys.path.insert(0, self.folder)
         script_env.install(self.notes)

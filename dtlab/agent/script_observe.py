@@ -66,6 +66,7 @@ class Observer:
         self.recording = True
         self.marker: torch.optim.Optimizer | None = None  # the optimizer whose steps count
         self.explicit = False  # the script calls dtlab.step_boundary() itself
+        self.steps_marked = 0  # boundaries made at the marking optimizer's steps
         self.optimizers: list = []  # every optimizer seen stepping, in order
         self.started = False  # the first boundary ("pre") has been reached
         self._depth = 0
@@ -96,6 +97,7 @@ class Observer:
         self._post_seen += 1
         if optimizer is self.marker and not self.explicit:
             self.optimizer_s = time.perf_counter() - self._opt_t0
+            self.steps_marked += 1
             self.boundary("step", optimizer)
 
     def on_scaler_step_done(self, optimizer, posts_before: int) -> None:
@@ -110,14 +112,20 @@ class Observer:
             self.boundary("pre", optimizer)
         if optimizer is self.marker and not self.explicit:
             self.optimizer_s = 0.0
+            self.steps_marked += 1
             self.boundary("skipped", optimizer)
 
     def explicit_boundary(self) -> None:
-        """``dtlab.step_boundary()`` in the script: a boundary here, none at steps."""
-        self.explicit = True
+        """``dtlab.step_boundary()`` in the script: from its first call on, a boundary at
+        each call and none at optimizer steps. A first call that ends an iteration whose
+        optimizer step was a boundary already is not one more (the script cannot be read
+        ahead: whether it calls step_boundary() may depend on its arguments)."""
+        first, self.explicit = not self.explicit, True
         if not self.started:  # no optimizer stepped yet: begin at the first call
             self.started = True
             self.boundary("pre", None)
+        if first and self.steps_marked:
+            return
         self.boundary("step", None)
 
     def take_draft(self) -> StepDraft:
