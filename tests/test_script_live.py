@@ -319,3 +319,23 @@ def test_two_optimizers_step_once_per_iteration(live4, tmp_path, explicit):
         # step's loss sums the backward() calls since the last: g_loss before, d_loss now
         expected = [d[0]] + [g[i - 1] + d[i] for i in range(1, 5)]
     assert recorded(dt)[0] == expected
+
+
+def test_what_other_ranks_print_is_shown_after_each_magic_identical_text_once(live4, ip, tmp_path):
+    path = tmp_path / "chatty.py"
+    path.write_text(
+        "import os\nimport torch\n"
+        "print('hello from', os.environ['RANK'])\n"
+        "w = torch.nn.Linear(2, 1)\nopt = torch.optim.SGD(w.parameters(), lr=0.1)\n"
+        "for i in range(3):\n"
+        "    w(torch.ones(1, 2)).sum().backward()\n"
+        "    opt.step()\n"
+        "    print('done a step')\n"
+    )
+    ip.run_line_magic("dt_launch", "4")
+    started = _captured(ip, "dt_script", str(path))
+    assert "hello from 0" in started  # rank 0 live
+    assert "printed on other ranks:\nrank 1: hello from 1\nrank 2: hello from 2\n" in started
+    stepped = _captured(ip, "dt_step", "2")
+    assert "printed on other ranks:\nranks 1-3: done a step\n" in stepped  # grouped, once
+    assert stepped.count("done a step") == 2  # rank 0's line, then ranks 1-3's

@@ -51,6 +51,17 @@ class Scripts:
         self.last: ScriptStatus | None = None
         self.output: dict[int, str] = {}  # what each rank's script printed, this run
         self.on_output: Callable[[str], None] | None = None  # rank 0's, as it comes
+        self._shown: dict[int, int] = {}  # characters of each rank's output handed out
+
+    def unshown(self, skip: tuple[int, ...] = (0,)) -> dict[int, str]:
+        """What each rank (but ``skip``, whose output went out live) printed since the
+        last call: ``{rank: text}``."""
+        new = {}
+        for rank, text in sorted(self.output.items()):
+            if rank not in skip and len(text) > self._shown.get(rank, 0):
+                new[rank] = text[self._shown.get(rank, 0) :]
+            self._shown[rank] = len(text)
+        return new
 
     def _printed(self, rank: int, text: str) -> None:
         self.output[rank] = self.output.get(rank, "") + text
@@ -74,7 +85,7 @@ class Scripts:
         argv = [str(a) for a in argv]
         session = self.session
         session.stepper._connect()
-        self.output, self.on_output = {}, on_output
+        self.output, self.on_output, self._shown = {}, on_output, {}
         session.stepper.on_output = self._printed  # steps bring it in their replies
         sent: dict = {}
         shown = [0, 0]  # characters of rank 0's stdout, stderr passed on

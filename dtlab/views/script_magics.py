@@ -16,6 +16,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from dtlab.control.errors import RankError
+from dtlab.views.cells import collate
 from dtlab.views.magics import current_session
 from dtlab.views.progress import delayed_progress
 from dtlab.views.reports import run_summary, script_summary
@@ -26,6 +27,15 @@ USAGE_ERRORS = {"FileNotFoundError", "IsADirectoryError", "ValueError", "ScriptW
 def _rank0_output(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def show_other_ranks(session) -> None:
+    """What ranks other than 0 printed meanwhile (rank 0's came live), identical text once."""
+    scripts = session._scripts
+    others = scripts.unshown() if scripts is not None else {}
+    text = collate(others)
+    if text:
+        print(f"printed on other ranks:\n{text}", end="")
 
 
 @magics_class
@@ -74,6 +84,7 @@ class ScriptMagics(Magics):
             if kinds <= USAGE_ERRORS and len(messages) == 1 and not (e.finished or e.stuck):
                 raise UsageError(messages.pop()) from None
             raise
+        show_other_ranks(session)
         print(script_summary(status))
 
     @line_magic
@@ -84,6 +95,7 @@ class ScriptMagics(Magics):
         args = parse_argstring(self.dt_continue, line)
         session = current_session()
         result = session.continue_script(timeout=args.timeout, progress=delayed_progress())
+        show_other_ranks(session)
         print(run_summary(result, session.trace))
         if result.stopped == "ended":
             print(script_summary(session.scripts.refresh()))

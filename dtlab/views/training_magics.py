@@ -34,6 +34,7 @@ from dtlab.views.reports import (
     run_summary,
     script_summary,
 )
+from dtlab.views.script_magics import show_other_ranks
 
 
 def _config_items(pairs: list[str]) -> dict:
@@ -138,6 +139,7 @@ class TrainingMagics(Magics):
             timeout=args.timeout,
             progress=delayed_progress(),
         )
+        show_other_ranks(session)  # a script's; rank 0's came as it printed
         print(run_summary(result, session.trace))  # dt.step() / dt.run_until() return it
         _script_end(session, result)
 
@@ -168,6 +170,7 @@ class TrainingMagics(Magics):
         result = session.run_until(
             condition, max_steps=args.max_steps, timeout=args.timeout, progress=delayed_progress()
         )
+        show_other_ranks(session)  # a script's; rank 0's came as it printed
         print(run_summary(result, session.trace))  # dt.step() / dt.run_until() return it
         _script_end(session, result)
 
