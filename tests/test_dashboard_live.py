@@ -131,3 +131,29 @@ def test_a_pause_that_a_rank_cannot_reach_ends_in_sigint_not_a_hang(live4, monke
     assert dt.collectives_may_hang()
     fresh = dtlab.launch(4, progress=quiet)
     assert fresh is not dt and not fresh.collectives_may_hang()
+
+
+def test_the_dashboard_steps_pauses_and_ends_a_script_job(live4):
+    from pathlib import Path
+
+    dt = live4
+    script = Path(__file__).resolve().parent / "scripts" / "lm_windows.py"
+    dt.run_script(str(script), ["--max_iters=300"])
+
+    async def drive():
+        dash = dt.dashboard()
+        dash.step_button.click()
+        assert (await dash.wait()).last_step == 1
+        dash.num_steps.value = 100_000
+        dash.run_button.click()
+        await asyncio.sleep(0.5)
+        dash.pause_button.click()
+        paused = await dash.wait()
+        assert paused.stopped == "pause" and 1 < paused.last_step < 300
+        assert {recs[-1].step for recs in dt.trace.records.values()} == {paused.last_step}
+        dash.run_button.click()  # on to the script's own end
+        ended = await dash.wait()
+        assert (ended.stopped, ended.last_step) == ("ended", 300)
+        assert all(loss_steps(dash, r)[-1] == 300 for r in range(4))
+
+    asyncio.run(asyncio.wait_for(drive(), timeout=120))
