@@ -295,6 +295,9 @@ def test_a_checkpoint_of_a_script_job_is_refused_not_made_wrong(live4, tmp_path)
     with pytest.raises(Exception, match="checkpoints of a script job are not supported yet"):
         dt.checkpoint()
     assert not list((tmp_path / "checkpoints").glob("**/manifest.json"))
+    for refused in (dt.resume_check, dt.restart):  # say why, not "call dt.set_job_setup"
+        with pytest.raises(Exception, match="checkpoints of a script job are not supported"):
+            refused()
     assert dt.continue_script().stopped == "ended"  # the script went on unharmed
 
 

@@ -70,6 +70,13 @@ def _records(first: int, last: int) -> list:
     return [r for r in current().records if first <= r.step <= last]
 
 
+def _checkpoint_problem() -> str | None:
+    """Why the attached job cannot be checkpointed or rebuilt (a script job), or None."""
+    from dtlab.agent.job import _job
+
+    return getattr(_job, "checkpoint_problem", None)
+
+
 def _set_up(setup: Callable, args: tuple, kwargs: dict) -> Any:
     return setup(*args, **kwargs)
 
@@ -195,8 +202,22 @@ class CheckpointMixin:
             raise TypeError("setup must be a function run on every rank, or %%dt cell source")
         self.job_setup = (setup, args, kwargs)
 
+    def refuse_unbuildable_job(self) -> None:
+        """A job dtlab cannot rebuild on fresh engines (a script job) is refused with why,
+        before anything looks for checkpoints. A rank that cannot be asked (dead) says
+        nothing here: what follows reports it."""
+        if self.job_setup is not None:
+            return
+        try:
+            problem = self.run(_checkpoint_problem, ranks=[0], timeout=10)[0]
+        except DtlabError:
+            return
+        if problem:
+            raise DtlabError(problem)
+
     def set_up_job(self) -> None:
         if self.job_setup is None:
+            self.refuse_unbuildable_job()  # a script job: why, not how to set one up
             raise DtlabError(
                 "dtlab does not know how to build your job on fresh engines: call "
                 "dt.set_job_setup(fn) with a function that attaches it on every rank "
