@@ -295,9 +295,8 @@ def test_a_checkpoint_of_a_script_job_is_refused_not_made_wrong(live4, tmp_path)
     with pytest.raises(Exception, match="checkpoints of a script job are not supported yet"):
         dt.checkpoint()
     assert not list((tmp_path / "checkpoints").glob("**/manifest.json"))
-    for refused in (dt.resume_check, dt.restart):  # say why, not "call dt.set_job_setup"
-        with pytest.raises(Exception, match="checkpoints of a script job are not supported"):
-            refused()
+    with pytest.raises(Exception, match="checkpoints of a script job are not supported"):
+        dt.resume_check()  # says why, not "call dt.set_job_setup"
     assert dt.continue_script().stopped == "ended"  # the script went on unharmed
 
 
@@ -342,3 +341,21 @@ def test_what_other_ranks_print_is_shown_after_each_magic_identical_text_once(li
     stepped = _captured(ip, "dt_step", "2")
     assert "printed on other ranks:\nranks 1-3: done a step\n" in stepped  # grouped, once
     assert stepped.count("done a step") == 2  # rank 0's line, then ranks 1-3's
+
+
+def test_a_dead_rank_is_recovered_by_running_the_script_again_to_its_step(live4, tmp_path, ip):
+    dt = live4
+    args = ["--steps", "10", "--out"]
+    torchrun(dt, "ddp_sampler.py", [*args, str(tmp_path / "torchrun")])
+    dt.run_script(str(SCRIPTS / "ddp_sampler.py"), [*args, str(tmp_path / "dt")])
+    dt.step(4)
+    os.kill(dt.infos[2].pid, signal.SIGKILL)
+    with pytest.raises(RankError, match="rank 2 died"):
+        dt.step(1)
+    out = _captured(ip, "dt_restart", "")
+    assert "restarted 4 ranks in " in out and "the script ran again to step 4" in out
+    assert "its parameters are bit for bit those of the first run" in out
+    event = dt.restarts[-1]
+    assert (event["rerun"], event["step"], event["differ"]) == (True, 4, [])
+    assert dt.continue_script().last_step == 10
+    assert losses_in(tmp_path / "dt") == losses_in(tmp_path / "torchrun")  # as if never died

@@ -327,8 +327,9 @@ class ScriptRun:
 SCRIPT_CHECKPOINTS = (
     "checkpoints of a script job are not supported yet: dtlab cannot restore where the "
     "script's own loop and data are (its iterator, its step counter), so a resume would "
-    "be silently wrong. Use the script's own checkpointing; dt.checkpoint(), "
-    "%dt_resume_check, %dt_restart and replays work on attached jobs (dtlab.attach)"
+    "be silently wrong. %dt_restart runs the script again on fresh ranks to the step it "
+    "was at (and checks its weights got there); use the script's own checkpointing "
+    "otherwise. dt.checkpoint(), %dt_resume_check and replays work on attached jobs"
 )
 
 

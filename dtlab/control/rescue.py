@@ -165,6 +165,8 @@ class RecoveryMixin:
         t0 = time.monotonic()
         if self._stepper is not None and self._stepper.active is not None:
             raise DtlabError("a dashboard run is in progress: pause it before restarting")
+        if self.job_setup is None and self._scripts is not None and self._scripts.is_current():
+            return self._scripts.restart(reason=reason, progress=progress)  # run again
         self.refuse_unbuildable_job()
         chosen = self.find_checkpoint(from_checkpoint) if from_checkpoint is not None else None
         kept = (self.stepper.record_outputs, self.stepper.watch_modules)  # a new stepper comes

@@ -50,6 +50,9 @@ class Scripts:
         self.session = session
         self.last: ScriptStatus | None = None
         self.output: dict[int, str] = {}  # what each rank's script printed, this run
+        self.attach_counts: dict[int, int] = {}  # the ranks' attach counts once it paused
+        self.cwd: str | None = None
+        self.record = True
         self.on_output: Callable[[str], None] | None = None  # rank 0's, as it comes
         self._shown: dict[int, int] = {}  # characters of each rank's output handed out
 
@@ -115,9 +118,47 @@ class Scripts:
                 if rank != 0:
                     self.output[rank] = (ar.stdout or "") + (ar.stderr or "")
         status = ScriptStatus.from_ranks(path, argv, states, time.monotonic() - t0)
-        self.last = status
+        self.last, self.cwd, self.record = status, cwd, record
         _raise_failures(status)
+        if status.paused:  # which job the ranks hold now: a later attach replaces it
+            session.stepper._sync_job()
+            self.attach_counts = dict(session.stepper.attach_counts)
         return status
+
+    def is_current(self) -> bool:
+        """Is the job on the ranks the script this object last ran (not attached since)?"""
+        stepper = self.session._stepper
+        return bool(self.attach_counts) and stepper is not None and (
+            stepper.attach_counts == self.attach_counts
+        )
+
+    def restart(self, *, reason: str = "asked", progress=None) -> dict:
+        """Fresh engines; the script run again from its start and stepped to the step it
+        was at (recording off but for the last step), whose parameter fingerprints are
+        compared with the first run's: a script's own loop and data position cannot be
+        loaded from a checkpoint, but a deterministic script gets back there exactly."""
+        from dtlab.control import lifecycle
+
+        session, t0 = self.session, time.monotonic()
+        target = session.current_step()
+        before = session.trace.at(target) if target else {}
+        path, argv = self.last.path, self.last.argv
+        lifecycle.renew(session, progress or (lambda *a: None))
+        self.run(path, argv, self.cwd, record=self.record, on_output=self.on_output)
+        if target > 1:
+            session.stepper.run(target - 1, None, record=False)
+        if target:
+            session.stepper.run(1, None, record=True)
+        after = session.trace.at(target) if target else {}
+        differ = sorted(r for r, rec in before.items() if rec.param_fingerprint
+                        and after.get(r) is not None
+                        and after[r].param_fingerprint != rec.param_fingerprint)  # fmt: skip
+        event = {"time": time.time(), "reason": reason, "seconds": time.monotonic() - t0,
+                 "checkpoint": None, "step": target, "rerun": True,
+                 "compared": bool(before) and all(r.param_fingerprint for r in before.values()),
+                 "differ": differ}  # fmt: skip
+        session.restarts.append(event)
+        return event | {"loaded": {}}
 
     def continue_(self, *, timeout: float | None = None, progress=None) -> RunResult:
         """Let the paused script run free to its end (a pause, Ctrl-C or ``until`` stops
