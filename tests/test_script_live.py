@@ -295,8 +295,6 @@ def test_a_checkpoint_of_a_script_job_is_refused_not_made_wrong(live4, tmp_path)
     with pytest.raises(Exception, match="checkpoints of a script job are not supported yet"):
         dt.checkpoint()
     assert not list((tmp_path / "checkpoints").glob("**/manifest.json"))
-    with pytest.raises(Exception, match="checkpoints of a script job are not supported"):
-        dt.resume_check()  # says why, not "call dt.set_job_setup"
     assert dt.continue_script().stopped == "ended"  # the script went on unharmed
 
 
@@ -359,3 +357,37 @@ def test_a_dead_rank_is_recovered_by_running_the_script_again_to_its_step(live4,
     assert (event["rerun"], event["step"], event["differ"]) == (True, 4, [])
     assert dt.continue_script().last_step == 10
     assert losses_in(tmp_path / "dt") == losses_in(tmp_path / "torchrun")  # as if never died
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_a_resume_check_runs_the_script_again_to_its_step_and_compares(live4, tmp_path, fresh):
+    dt = live4
+    dt.run_script(str(SCRIPTS / "ddp_sampler.py"), ["--steps", "12"])
+    dt.step(3)
+    report = dt.resume_check(4, fresh=fresh)
+    assert report.identical, report.summary()
+    assert report.summary() == (
+        f"the script run again to step 3 on {'fresh' if fresh else 'the same'} engines, "
+        "then 4 steps: identical"
+    )
+    assert dt.trace.last_step == 7 and dt.continue_script().last_step == 12
+
+
+def test_a_resume_check_names_what_a_script_that_does_not_reproduce_changes(live4, tmp_path):
+    path = tmp_path / "clock_seeded.py"
+    path.write_text(
+        "import time\nimport torch\n"
+        "torch.manual_seed(0)\nw = torch.nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(w.parameters(), lr=0.1)\n"
+        "data = torch.Generator().manual_seed(time.time_ns())  # the bug: seeded by the clock\n"
+        "for i in range(20):\n"
+        "    w(torch.randn(8, 4, generator=data)).pow(2).mean().backward()\n"
+        "    opt.step()\n    opt.zero_grad()\n"
+    )
+    dt = live4
+    dt.run_script(str(path))
+    dt.step(2)
+    report = dt.resume_check(3, fresh=False)
+    assert not report.identical
+    text = report.summary()
+    assert "first difference at step 3" in text and "model's inputs of step 3 differ" in text

@@ -327,9 +327,9 @@ class ScriptRun:
 SCRIPT_CHECKPOINTS = (
     "checkpoints of a script job are not supported yet: dtlab cannot restore where the "
     "script's own loop and data are (its iterator, its step counter), so a resume would "
-    "be silently wrong. %dt_restart runs the script again on fresh ranks to the step it "
-    "was at (and checks its weights got there); use the script's own checkpointing "
-    "otherwise. dt.checkpoint(), %dt_resume_check and replays work on attached jobs"
+    "be silently wrong. %dt_restart and %dt_resume_check run the script again to the "
+    "step it was at instead (and check it got there); use the script's own "
+    "checkpointing otherwise. dt.checkpoint() and replays work on attached jobs"
 )
 
 

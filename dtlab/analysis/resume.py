@@ -26,29 +26,44 @@ from dtlab.records import StepRecord
 RNG_LABELS = {"python": "Python random RNG", "numpy": "numpy RNG",
               "torch": "torch CPU RNG", "cuda": "CUDA RNG"}  # fmt: skip
 # what a step starts from: a difference here explains every difference computed from it
-CAUSES = (*(f"rng:{name}" for name in RNG_LABELS), "indices", "lr", "scale")
+CAUSES = (*(f"rng:{name}" for name in RNG_LABELS), "indices", "input_fingerprints", "lr", "scale")
 EFFECTS = ("module_outputs", "loss", "grad_fingerprint", "param_fingerprint", "buffer_fingerprint")
 _RNGS = CAUSES[:4]
 # within one step, which fields can change which: the LR of step S only acts on its update,
 # so a loss that differs beside it is not its consequence
 _UPSTREAM = {
-    "module_outputs": (*_RNGS, "indices"),
-    "loss": (*_RNGS, "indices", "module_outputs"),
-    "grad_fingerprint": (*_RNGS, "indices", "scale", "module_outputs", "loss"),
+    "module_outputs": (*_RNGS, "indices", "input_fingerprints"),
+    "loss": (*_RNGS, "indices", "input_fingerprints", "module_outputs"),
+    "grad_fingerprint": (
+        *_RNGS,
+        "indices",
+        "input_fingerprints",
+        "scale",
+        "module_outputs",
+        "loss",
+    ),
     "param_fingerprint": (*CAUSES, "module_outputs", "loss", "grad_fingerprint"),
-    "buffer_fingerprint": (*_RNGS, "indices", "module_outputs"),
+    "buffer_fingerprint": (*_RNGS, "indices", "input_fingerprints", "module_outputs"),
 }
 _NOUNS = {f"rng:{name}": label for name, label in RNG_LABELS.items()} | {
-    "indices": "data", "lr": "learning-rate", "scale": "loss-scale",
+    "indices": "data", "input_fingerprints": "model input", "lr": "learning-rate",
+    "scale": "loss-scale",
     "module_outputs": "module output", "loss": "loss", "grad_fingerprint": "gradient",
 }  # fmt: skip
-_INPUTS = {"data": ("indices",), "RNGs": _RNGS, "LR": ("lr",), "loss scale": ("scale",)}
+_INPUTS = {
+    "data": ("indices", "input_fingerprints"),
+    "RNGs": _RNGS,
+    "LR": ("lr",),
+    "loss scale": ("scale",),
+}
 _TEXT = {
     "rng": "of {who} not restored: at the start of step {step} its state differs from {ref}",
     "lr": "learning-rate schedule not restored: step {step} ran at lr {found!r} on {who}, "
     "{ref} at {expected!r}",
     "scale": "GradScaler state not restored: step {step} used loss scale {found!r} on {who}, "
     "{ref} used {expected!r}",
+    "input_fingerprints": "the model's inputs of step {step} differ on {who} from {ref}'s "
+    "(no sample indices to say which: its own batching drew other data)",
     "module_outputs": "the module outputs of step {step} differ",
     "loss": "the loss of step {step} differs ({found!r} vs {expected!r} in {ref})",
     "grad_fingerprint": "the gradients of step {step} differ",
@@ -214,7 +229,7 @@ def _value(rec: StepRecord, field: str) -> object:
     if field == "module_outputs":
         return tuple(getattr(rec, "module_outputs", ())) or _UNRECORDED
     value = getattr(rec, field)
-    if field == "indices" or field.endswith("_fingerprint"):
+    if field in ("indices", "input_fingerprints") or field.endswith("_fingerprint"):
         return value or _UNRECORDED
     return value
 

@@ -109,6 +109,8 @@ class ReplayMixin:
 
         if steps < 1:
             raise ValueError(f"steps must be at least 1, got {steps}")
+        if self.job_setup is None and self._scripts is not None and self._scripts.is_current():
+            return self._scripts.resume_check(steps, fresh=fresh, progress=progress)
         if fresh and self.job_setup is None:
             self.set_up_job()  # raises, saying how to tell dtlab to build the job
         t0 = time.perf_counter()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from dtlab.analysis.ranks import label_ranks
 from dtlab.control.errors import DtlabError, RankError
@@ -128,27 +129,55 @@ class Scripts:
     def is_current(self) -> bool:
         """Is the job on the ranks the script this object last ran (not attached since)?"""
         stepper = self.session._stepper
-        return bool(self.attach_counts) and stepper is not None and (
-            stepper.attach_counts == self.attach_counts
+        return (
+            bool(self.attach_counts)
+            and stepper is not None
+            and (stepper.attach_counts == self.attach_counts)
         )
+
+    def resume_check(self, steps: int, *, fresh: bool = True, progress=None) -> ScriptResumeReport:
+        """Does the script, run again to this step, go on as it goes on now? Run ``steps``
+        more (the reference), then run it again from its start to the step it was at
+        (fresh engines unless ``fresh=False``) and the same steps, and compare every step
+        as ``%dt_resume_check`` does for attached jobs."""
+        from dtlab.analysis.resume import compare_runs
+
+        session, t0 = self.session, time.monotonic()
+        k = session.current_step()
+        session.stepper.run(steps, None, record=True)
+        reference = session._full_records(k + 1, k + steps)
+        self._run_to(k, fresh=fresh, progress=progress)
+        session.stepper.run(steps, None, record=True)
+        again = session._full_records(k + 1, k + steps)
+        span = range(k + 1, k + steps + 1)
+        comparison = compare_runs(_without_rng(reference), _without_rng(again), steps=span)
+        if not comparison.identical:  # then a generator that differs may be why: name it
+            comparison = compare_runs(reference, again, steps=span)
+        return ScriptResumeReport(k, steps, fresh, comparison, time.monotonic() - t0)
+
+    def _run_to(self, step: int, *, fresh: bool, progress=None) -> None:
+        """The script from its start again (on fresh engines when ``fresh``), stepped to
+        ``step``: recording off but for the last one."""
+        from dtlab.control import lifecycle
+
+        session, path, argv = self.session, self.last.path, self.last.argv
+        if fresh:
+            lifecycle.renew(session, progress or (lambda *a: None))
+        self.run(path, argv, self.cwd, record=self.record, on_output=self.on_output)
+        if step > 1:
+            session.stepper.run(step - 1, None, record=False)
+        if step:
+            session.stepper.run(1, None, record=True)
 
     def restart(self, *, reason: str = "asked", progress=None) -> dict:
         """Fresh engines; the script run again from its start and stepped to the step it
         was at (recording off but for the last step), whose parameter fingerprints are
         compared with the first run's: a script's own loop and data position cannot be
         loaded from a checkpoint, but a deterministic script gets back there exactly."""
-        from dtlab.control import lifecycle
-
         session, t0 = self.session, time.monotonic()
         target = session.current_step()
         before = session.trace.at(target) if target else {}
-        path, argv = self.last.path, self.last.argv
-        lifecycle.renew(session, progress or (lambda *a: None))
-        self.run(path, argv, self.cwd, record=self.record, on_output=self.on_output)
-        if target > 1:
-            session.stepper.run(target - 1, None, record=False)
-        if target:
-            session.stepper.run(1, None, record=True)
+        self._run_to(target, fresh=True, progress=progress)
         after = session.trace.at(target) if target else {}
         differ = sorted(r for r, rec in before.items() if rec.param_fingerprint
                         and after.get(r) is not None
@@ -183,6 +212,34 @@ class Scripts:
     def _require_paused(self) -> None:
         if self.last is None:
             raise DtlabError("no script is running: start one with %dt_script PATH [ARGS ...]")
+
+
+@dataclass(frozen=True)
+class ScriptResumeReport:
+    """``dt.resume_check`` of a script job: going on vs. running it again to ``step``."""
+
+    step: int
+    steps: int
+    fresh: bool
+    comparison: object  # dtlab.analysis.resume.Comparison
+    seconds: float = 0.0
+
+    @property
+    def identical(self) -> bool:
+        return self.comparison.identical
+
+    def summary(self) -> str:
+        where = "fresh engines" if self.fresh else "the same engines"
+        head = (f"the script run again to step {self.step} on {where}, then {self.steps} "
+                "steps: ")  # fmt: skip
+        return head + ("identical" if self.identical else self.comparison.summary())
+
+
+def _without_rng(records: dict) -> dict:
+    """Records without RNG fingerprints: a fresh process seeds Python's and numpy's from
+    the OS unless the script seeds them, which matters only if something it computed
+    differs too (and then the full comparison names the generator)."""
+    return {r: [replace(rec, rng=()) for rec in recs] for r, recs in records.items()}
 
 
 def _raise_failures(status: ScriptStatus) -> None:
