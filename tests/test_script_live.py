@@ -391,3 +391,24 @@ def test_a_resume_check_names_what_a_script_that_does_not_reproduce_changes(live
     assert not report.identical
     text = report.summary()
     assert "first difference at step 3" in text and "model's inputs of step 3 differ" in text
+
+
+def test_atexit_and_set_start_method_behave_as_in_a_process_of_its_own(live4, tmp_path):
+    dt = live4
+    path = tmp_path / "at_end.py"
+    path.write_text(
+        "import atexit, os, sys\nimport torch.multiprocessing as mp\n"
+        "mp.set_start_method('spawn')  # a second run in the same engine must not fail\n"
+        "def save():\n"
+        "    open(os.path.join(sys.argv[1], f\"end{os.environ['RANK']}\"), 'w').close()\n"
+        "atexit.register(save)\n"
+    )
+    for run in ("first", "second"):
+        out = tmp_path / run
+        out.mkdir()
+        status = dt.run_script(str(path), [str(out)])
+        assert {o["kind"] for o in status.outcomes.values()} == {"finished"}
+        assert sorted(p.name for p in out.iterdir()) == [f"end{r}" for r in range(4)]
+    # the engines' own start method is back for the next job
+    methods = dt.run(lambda: __import__("multiprocessing").get_start_method(allow_none=True))
+    assert set(methods.values()) != {"spawn"}

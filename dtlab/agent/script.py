@@ -154,7 +154,7 @@ class ScriptRun:
         self.observer.recording = record
         self.glet = greenlet.greenlet(self._main)
         sys.path.insert(0, self.folder)
-        script_env.install(self.notes)
+        script_env.install(self.notes, self.folder + os.sep)
         script_observe.install(self.observer)
         signal.signal = self._signal
 
@@ -279,6 +279,8 @@ class ScriptRun:
         return previous
 
     def _finish(self) -> None:
+        with self._inside():  # as at its process's end: its cwd, argv, __main__
+            self.notes.extend(script_env.run_exit_handlers())
         script_observe.uninstall()
         script_env.uninstall()
         if signal.signal == self._signal:

@@ -9,7 +9,13 @@ While a script runs (``install(notes)`` .. ``uninstall()``):
 - ``destroy_process_group()`` of the default group leaves it alive (the next job needs
   it; destroying and re-creating a group on the same store hangs, PyTorch #55967);
 - ``torch.multiprocessing.spawn`` / ``start_processes`` are refused: each rank is already
-  one process, as under torchrun.
+  one process, as under torchrun;
+- ``atexit.register`` of a function of the script's own folder runs it when the script
+  ends (under torchrun the process ends with it; the engine lives on). Libraries' own
+  hooks stay process hooks;
+- ``multiprocessing.set_start_method(m)`` asked again with what is set already is a
+  no-op, and another method is forced: the engine outlives the run that first set it;
+  the engine's own method comes back when the script ends.
 
 The wrappers call the originals when no script runs, so modules that bound them stay
 correct afterwards.
@@ -24,15 +30,24 @@ class ScriptWorldError(RuntimeError):
     """The script asks for a process group other than the ranks'."""
 
 
-def install(notes: list[str]) -> None:
+def install(notes: list[str], folder: str = "") -> None:
+    import atexit
+    import multiprocessing
+
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
     import torch.multiprocessing as tmp
 
     _state["notes"] = notes
     _state["said"] = set()
+    _state["exits"] = []
+    _state["folder"] = folder
+    _state["start_method"] = multiprocessing.get_start_method(allow_none=True)
     if "patched" in _state:
         return
+    atexit.register = _atexit_wrapper(atexit.register)
+    start_method = _start_method_wrapper(multiprocessing.set_start_method)
+    multiprocessing.set_start_method = tmp.set_start_method = start_method
     originals = {
         "init": c10d.init_process_group,
         "destroy": c10d.destroy_process_group,
@@ -50,7 +65,57 @@ def install(notes: list[str]) -> None:
 
 
 def uninstall() -> None:
+    """The script is over: the engine's start method back (the next job expects it)."""
+    import multiprocessing
+
     _state.pop("notes", None)
+    before = _state.pop("start_method", None)
+    if multiprocessing.get_start_method(allow_none=True) != before:
+        multiprocessing.set_start_method(before, force=True)
+
+
+def run_exit_handlers() -> list[str]:
+    """The script's own atexit functions, last registered first (as at a process's end);
+    -> what each that raised said."""
+    said = []
+    for func, args, kwargs in reversed(_state.pop("exits", [])):
+        try:
+            func(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - reported, as Python reports them
+            said.append(f"the script's atexit function {getattr(func, '__name__', func)} "
+                        f"raised {type(e).__name__}: {e}")  # fmt: skip
+    return said
+
+
+def _own(func) -> bool:
+    code = getattr(func, "__code__", None)
+    folder = _state.get("folder")
+    return bool(folder and code and code.co_filename.startswith(folder))
+
+
+def _atexit_wrapper(original):
+    def register(func, *args, **kwargs):
+        if active() and _own(func):
+            _state["exits"].append((func, args, kwargs))
+            return func
+        return original(func, *args, **kwargs)
+
+    register.__wrapped__ = original
+    return register
+
+
+def _start_method_wrapper(original):
+    def set_start_method(method, force=False):
+        import multiprocessing
+
+        if active() and not force:
+            if multiprocessing.get_start_method(allow_none=True) == method:
+                return None
+            return original(method, force=True)
+        return original(method, force)
+
+    set_start_method.__wrapped__ = original
+    return set_start_method
 
 
 def active() -> bool:
