@@ -33,7 +33,15 @@ def torchrun(session, script: str, args: list[str], n: int = 4) -> None:
     env = {**os.environ, **thread_env(rank_threads(session))}
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd = [*run, f"--nproc-per-node={n}", str(SCRIPTS / script), *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
+    for _ in range(3):
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                              timeout=TORCHRUN_TIMEOUT_S)  # fmt: skip
+        # gloo's teardown sometimes aborts a rank as it exits after destroy_process_group
+        # (std::terminate in a store thread; seen twice in about 40 runs here): torch's,
+        # not the script's; the run is deterministic, so it is simply run again
+        aborted = "terminate called without an active exception" in done.stderr
+        if done.returncode == 0 or not aborted:
+            break
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -343,6 +351,7 @@ def test_what_other_ranks_print_is_shown_after_each_magic_identical_text_once(li
 
 def test_a_dead_rank_is_recovered_by_running_the_script_again_to_its_step(live4, tmp_path, ip):
     dt = live4
+    dt.set_job_setup(lambda: None)  # an earlier job's setup: the script replaces it
     args = ["--steps", "10", "--out"]
     torchrun(dt, "ddp_sampler.py", [*args, str(tmp_path / "torchrun")])
     dt.run_script(str(SCRIPTS / "ddp_sampler.py"), [*args, str(tmp_path / "dt")])

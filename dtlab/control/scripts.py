@@ -124,6 +124,7 @@ class Scripts:
         if status.paused:  # which job the ranks hold now: a later attach replaces it
             session.stepper._sync_job()
             self.attach_counts = dict(session.stepper.attach_counts)
+            session.job_setup = None  # how to rebuild the job attached before: not this one
         return status
 
     def is_current(self) -> bool:
