@@ -82,7 +82,9 @@ class Observer:
         self.last_scale: float | None = None
 
     # --- optimizer ----------------------------------------------------------------------
-    def on_pre_step(self, optimizer) -> None:
+    def _stepping(self, optimizer) -> None:
+        """An optimizer steps (or its scaler skipped the step): the first one marks the
+        boundaries, and the first step of all is the step-0 pause."""
         if optimizer not in self.optimizers:
             self.optimizers.append(optimizer)
         if self.marker is None and not self.explicit:
@@ -90,6 +92,9 @@ class Observer:
         if not self.started:
             self.started = True
             self.boundary("pre", optimizer)
+
+    def on_pre_step(self, optimizer) -> None:
+        self._stepping(optimizer)
         if optimizer is self.marker:
             self._opt_t0 = time.perf_counter()
 
@@ -103,13 +108,7 @@ class Observer:
     def on_scaler_step_done(self, optimizer, posts_before: int) -> None:
         if self._post_seen != posts_before:
             return  # the optimizer stepped: its post-hook was the boundary
-        if optimizer not in self.optimizers:
-            self.optimizers.append(optimizer)
-        if self.marker is None and not self.explicit:
-            self.marker = optimizer
-        if not self.started:
-            self.started = True
-            self.boundary("pre", optimizer)
+        self._stepping(optimizer)
         if optimizer is self.marker and not self.explicit:
             self.optimizer_s = 0.0
             self.steps_marked += 1
