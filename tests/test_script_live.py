@@ -3,13 +3,14 @@ scripts under plain torchrun in the same test: the losses must be bit-identical.
 
 The scripts in tests/scripts/ are written in the forms people write them: the DDP
 tutorial's (argparse, DistributedSampler, clipping, a hand-set LR), nanoGPT's (module
-globals, random windows, its own accumulation), a GradScaler loop, accelerate, and a
-main() that ends with sys.exit.
+globals, random windows, its own accumulation), a GradScaler loop, accelerate, a main()
+that ends with sys.exit, and a Hugging Face Trainer whose loop is the framework's.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -166,6 +167,49 @@ def test_an_accelerate_script(live4, tmp_path):
     assert mine == losses_in(tmp_path / "torchrun")
     assert recorded(dt) == {r: [loss for loss, _ in pairs] for r, pairs in mine.items()}
     assert recorded(dt, "lr")[0] == [lr for _, lr in mine[0]]  # what its scheduler set
+
+
+def test_a_hugging_face_trainer_script_steps_inside_the_frameworks_loop(live4, tmp_path):
+    """The loop is transformers' Trainer (accumulation, no_sync, clipping, warmup): dtlab sees
+    its steps through torch's optimizer hooks only."""
+    dt = live4
+    torchrun(dt, "hf_trainer.py", [str(tmp_path / "torchrun")])
+    status = dt.run_script(str(SCRIPTS / "hf_trainer.py"), [str(tmp_path / "dt")])
+    assert status.paused and status.model == "GPT2LMHeadModel"
+    assert (status.wrapper, status.optimizers) == ("DistributedDataParallel", ("AdamW",))
+    dt.step(3)
+    assert {r: recs[-1].step for r, recs in dt.trace.records.items()} == {r: 3 for r in range(4)}
+    assert dt.continue_script().last_step == 6
+    mine = losses_in(tmp_path / "dt")
+    assert mine == losses_in(tmp_path / "torchrun")  # every micro-batch, bit for bit
+    for recs in dt.trace.records.values():
+        # two micro-batches per step, the first under DDP's no_sync
+        assert {(rec.micro_batches, rec.synced_micro_batches) for rec in recs} == {(2, 1)}
+        assert all(0 < rec.grad_norm <= 0.5 + 1e-6 for rec in recs)  # the Trainer's clipping
+    # its linear schedule: 2 warmup steps to 1e-3, then down to 0 at step 6
+    expected = [1e-3 * s / 2 if s < 2 else 1e-3 * (6 - s) / 4 for s in range(6)]
+    assert recorded(dt, "lr")[0] == pytest.approx(expected)
+    assert dt.doctor() == []
+
+
+def test_an_optimizer_stepped_inside_backward_pauses_where_backward_returns(live4, tmp_path):
+    """Per-parameter optimizers stepped from gradient hooks: the boundary waits for the end
+    of backward() (not in the middle of autograd), and each gradient is recorded as its
+    optimizer used it, before the script dropped it."""
+    dt = live4
+    torchrun(dt, "optimizer_in_backward.py", [str(tmp_path / "torchrun")])
+    status = dt.run_script(str(SCRIPTS / "optimizer_in_backward.py"), [str(tmp_path / "dt")])
+    assert status.paused and any("inside backward()" in n for n in status.notes)
+    dt.step(2)
+    assert {r: recs[-1].step for r, recs in dt.trace.records.items()} == {r: 2 for r in range(4)}
+    assert dt.continue_script().last_step == 6
+    mine = losses_in(tmp_path / "dt")
+    assert mine == losses_in(tmp_path / "torchrun")
+    assert recorded(dt) == mine  # each step's loss, recorded after its backward returned
+    for recs in dt.trace.records.values():
+        assert all(rec.missing_grads == () and rec.micro_batches == 1 for rec in recs)
+        assert all(math.isfinite(n) and n > 0 for rec in recs for n in rec.grad_norms)
+    assert dt.doctor() == []  # averaged in the hook: the ranks agree
 
 
 def test_sys_exit_is_reported_per_rank_and_signal_handlers_work(live4):

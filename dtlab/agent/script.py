@@ -150,7 +150,7 @@ class ScriptRun:
         # the rank's interactive namespace (%%dt cells): the engine's __main__ module
         self.engine_ns = getattr(sys.modules.get("__main__"), "__dict__", {})
         self._modules_before = set(sys.modules)
-        self.observer = script_observe.Observer(self._on_boundary)
+        self.observer = script_observe.Observer(self._on_boundary, note=self.notes.append)
         self.observer.recording = record
         self.glet = greenlet.greenlet(self._main)
         sys.path.insert(0, self.folder)
@@ -380,6 +380,16 @@ class ScriptJob(jobs.Job):
         text, self.output[:] = "".join(self.output), []
         return text
 
+    def _grad_fields(self, early: dict | None = None) -> dict:
+        """The gradients the step used: each as it is now, or, for a parameter whose
+        optimizer stepped inside backward() and dropped it, as it was then."""
+        norms, bad, missing, prints = recorder.grad_summary([p.grad for p in self.params])
+        early = early or {}
+        for i in [i for i in missing if id(self.params[i]) in early]:
+            norms[i], bad[i], prints[i] = early[id(self.params[i])]
+            missing.remove(i)
+        return jobs.grad_fields(norms, bad, missing, prints)
+
     def finish_step(self, skipped: bool) -> StepRecord:
         """Inside the script, at its step boundary: what this step did, kept and returned."""
         observer = self.run.observer
@@ -387,7 +397,7 @@ class ScriptJob(jobs.Job):
         record = observer.recording
         t0 = time.perf_counter()
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
-        grads = self._grad_fields() if record else {}
+        grads = self._grad_fields(draft.early_grads) if record else {}
         self.step_count += 1
         params = self._param_fields() if record else {}
         epoch = draft.passes[0][1] if draft.passes else getattr(self, "_epoch", 0)

@@ -7,7 +7,9 @@ while a script runs on this rank (``install(observer)``; ``uninstall()`` at its 
   GradScaler, accelerate or HF Trainer): the post-hook is the step boundary. It runs after
   every hook the user put on the optimizer, so the gradients it records are the ones the
   step used (after the script's clipping, manual all-reduce or unscale). Its pre-hook
-  returns None, always: it never changes the step's arguments;
+  returns None, always: it never changes the step's arguments. An optimizer stepped
+  inside ``backward()`` (from a gradient hook: optimizer in backward) makes its boundary
+  where that backward returns, never in the middle of autograd;
 - ``torch.autograd.backward`` (``loss.backward()`` calls it): one micro-batch each, its
   loss value (unscaled when a GradScaler scaled it) and time;
 - ``GradScaler.step``: a step the scaler skipped on inf/nan fires no optimizer hook, yet
@@ -53,6 +55,9 @@ class StepDraft:
     indices: list = field(default_factory=list)
     passes: list = field(default_factory=list)  # (position in indices, pass number)
     input_prints: list = field(default_factory=list)  # outermost forwards' input tensors
+    # optimizer in backward: each parameter's gradient as its optimizer stepped inside
+    # backward() (the script drops it right after): id(param) -> grad_summary of it
+    early_grads: dict = field(default_factory=dict)
 
 
 class Observer:
@@ -60,8 +65,9 @@ class Observer:
     called at each step boundary (``kind``: "pre" before the first step's update, "step"
     after a step, "skipped" when a GradScaler skipped it)."""
 
-    def __init__(self, boundary):
-        self.boundary = boundary
+    def __init__(self, boundary, note=None):
+        self._make_boundary = boundary
+        self.note = note or (lambda text: None)
         self.draft = StepDraft()
         self.recording = True
         self.marker: torch.optim.Optimizer | None = None  # the optimizer whose steps count
@@ -80,6 +86,39 @@ class Observer:
         self._passes: dict[int, int] = {}  # id(DataLoader) -> passes begun
         self.iterators: weakref.WeakSet = weakref.WeakSet()  # to shut their workers down
         self.last_scale: float | None = None
+        self._backward_depth = 0
+        self._deferred: list = []  # boundaries reached inside backward(), made at its end
+        self._noted_in_backward = False
+
+    def boundary(self, kind: str, optimizer) -> None:
+        """A step boundary. One reached inside ``backward()`` (an optimizer stepped from a
+        gradient hook: optimizer in backward) waits until that backward returns: pausing
+        in the middle of autograd would leave the other parameters' updates, and the
+        step's loss, on the wrong side of the pause."""
+        if self._backward_depth:
+            if not self._noted_in_backward:
+                self._noted_in_backward = True
+                self.note(
+                    "the optimizer steps inside backward() (optimizer in backward): each "
+                    "step boundary is where that backward() returns, so the step-0 pause "
+                    "comes after the first update; gradients are recorded as each "
+                    "parameter's optimizer stepped"
+                )
+            self._deferred.append((kind, optimizer))
+            return
+        self._make_boundary(kind, optimizer)
+
+    def enter_backward(self) -> None:
+        self._backward_depth += 1
+
+    def leave_backward(self) -> None:
+        self._backward_depth = max(0, self._backward_depth - 1)
+
+    def flush_deferred(self) -> None:
+        """After the outermost backward() returned: the boundaries reached inside it."""
+        while self._deferred and not self._backward_depth:
+            kind, optimizer = self._deferred.pop(0)
+            self._make_boundary(kind, optimizer)
 
     # --- optimizer ----------------------------------------------------------------------
     def _stepping(self, optimizer) -> None:
@@ -95,6 +134,8 @@ class Observer:
 
     def on_pre_step(self, optimizer) -> None:
         self._stepping(optimizer)
+        if self._backward_depth and self.recording:
+            self._keep_early_grads(optimizer)
         if optimizer is self.marker:
             self._opt_t0 = time.perf_counter()
 
@@ -126,6 +167,15 @@ class Observer:
         if first and self.steps_marked:
             return
         self.boundary("step", None)
+
+    def _keep_early_grads(self, optimizer) -> None:
+        from dtlab.agent.recorder import grad_summary
+
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    norms, bad, missing, prints = grad_summary([p.grad])
+                    self.draft.early_grads[id(p)] = (norms[0], bad[0], prints[0])
 
     def take_draft(self) -> StepDraft:
         draft, self.draft = self.draft, StepDraft()
@@ -296,9 +346,14 @@ def _backward(original):
     def backward(tensors, *args, **kwargs):
         if _observer is None:
             return original(tensors, *args, **kwargs)
-        t0 = time.perf_counter()
-        out = original(tensors, *args, **kwargs)
-        _observer.on_backward(tensors, time.perf_counter() - t0)
+        observer, t0 = _observer, time.perf_counter()
+        observer.enter_backward()
+        try:
+            out = original(tensors, *args, **kwargs)
+        finally:
+            observer.leave_backward()
+        observer.on_backward(tensors, time.perf_counter() - t0)
+        observer.flush_deferred()
         return out
 
     backward.__wrapped__ = original
