@@ -9,13 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtlab.agent import api
 from dtlab.records import JobInfo
-
-
-def _attach_on_rank(ddp: bool, record: bool, lr: float, config: dict) -> JobInfo:
-    from dtlab.agent.demo_job import attach_demo
-
-    return attach_demo(ddp=ddp, record=record, lr=lr, **config)
 
 
 def attach(
@@ -26,15 +21,9 @@ def attach(
     from dtlab.control import lifecycle
 
     session = session or lifecycle.current()
-    infos = session.run(_attach_on_rank, ddp, record, lr, dict(config))
-    session.set_job_setup(_attach_on_rank, ddp, record, lr, dict(config))  # fresh engines
+    infos = session.run(api.attach_demo, ddp, record, lr, dict(config))
+    session.set_job_setup(api.attach_demo, ddp, record, lr, dict(config))  # fresh engines
     return infos
-
-
-def _attach_pipeline_on_rank(record: bool, lr: float, config: dict, **options) -> JobInfo:
-    from dtlab.agent.demo_job import attach_demo_pipeline
-
-    return attach_demo_pipeline(record=record, lr=lr, **options, **config)
 
 
 def attach_pipeline(session=None, *, plan: Any = "uniform", microbatches: int = 4,
@@ -50,11 +39,11 @@ def attach_pipeline(session=None, *, plan: Any = "uniform", microbatches: int = 
     session = session or lifecycle.current()
     options = {"plan": plan, "microbatches": microbatches, "schedule": schedule}
     try:
-        infos = session.run(_attach_pipeline_on_rank, record, lr, dict(config), **options)
+        infos = session.run(api.attach_demo_pipeline, record, lr, dict(config), **options)
     except RankError as e:  # every rank reads the plan alike: one PlanError, not N
         said = {(f.ename, f.evalue) for f in e.failures.values()}
         if len(said) == 1 and next(iter(said))[0] == "PlanError" and not e.stuck:
             raise PlanError(next(iter(said))[1]) from None
         raise
-    session.set_job_setup(_attach_pipeline_on_rank, record, lr, dict(config), **options)
+    session.set_job_setup(api.attach_demo_pipeline, record, lr, dict(config), **options)
     return infos

@@ -123,7 +123,7 @@ def save(root: str, token: str, *, tag: str | None = None) -> dict:
 
 
 def _prepare(job, folder: Path, omit: set[str], rank: int) -> tuple[dict, bytes, int]:
-    if getattr(job, "checkpoint_problem", None):  # said by every rank alike, nothing written
+    if job.checkpoint_problem:  # said by every rank alike, nothing written
         raise CheckpointError(job.checkpoint_problem)
     folder.mkdir(parents=True, exist_ok=True)
     state = parts.tensor_state(job, omit, None)

@@ -157,6 +157,11 @@ def attach_count() -> int:
     return _attach_count
 
 
+def checkpoint_problem() -> str | None:
+    """Why the attached job (if any) cannot be checkpointed or rebuilt, else None."""
+    return None if _job is None else _job.checkpoint_problem
+
+
 class JobEnded(Exception):
     """The job has nothing more to step (a script job whose script is over)."""
 
@@ -184,6 +189,9 @@ class Job:
         self.names, self.params = zip(*named, strict=True)
         self.device = self.params[0].device
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=capacity)
+        self._stashed: collections.deque[StepRecord] | None = None
+        # why this job cannot be checkpointed or rebuilt (a script job says), else None
+        self.checkpoint_problem: str | None = None
         self.step_count = 0
         self.stream = DataStream(data, on_epoch)
         self.accumulate = accumulate
@@ -362,6 +370,14 @@ class Job:
         if self.scheduler is not None:
             self.scheduler.step()
         return skipped
+
+    def stash_records(self, on: bool) -> None:
+        """Put the step records aside (on: a replay's own records begin empty) or back."""
+        if on:
+            self._stashed = self.records
+            self.records = collections.deque(maxlen=self.records.maxlen)
+        elif self._stashed is not None:
+            self.records, self._stashed = self._stashed, None
 
     def _grad_fields(self) -> dict:
         return grad_fields(*recorder.grad_summary([p.grad for p in self.params]))

@@ -82,7 +82,7 @@ def _agree(error: str | None, folder: Path, *, after: str | None = None) -> None
 
 
 def _check(job, folder: Path, rank: int, world_size: int):
-    if getattr(job, "checkpoint_problem", None):
+    if job.checkpoint_problem:
         raise CheckpointError(job.checkpoint_problem)
     manifest = read_manifest(folder)
     source = rank if rank < manifest["world_size"] else 0

@@ -17,8 +17,8 @@ import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+from dtlab.agent import api
 from dtlab.checkpoint_format import CheckpointInfo, catalogue, describe
 from dtlab.control.errors import DtlabError, RankError
 from dtlab.trace import RUNS_DIR_ENV
@@ -32,55 +32,6 @@ class CheckpointFailed(DtlabError):
 
 
 # --- on the ranks ---------------------------------------------------------------------
-def _save(root: str, token: str, tag: str | None) -> dict:
-    from dtlab.agent.checkpoint import save
-
-    return save(root, token, tag=tag)
-
-
-def _load(path: str) -> dict:
-    from dtlab.agent.restore import load
-
-    return load(path)
-
-
-def _set_autosave(root: str | None, every: int | None) -> None:
-    from dtlab.agent.job import current
-
-    current().autosave = (root, every) if every else None
-
-
-def _stash(on: bool) -> None:
-    """Put the rank's step records aside (a replay's records must not mix with them)."""
-    import collections
-
-    from dtlab.agent.job import current
-
-    job = current()
-    if on:
-        job.stashed_records, job.records = job.records, collections.deque(maxlen=job.records.maxlen)
-    else:
-        job.records = job.stashed_records
-
-
-def _records(first: int, last: int) -> list:
-    """The full records of steps first..last the rank's buffer still holds."""
-    from dtlab.agent.job import current
-
-    return [r for r in current().records if first <= r.step <= last]
-
-
-def _checkpoint_problem() -> str | None:
-    """Why the attached job cannot be checkpointed or rebuilt (a script job), or None."""
-    from dtlab.agent.job import _job
-
-    return getattr(_job, "checkpoint_problem", None)
-
-
-def _set_up(setup: Callable, args: tuple, kwargs: dict) -> Any:
-    return setup(*args, **kwargs)
-
-
 class CheckpointMixin:
     """Checkpoint control for a Session (needs ``run``, ``stepper``, ``require_trace``)."""
 
@@ -107,7 +58,7 @@ class CheckpointMixin:
         every rank wrote its part (else CheckpointFailed, earlier ones untouched)."""
         self.stepper._sync_job()  # a job must be attached; also starts the trace
         root = self.checkpoint_root
-        saved = self._on_ranks(_save, str(root), secrets.token_hex(4), tag, what="save")
+        saved = self._on_ranks(api.save, str(root), secrets.token_hex(4), tag, what="save")
         return describe(Path(saved[0]["path"]))
 
     def checkpoint_every(self, steps: int | None) -> None:
@@ -115,13 +66,15 @@ class CheckpointMixin:
         the run with its error; the job stays as it was after the step."""
         if steps is not None and steps < 0:
             raise ValueError(f"steps must be positive (or 0/None to stop), got {steps}")
-        self.run(_set_autosave, str(self.checkpoint_root), steps or None)
+        self.run(api.set_autosave, str(self.checkpoint_root), steps or None)
         self.autosave_every = steps or None  # re-applied where dtlab rebuilds the job
 
     def _autosave(self, on: bool) -> None:
         """Periodic saves off during a replay (its steps are not the job's), back after."""
         if self.autosave_every:
-            self.run(_set_autosave, str(self.checkpoint_root), self.autosave_every if on else None)
+            self.run(
+                api.set_autosave, str(self.checkpoint_root), self.autosave_every if on else None
+            )
 
     def checkpoints(self, *, verify: bool = False) -> list[CheckpointInfo]:
         """Every checkpoint under the root, oldest step first. ``verify`` reads each file
@@ -165,7 +118,7 @@ class CheckpointMixin:
                                    f"{self._previous_good(info)}")  # fmt: skip
         self.stepper._sync_job()
         try:
-            loaded = self._on_ranks(_load, str(info.path), what="load")
+            loaded = self._on_ranks(api.load, str(info.path), what="load")
         except CheckpointFailed as e:
             raise CheckpointFailed(f"{e}. {self._previous_good(info)}") from None
         missing: dict[str, list[int]] = {}
@@ -209,7 +162,7 @@ class CheckpointMixin:
         if self.job_setup is not None:
             return
         try:
-            problem = self.run(_checkpoint_problem, ranks=[0], timeout=10)[0]
+            problem = self.run(api.checkpoint_problem, ranks=[0], timeout=10)[0]
         except DtlabError:
             return
         if problem:
@@ -227,7 +180,7 @@ class CheckpointMixin:
         if isinstance(setup, str):
             self.execute(setup)
         else:
-            self.run(_set_up, setup, args, kwargs)
+            self.run(api.set_up, setup, args, kwargs)
 
     def remove_checkpoint(self, info: CheckpointInfo) -> None:
         shutil.rmtree(info.path, ignore_errors=True)

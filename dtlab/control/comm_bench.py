@@ -6,15 +6,10 @@ slowest rank per size, :mod:`dtlab.analysis.bandwidth`) -> present (views).
 
 from __future__ import annotations
 
+from dtlab.agent import api
 from dtlab.analysis.bandwidth import Sweep, combine, sizes_between
 
 SWEEP_TIMEOUT_S = 600.0
-
-
-def _sweep(sizes: list[int], iters: int, warmup: int, dtype: str):
-    from dtlab.agent.bandwidth import sweep
-
-    return sweep(sizes, iters=iters, warmup=warmup, dtype=dtype)
 
 
 class CommBenchMixin:
@@ -27,7 +22,7 @@ class CommBenchMixin:
         process group (nccl-tests' all_reduce_perf, on whatever backend is up). Sweeps are
         kept in ``dt.sweeps`` to compare settings (A/B)."""
         sizes = sizes_between(min_bytes, max_bytes, factor)
-        times = self.run(_sweep, sizes, iters, warmup, dtype, timeout=SWEEP_TIMEOUT_S)
+        times = self.run(api.bandwidth_sweep, sizes, iters, warmup, dtype, timeout=SWEEP_TIMEOUT_S)
         label = label or f"sweep {len(self.sweeps) + 1}"
         result = combine(times, label=label, backend=self.backend, dtype=dtype)
         self.sweeps.append(result)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from dtlab.agent import identity, rendezvous
+from dtlab.agent import api
 from dtlab.control.cluster import EngineCluster, Progress
 from dtlab.control.config import LaunchConfig
 from dtlab.control.errors import DtlabError, LaunchError, NoSessionError, RankTimeoutError
@@ -127,7 +127,7 @@ def _regroup(session: Session, config: LaunchConfig, progress: Progress) -> bool
     unchanged = config.group_settings() == session.config.group_settings()
     if unchanged and backend == session.backend:
         try:
-            sums = session.run(rendezvous.check_group, timeout=CHECK_TIMEOUT_S)
+            sums = session.run(api.check_group, timeout=CHECK_TIMEOUT_S)
         except RankTimeoutError as e:
             if e.reason == "interrupted":
                 raise
@@ -159,7 +159,7 @@ def start(config: LaunchConfig, progress: Progress) -> Session:
 
 def _describe_engines(engines: EngineCluster, deadline: float):
     client = engines.client
-    ars = {eid: client[eid].apply_async(identity.describe_engine) for eid in client.ids}
+    ars = {eid: client[eid].apply_async(api.describe_engine) for eid in client.ids}
     try:
         return {
             eid: ar.get(timeout=max(0.1, deadline - time.monotonic())) for eid, ar in ars.items()
@@ -185,7 +185,7 @@ def join(
     progress("ranks initialised", 0, session.world_size)
     port = _launch_step(
         lambda: session.run(
-            rendezvous.open_store, config.port, session.world_size, config.pg_timeout_s,
+            api.open_store, config.port, session.world_size, config.pg_timeout_s,
             _store_bind(session), ranks=[0], timeout=remaining(),
         )[0]
     )  # fmt: skip
@@ -196,7 +196,7 @@ def join(
         )  # fmt: skip
         infos = _launch_step(
             lambda: session.run_each(
-                rendezvous.join, {r: (plan,) for r, plan in plans.items()},
+                api.join, {r: (plan,) for r, plan in plans.items()},
                 what="initialising ranks", timeout=remaining(),
                 progress=lambda k, n: progress("ranks initialised", k, n),
             )

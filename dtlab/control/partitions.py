@@ -14,6 +14,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
+from dtlab.agent import api
 from dtlab.analysis.balance import Balance, measured_balance, predict_balance
 from dtlab.analysis.partition import Plan, PlanError, parse_plan
 from dtlab.control.errors import DtlabError, RankError
@@ -27,24 +28,6 @@ class RepartitionFailed(DtlabError):
 
 
 # --- on the ranks ---------------------------------------------------------------------
-def _report() -> StageReport:
-    from dtlab.agent.pipeline_job import current
-
-    return current().report()
-
-
-def _profile(repeats: int) -> list[BlockCost]:
-    from dtlab.agent.pipeline_job import current
-
-    return current().profile(repeats)
-
-
-def _move(blocks: tuple, bounds: tuple, timeout_s: float, move_id: str) -> dict:
-    from dtlab.agent.repartition import repartition
-
-    return repartition(blocks, bounds, timeout_s, move_id)
-
-
 class PartitionMixin:
     """Pipeline partitions for a Session (needs ``run``, ``world_size``, ``stepper``)."""
 
@@ -52,7 +35,7 @@ class PartitionMixin:
 
     def stage_reports(self) -> dict[int, StageReport]:
         """{rank: what its stage holds and its last step's schedule}."""
-        return self.run(_report)
+        return self.run(api.stage_report)
 
     def partition(self) -> Plan:
         """The plan the running pipeline uses (as its ranks report it)."""
@@ -61,7 +44,11 @@ class PartitionMixin:
     def profile_blocks(self, repeats: int = 3) -> dict[str, BlockCost]:
         """Measure every block's forward, backward and activations on its rank, on the
         last step's first micro-batch (run a step first). Kept for ``measured`` plans."""
-        costs = {c.name: c for per_rank in self.run(_profile, repeats).values() for c in per_rank}
+        costs = {
+            c.name: c
+            for per_rank in self.run(api.profile_blocks, repeats).values()
+            for c in per_rank
+        }
         self.block_costs = costs
         return dict(costs)
 
@@ -115,7 +102,7 @@ class PartitionMixin:
             return {"moved": {}, "plan": new, "seconds": 0.0}
         move_id = secrets.token_hex(8)  # names the commit-or-abort decision in the store
         try:
-            done = self.run(_move, new.blocks, new.bounds, timeout, move_id,
+            done = self.run(api.move_blocks, new.blocks, new.bounds, timeout, move_id,
                             timeout=timeout + 30)  # fmt: skip
         except RankError as e:
             self.stepper._regroup = True  # an agreement may be left pending in the group

@@ -13,10 +13,10 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from dtlab.agent import api
 from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.resume import Comparison, compare_runs, first_module_difference
 from dtlab.checkpoint_format import CheckpointInfo
-from dtlab.control.checkpointing import _records, _stash
 from dtlab.control.errors import DtlabError
 from dtlab.trace import Trace
 
@@ -132,7 +132,9 @@ class ReplayMixin:
                             reference, resumed), loaded, time.perf_counter() - t0)  # fmt: skip
 
     def _full_records(self, first: int, last: int) -> dict:
-        return {rank: list(recs) for rank, recs in self.run(_records, first, last).items()}
+        return {
+            rank: list(recs) for rank, recs in self.run(api.records_between, first, last).items()
+        }
 
     # --- replay ------------------------------------------------------------------------
     def replay(self, from_step: int, to_step: int | None = None, *, outputs: bool = False,
@@ -151,7 +153,7 @@ class ReplayMixin:
         start = self._checkpoint_before(from_step)
         back = self.checkpoint(tag="before-replay")
         replayed = Trace(trace.jobs, meta={"replay_of": str(trace.folder), "from": start.step})
-        self.run(_stash, True)
+        self.run(api.stash_records, True)
         self._autosave(False)
         saved_outputs = self.stepper.record_outputs
         try:
@@ -184,7 +186,7 @@ class ReplayMixin:
                              f"replay's last step; {back.path} holds where it was: "
                              f"dt.load_checkpoint('{back.path}')") from e  # fmt: skip
         finally:
-            self.run(_stash, False)
+            self.run(api.stash_records, False)
             self._autosave(True)
         self.remove_checkpoint(back)
 

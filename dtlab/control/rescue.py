@@ -17,6 +17,7 @@ import signal
 import time
 from dataclasses import dataclass, field, replace
 
+from dtlab.agent import api
 from dtlab.analysis.hangs import HangVerdict, diagnose
 from dtlab.analysis.ranks import label_ranks
 from dtlab.control.channel import Channel
@@ -27,12 +28,6 @@ REPORT_TIMEOUT_S = 2.0  # a sidecar answers in ms; one that does not in 2 s will
 CONNECT_TIMEOUT_S = 30.0
 HANG_MIN_S = 30.0  # a run with no step finished for this long (or 20 steps' time) is hung
 HANG_STEPS = 20
-
-
-def _start_sidecar(address: str, key: str, rank: int) -> None:
-    from dtlab.agent.sidecar import start
-
-    start(address, key, rank)
 
 
 @dataclass(frozen=True)
@@ -81,7 +76,7 @@ class RecoveryMixin:
         try:
             where = {r: (channel.address, channel.key, r) for r in self.ranks}
             deadline = time.monotonic() + timeout
-            self.run_each(_start_sidecar, where, what="start the sidecars", timeout=timeout)
+            self.run_each(api.start_sidecar, where, what="start the sidecars", timeout=timeout)
             missing = channel.wait_connected(self.ranks, max(0.1, deadline - time.monotonic()))
         except BaseException:
             channel.close()

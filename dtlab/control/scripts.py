@@ -18,30 +18,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from dtlab.agent import api
 from dtlab.analysis.ranks import label_ranks
 from dtlab.control.errors import DtlabError, RankError
 from dtlab.records import RemoteFailure, RunResult, ScriptStatus
 
 OUTPUT_WAIT_S = 2.0
 TO_THE_END = 10**12  # steps of a run that only the script's end (or a pause) stops
-
-
-def _start_on_rank(path: str, argv: list[str], cwd: str | None, record: bool) -> dict:
-    from dtlab.agent.script import start
-
-    return start(path, argv, cwd, record)
-
-
-def _status_on_rank():
-    from dtlab.agent.script import status
-
-    return status()
-
-
-def _stop_on_rank():
-    from dtlab.agent.script import stop
-
-    return stop()
 
 
 class Scripts:
@@ -95,7 +78,7 @@ class Scripts:
         shown = [0, 0]  # characters of rank 0's stdout, stderr passed on
 
         def request(view, rank):
-            sent[rank] = view.apply_async(_start_on_rank, path, argv, cwd, record)
+            sent[rank] = view.apply_async(api.start_script, path, argv, cwd, record)
             return sent[rank]
 
         def progress(done, total):
@@ -200,7 +183,7 @@ class Scripts:
         """Ask the ranks where their script stands now (after a run that ended it)."""
         if self.last is None:
             return None
-        states = self.session.run(_status_on_rank)
+        states = self.session.run(api.script_status)
         if any(s is None for s in states.values()):
             return self.last
         self.last = ScriptStatus.from_ranks(self.last.path, self.last.argv, states, 0.0)
@@ -208,7 +191,7 @@ class Scripts:
 
     def stop(self) -> dict:
         """End a paused script on every rank now (its ``finally`` blocks run)."""
-        return self.session.run(_stop_on_rank)
+        return self.session.run(api.stop_script)
 
     def _require_paused(self) -> None:
         if self.last is None:

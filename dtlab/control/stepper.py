@@ -24,6 +24,7 @@ import statistics
 from collections.abc import Callable
 from contextlib import contextmanager
 
+from dtlab.agent import api
 from dtlab.analysis.conditions import describe_condition
 from dtlab.analysis.ranks import label_ranks
 from dtlab.control.calls import counted_interrupts
@@ -31,7 +32,7 @@ from dtlab.control.channel import Channel
 from dtlab.control.errors import DtlabError
 from dtlab.control.network import EVERYWHERE, LOOPBACK, is_loopback, listen_address, route_ip
 from dtlab.control.runs import FAILURE_GRACE_S, POLL_S, Run
-from dtlab.records import Condition, JobInfo, RunResult
+from dtlab.records import Condition, RunResult
 from dtlab.trace import Trace, new_run_folder
 
 CONNECT_TIMEOUT_S = 30.0
@@ -40,36 +41,6 @@ AGREE_S = 1.0  # in a plain multi-step run, ranks agree (pause?) about this ofte
 # agreement costs ~5 ms at 8 ranks on 2 cores, so every step would add ~4%
 
 Progress = Callable[[str, int, int], None]
-
-
-def _describe_job() -> tuple[int, JobInfo]:
-    from dtlab.agent.job import attach_count, current
-
-    return attach_count(), current().info
-
-
-def _serve(address: str, key: str, rank: int) -> int:
-    from dtlab.agent.stepping import serve
-
-    return serve(address, key, rank)
-
-
-def _record_at(step: int):
-    from dtlab.agent.job import current
-
-    job = current()
-    return job.record_at(step), job.kept_steps()
-
-
-def _fetch(name: str, what: str):
-    import torch
-
-    from dtlab.agent.job import current
-
-    tensor = current().tensor(name, what)
-    if tensor is not None and tensor.dtype == torch.bfloat16:  # numpy has no bfloat16
-        tensor = tensor.float()
-    return None if tensor is None else tensor.numpy()
 
 
 class Stepper:
@@ -98,7 +69,7 @@ class Stepper:
         try:
             ranks = self.session.ranks
             self.session.run_each(
-                _serve,
+                api.serve,
                 {r: (channel.address, channel.key, r) for r in ranks},
                 what="connect the stepping channel",
                 timeout=CONNECT_TIMEOUT_S,
@@ -119,7 +90,7 @@ class Stepper:
         can attach one, so this asks the ranks only after such calls."""
         if self.trace is not None and self.session.calls == self._calls_seen:
             return
-        described = self.session.run(_describe_job, timeout=CONNECT_TIMEOUT_S)
+        described = self.session.run(api.describe_job, timeout=CONNECT_TIMEOUT_S)
         self._calls_seen = self.session.calls
         counts = {rank: count for rank, (count, _) in described.items()}
         if len(set(counts.values())) > 1:
@@ -153,7 +124,7 @@ class Stepper:
         self.trace.close()
         jobs = self.trace.jobs
         if describe:
-            jobs = {r: info for r, (_, info) in self.session.run(_describe_job).items()}
+            jobs = {r: info for r, (_, info) in self.session.run(api.describe_job).items()}
         self.trace = Trace(jobs, folder=new_run_folder(),
                            meta={"backend": self.session.backend, **meta})  # fmt: skip
 
@@ -328,11 +299,11 @@ class Stepper:
     # --- looking closer ----------------------------------------------------------------
     def tensors(self, name: str, what: str, ranks) -> dict:
         """One parameter's gradient or value from each rank, as numpy arrays."""
-        return self.session.run(_fetch, name, what, ranks=ranks)
+        return self.session.run(api.fetch, name, what, ranks=ranks)
 
     def details(self, step: int, ranks) -> dict:
         """``{rank: StepRecord}`` with the per-parameter tuples, from the ranks' buffers."""
-        found = self.session.run(_record_at, step, ranks=ranks)
+        found = self.session.run(api.record_at, step, ranks=ranks)
         gone = {rank: kept for rank, (rec, kept) in found.items() if rec is None}
         if gone:
             rank, (first, last) = min(gone.items())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from dtlab.agent import api
 from dtlab.analysis.conditions import parse_condition
 from dtlab.analysis.divergence import (
     find_divergence,
@@ -22,14 +23,6 @@ from dtlab.records import Condition, Finding, RunResult
 
 DEFAULT_MAX_STEPS = 100_000
 EVIDENCE_TIMEOUT_S = 60.0
-
-
-def _rank_now():
-    """(RankInfo as of now, InitialState of the attached job or None); on every rank."""
-    from dtlab.agent.job import current
-    from dtlab.agent.rendezvous import describe_now
-
-    return describe_now(), current().initial
 
 
 class TrainingMixin:
@@ -186,7 +179,7 @@ class TrainingMixin:
         cores: dict[str, int] = {}
         for facts in self.facts.values():  # engines of a host may see different cores
             cores[facts.host] = max(cores.get(facts.host, 0), facts.num_cpus)
-        now = self.run(_rank_now, timeout=EVIDENCE_TIMEOUT_S)  # env may have changed
+        now = self.run(api.rank_now, timeout=EVIDENCE_TIMEOUT_S)  # env may have changed
         return Evidence(
             records=trace.records, names=trace.param_names, jobs=trace.jobs,
             ranks={rank: info for rank, (info, _) in now.items()}, cores_by_host=cores,
