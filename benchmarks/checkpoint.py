@@ -5,7 +5,7 @@
 
 Starts its own ranks (torch.multiprocessing spawn, gloo on 127.0.0.1, one thread each) and
 builds one job on every rank: a stack of ``nn.Linear`` layers of about --params parameters
-in DDP, AdamW after one step (so its state exists), attached with ``dtlab.agent.job.attach``.
+in DDP, AdamW after one step (so its state exists), attached with ``dtlab.agent.attach.attach``.
 On that same state, each repeat runs the three methods in turn (the order rotates, so drift
 hits all), each save followed by zeroing the state and loading it back:
 
@@ -51,6 +51,7 @@ def build_job(num_params: float, width: int):
     from torch.utils.data import DataLoader, TensorDataset
 
     from dtlab.agent import job as jobs
+    from dtlab.agent.attach import attach
 
     torch.manual_seed(0)
     num_layers = max(1, round(num_params / (width * width + width)))
@@ -62,7 +63,7 @@ def build_job(num_params: float, width: int):
         x, y = batch
         return torch.nn.functional.mse_loss(model(x), y)
 
-    jobs.attach(model, optimizer, data, loss_fn, record=False)
+    attach(model, optimizer, data, loss_fn, record=False)
     jobs.current().step()
     return jobs.current()
 

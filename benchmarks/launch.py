@@ -8,7 +8,7 @@ for their own interpreter start and imports ("from nothing"):
 
 - ready, bare: torch imported, process group up, one all_reduce of the rank ids done;
 - ready, DDP: the same plus a small MLP wrapped in DistributedDataParallel and one step
-  (DDP's constructor imports torch._dynamo: ~1 s of CPU per rank, FACTS.md);
+  (DDP's constructor imports torch._dynamo: ~1 s of CPU per rank, docs/design.md);
 - relaunch: ``dtlab.launch(N)`` again on the live cluster (reuse, group re-checked);
 - shutdown: ``Session.shutdown()`` until no process is left, against torchrun's own
   teardown (rank 0 ready -> torchrun exited);

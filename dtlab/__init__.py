@@ -15,7 +15,7 @@ or, in Python::
 On the ranks: ``dtlab.attach`` hands over a training job, ``dtlab.inject`` makes faults
 on purpose. ``dtlab.Trace.load(folder)`` reads a run folder back.
 
-Layers (see STYLE in the repository): ``control`` (notebook side, the only user of
+Layers (docs/design.md): ``control`` (notebook side, the only user of
 ipyparallel), ``agent`` (rank side, torch only), ``analysis`` (pure), ``views`` (IPython,
 widgets). This module imports none of them until asked, so ``import dtlab`` stays cheap.
 """
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from dtlab.control.session import Session
+    from dtlab.views.notebook import NotebookSession as Session
 
 
 def launch(
@@ -61,6 +61,7 @@ def launch(
     from dtlab.control import lifecycle
     from dtlab.control.config import LaunchConfig
     from dtlab.control.launchers import parse_hosts, slurm_config, ssh_config
+    from dtlab.views.notebook import NotebookSession
     from dtlab.views.progress import auto_progress
 
     launcher_config = dict(launcher_config or {})
@@ -82,7 +83,9 @@ def launch(
         launcher_config=launcher_config,
         listen=listen,
     )
-    return lifecycle.launch(config, progress or auto_progress(), restart=restart)
+    return lifecycle.launch(
+        config, progress or auto_progress(), restart=restart, session_class=NotebookSession
+    )
 
 
 def session() -> Session:
@@ -95,8 +98,8 @@ def session() -> Session:
 def attach(model, optimizer, data, loss_fn=None, **options):
     """Rank side: hand this rank's training job to dtlab (call it on every rank, e.g. in a
     ``%%dt`` cell): ``loss_fn(model, batch)``, or ``step=fn(batch)`` for a whole step of
-    your own. See :func:`dtlab.agent.job.attach` for the options."""
-    from dtlab.agent.job import attach as attach_on_rank
+    your own. See :func:`dtlab.agent.attach.attach` for the options."""
+    from dtlab.agent.attach import attach as attach_on_rank
 
     return attach_on_rank(model, optimizer, data, loss_fn, **options)
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dtlab.agent import job as jobs
+from dtlab.agent.attach import attach
 from tests.test_job_one_rank import batches, mse, small_job
 
 
@@ -54,7 +55,7 @@ def test_a_whole_step_function_is_watched_and_matches_the_plain_loop():
         schedule.step()
         return loss
 
-    jobs.attach(model, opt, batches(), step=step)
+    attach(model, opt, batches(), step=step)
     records = [jobs.current().step() for _ in range(5)]
     expected, ref_model = reference(5, clip=0.05, lr=lambda s: 0.1 * 0.5 ** (s // 2))
     assert [r.loss for r in records] == expected["loss"]
@@ -81,7 +82,7 @@ def test_a_step_function_whose_step_a_scaler_skips_is_recorded_as_skipped():
         scaler.step(opt)
         scaler.update()
 
-    jobs.attach(model, opt, batches(), step=step)
+    attach(model, opt, batches(), step=step)
     job = jobs.current()
     good = job.step()
     poison[0] = True
@@ -124,10 +125,10 @@ def test_attach_says_which_form_it_needs():
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="either loss_fn"):
-        jobs.attach(model, opt, [])
+        attach(model, opt, [])
     with pytest.raises(TypeError, match="either loss_fn"):
-        jobs.attach(model, opt, [], mse, step=lambda b: None)
+        attach(model, opt, [], mse, step=lambda b: None)
     with pytest.raises(TypeError, match="leave out before_step"):
-        jobs.attach(model, opt, [], step=lambda b: None, before_step=lambda m, o: None)
+        attach(model, opt, [], step=lambda b: None, before_step=lambda m, o: None)
     with pytest.raises(TypeError, match="lr= must be callable"):
-        jobs.attach(model, opt, [], mse, lr=0.1)
+        attach(model, opt, [], mse, lr=0.1)

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dtlab.agent import checkpoint, restore, rng
 from dtlab.agent import job as jobs
+from dtlab.agent.attach import attach as attach_job
 from dtlab.checkpoint_format import MANIFEST, CheckpointError, catalogue
 
 # DCP says it assumes one process: it is one process
@@ -36,8 +37,8 @@ def attach(shuffle=True, batch_size=4, lr=1e-2, optimizer=torch.optim.AdamW):
         noise = random.random() + float(np.random.rand())  # Python and numpy RNGs matter too
         return torch.nn.functional.mse_loss(model(x), y) * (1 + 1e-3 * noise)
 
-    jobs.attach(model, optimizer(model.parameters(), lr=lr), data, loss_fn,
-                indices=lambda batch: batch[2].tolist())  # fmt: skip
+    attach_job(model, optimizer(model.parameters(), lr=lr), data, loss_fn,
+               indices=lambda batch: batch[2].tolist())  # fmt: skip
     return jobs.current()
 
 

@@ -8,6 +8,7 @@ import torch
 
 from dtlab.agent import job as jobs
 from dtlab.agent import recorder
+from dtlab.agent.attach import attach
 from dtlab.agent.stepping import agree
 
 
@@ -65,7 +66,7 @@ def small_job(**options):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return model, opt, jobs.attach(model, opt, batches(), mse, **options)
+    return model, opt, attach(model, opt, batches(), mse, **options)
 
 
 def test_a_bare_model_steps_and_records_everything():
@@ -113,11 +114,11 @@ def test_attach_refuses_what_it_cannot_step_and_tensor_names_are_checked():
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
-        jobs.attach("model", opt, [], mse)
+        attach("model", opt, [], mse)
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
-        jobs.attach(model, None, [], mse)
+        attach(model, None, [], mse)
     with pytest.raises(ValueError, match="capacity"):
-        jobs.attach(model, opt, [], mse, capacity=0)
+        attach(model, opt, [], mse, capacity=0)
     with pytest.raises(RuntimeError, match="dtlab.attach"):
         jobs.current()
     small_job()
@@ -136,9 +137,9 @@ def test_agreement_without_a_process_group_is_this_rank_alone():
 
 def test_a_model_without_parameters_or_data_without_batches_is_named():
     with pytest.raises(ValueError, match="has no parameters"):
-        jobs.attach(torch.nn.ReLU(), torch.optim.SGD([torch.zeros(1)], lr=0.1), [], mse)
+        attach(torch.nn.ReLU(), torch.optim.SGD([torch.zeros(1)], lr=0.1), [], mse)
     model = torch.nn.Linear(6, 1)
-    jobs.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), [], mse)
+    attach(model, torch.optim.SGD(model.parameters(), lr=0.1), [], mse)
     with pytest.raises(RuntimeError, match="the data yields no batch"):
         jobs.current().step()
 

@@ -1,13 +1,10 @@
 """One place sets the thread count that bitwise comparisons across processes depend on."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from dtlab.agent.threads import common_threads, same_threads, thread_env, use_threads
-from dtlab.control.config import LaunchConfig
-from dtlab.control.lifecycle import _keeping_threads
+from dtlab.control.config import LaunchConfig, keeping_threads
 
 
 def test_same_threads_computes_at_the_count_and_restores_the_old_one():
@@ -38,13 +35,12 @@ def test_ranks_at_different_counts_are_named():
         common_threads({0: 1, 1: 4, 2: 1})
 
 
-def _session(threads_by_rank, **config):
-    infos = {r: SimpleNamespace(num_threads=n) for r, n in threads_by_rank.items()}
-    return SimpleNamespace(config=LaunchConfig(num_ranks=len(infos), **config), infos=infos)
+def _keeping(threads_by_rank, **config):
+    return keeping_threads(LaunchConfig(num_ranks=len(threads_by_rank), **config), threads_by_rank)
 
 
 def test_fresh_engines_keep_the_count_the_ranks_ran_at():
     # a restart on a host with other cores would otherwise pick another count
-    assert _keeping_threads(_session({0: 3, 1: 3})).threads == 3
-    assert _keeping_threads(_session({0: 3, 1: 3}, threads=2)).threads == 2  # asked: kept
-    assert _keeping_threads(_session({0: 1, 1: 2})).threads is None  # no one count to keep
+    assert _keeping({0: 3, 1: 3}).threads == 3
+    assert _keeping({0: 3, 1: 3}, threads=2).threads == 2  # asked: kept
+    assert _keeping({0: 1, 1: 2}).threads is None  # no one count to keep

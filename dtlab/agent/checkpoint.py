@@ -27,6 +27,7 @@ import xxhash
 from dtlab.agent import checkpoint_state as parts
 from dtlab.agent import job as jobs
 from dtlab.agent.dcp_io import ChecksummingFileSystem
+from dtlab.agent.groups import control_group
 from dtlab.agent.rendezvous import identity
 from dtlab.analysis.ranks import label_ranks
 from dtlab.checkpoint_format import (
@@ -144,7 +145,7 @@ def _write(job, folder: Path, state: dict, extras: bytes, rank: int) -> dict:
 
     writer = dcp.FileSystemWriter(str(folder), sync_files=True)
     writer.fs = written = ChecksummingFileSystem()  # checksums without reading back
-    group = parts.control_group()  # None: one process, no collective to make
+    group = control_group()  # None: one process, no collective to make
     dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
     write_atomic(folder / f"rank-{rank}.pt", extras)
     written.sums[str(folder / f"rank-{rank}.pt")] = xxhash.xxh3_64_intdigest(extras)

@@ -13,19 +13,14 @@ import torch
 import xxhash
 
 from dtlab.agent import rng
+from dtlab.agent.groups import control_group
 from dtlab.agent.recorder import fingerprint
 from dtlab.checkpoint_format import CheckpointError
 
 PARTS = ("model", "optimizer", "scheduler", "scaler", "data", *rng.NAMES)
 
 
-# --- collectives on the stepping channel's gloo group (CPU objects, NCCL jobs too) ------
-def control_group():
-    from dtlab.agent.stepping import control_group as group
-
-    return group()
-
-
+# --- collectives on dtlab's own gloo group (agent/groups.py: CPU objects, NCCL jobs too) -
 def gather(obj) -> list:
     """``obj`` of every rank, in rank order (every rank must call it)."""
     group = control_group()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dtlab.agent import job as jobs
+from dtlab.agent.attach import attach
 from dtlab.agent.demo_model import (
     DemoConfig,
     DemoJob,
@@ -35,7 +35,7 @@ def attach_demo(*, ddp: bool = True, record: bool = True, lr: float = 3e-3, accu
                       sharding=sharding)  # fmt: skip
     # a GradScaler as mixed-precision jobs use it (it scales the loss on CPU too)
     grad_scaler = torch.amp.GradScaler(me.device.split(":")[0], init_scale=2.0**10)
-    return jobs.attach(
+    return attach(
         last.model,
         last.optimizer,
         last.data,

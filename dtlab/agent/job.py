@@ -1,10 +1,6 @@
 """The training job attached on this rank, and one optimizer step of it, measured.
 
-On every rank the user's code builds an ordinary model, optimizer, data and a loss
-function, then hands them over::
-
-    dtlab.attach(model, optimizer, loader, loss_fn, scheduler=sched, scaler=scaler)
-
+The user's code hands it over with ``dtlab.attach(...)`` (:mod:`dtlab.agent.attach`);
 dtlab then owns the loop (so it can time each phase) and changes nothing in the model.
 One step, in order: next batch -> ``loss_fn(model, batch)`` (forward) -> backward (with
 DDP this includes the gradient all-reduce) -> [unscale] -> record gradients ->
@@ -17,8 +13,7 @@ import collections
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -39,102 +34,6 @@ DEFAULT_CAPACITY = 1_000  # full step records kept on the rank: ~6 KB each for t
 
 _job: Job | None = None
 _attach_count = 0
-
-
-def attach(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    data: Iterable,
-    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
-    *,
-    step: Callable[[Any], Any] | None = None,
-    before_step: Callable[[torch.nn.Module, torch.optim.Optimizer], None] | None = None,
-    lr: Callable[[int], float] | None = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    record: bool = True,
-    capacity: int = DEFAULT_CAPACITY,
-    indices: Callable[[Any], Iterable[int]] | None = None,
-    on_epoch: Callable[[int], None] | None = None,
-    accumulate: int = 1,
-    no_sync: bool = True,
-) -> JobInfo:
-    """Hand this rank's training job to dtlab (call it on every rank).
-
-    ``loss_fn(model, batch)`` runs the forward pass and returns the loss. ``indices(batch)``
-    says which samples a batch holds (default: ``batch["index"]`` when there is one).
-    ``on_epoch(epoch)`` is called when ``data`` is exhausted, before it is iterated again
-    (e.g. ``sampler.set_epoch``). ``record=False`` keeps only loss, LR, times and memory.
-    ``accumulate=k`` makes each step k micro-batches; with DDP only the last one syncs
-    gradients unless ``no_sync=False`` (DDP's all-reduces are then counted each step).
-    ``before_step(model, optimizer)`` runs after backward (and unscale), before the step:
-    clipping, say. ``lr(step)`` sets every group's LR before each step (step counts from 0).
-
-    Or hand over the whole step: ``step=fn``, ``fn(batch) -> loss`` doing its own
-    zero_grad, backward, clipping, optimizer (and scheduler) step; dtlab watches it through
-    the optimizer and backward hooks (:mod:`dtlab.agent.step_fn_job`), as for a script.
-    Gradients are always recorded after every hook on the optimizer (a manual all-reduce in
-    a pre-hook included): what the step used.
-    """
-    global _job, _attach_count
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    if (loss_fn is None) == (step is None):
-        raise TypeError(
-            "give either loss_fn(model, batch) -> loss, or step=fn(batch) that "
-            "does the whole step (backward and optimizer step too), not both"
-        )
-    if not callable(loss_fn if step is None else step):
-        what = "loss_fn(model, batch) -> loss tensor" if step is None else "step=fn(batch)"
-        raise TypeError(f"{what} must be callable")
-    for name, fn in (("before_step", before_step), ("lr", lr)):
-        if fn is not None and not callable(fn):
-            raise TypeError(f"{name}= must be callable, got {type(fn).__name__}")
-    if step is not None and (before_step or lr or accumulate != 1 or scheduler or scaler):
-        raise TypeError(
-            "with step=fn the function does the whole step: leave out "
-            "before_step, lr, accumulate, scheduler and scaler"
-        )
-    if capacity < 1:
-        raise ValueError(f"capacity must be at least 1 step, got {capacity}")
-    if accumulate < 1:
-        raise ValueError(f"accumulate must be at least 1 micro-batch, got {accumulate}")
-    _attach_count += 1
-    if step is not None:
-        from dtlab.agent.step_fn_job import StepFnJob
-
-        _job = StepFnJob(
-            model,
-            optimizer,
-            data,
-            step,
-            record=record,
-            capacity=capacity,
-            indices=indices,
-            on_epoch=on_epoch,
-        )
-    else:
-        _job = Job(
-            model,
-            optimizer,
-            data,
-            loss_fn,
-            scheduler=scheduler,
-            scaler=scaler,
-            record=record,
-            capacity=capacity,
-            indices=indices,
-            on_epoch=on_epoch,
-            accumulate=accumulate,
-            no_sync=no_sync,
-            before_step=before_step,
-            lr=lr,
-        )
-    return _job.info
 
 
 def install(job: Job) -> None:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from dtlab.agent import job as jobs
+from dtlab.agent.groups import control_group
 from dtlab.agent.pipeline_stage import (
     InputCapture,
     StageModule,
@@ -161,8 +162,6 @@ class PipelineJob(jobs.Job):
         """The last stage's mean micro-batch loss, on every rank (one small broadcast)."""
         value = math.fsum(float(x.detach()) for x in losses) / len(losses) if losses else 0.0
         box = torch.tensor([value], dtype=torch.float64)
-        from dtlab.agent.stepping import control_group
-
         dist.broadcast(box, src=self.plan.num_stages - 1, group=control_group())
         return float(box.item())
 

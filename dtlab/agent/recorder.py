@@ -1,6 +1,6 @@
 """What a rank measures about its own tensors each step: norms, fingerprints, memory.
 
-Cheap by design (FACTS.md, 8 ranks on 2 cores): one fused ``_foreach_norm`` for every
+Cheap by design (docs/design.md, 8 ranks on 2 cores): one fused ``_foreach_norm`` for every
 gradient, one position-weighted sum of the bit patterns per tensor (~0.5 ms for the demo
 model's 271k parameters on one core), and byte counts from tensor metadata. Nothing here
 moves a tensor off the rank, except that a sharded (FSDP2) tensor is gathered whole to be

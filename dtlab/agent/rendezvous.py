@@ -1,9 +1,9 @@
 """Make this engine a torch.distributed rank, check the group, and leave it.
 
-Stages, each run on the engines by control/session.py:
+Stages, each run on the engines by control/lifecycle.py (through agent/api.py):
 1. ``open_store`` on the engine that becomes rank 0: its TCPStore listens before anyone
    connects (with env:// a rank that connects before rank 0 listens backs off 0.3-0.7 s;
-   a store already listening never did, FACTS.md);
+   a store already listening never did, docs/design.md);
 2. ``join(plan)`` on every rank at once: environment, threads, device, process group,
    then an all_reduce of the rank ids that proves the group works;
 3. ``check_group`` re-proves a live group; ``leave`` destroys it.
@@ -20,6 +20,11 @@ from datetime import timedelta
 from dtlab.agent.identity import describe_rank
 from dtlab.agent.threads import thread_env, use_threads
 from dtlab.records import RankInfo, RankPlan
+
+# torch's Flight Recorder keeps the last collectives of each group, for the sidecar's hang
+# reports; torch reads the size when a group is made
+FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+FR_BUFFER_SIZE = "2000"  # entries per rank: ~0.2 MB, and room for hours of DDP buckets
 
 _state: dict = {}  # this process's rank: {"store": TCPStore, "plan": RankPlan, "device": ...}
 
@@ -107,9 +112,6 @@ def join(plan: RankPlan) -> RankInfo:
     import torch.distributed as dist
 
     _export_env(plan)
-    # torch's Flight Recorder, for the sidecar's hang reports (read when the group is made)
-    from dtlab.agent.sidecar import FR_BUFFER_ENV, FR_BUFFER_SIZE
-
     os.environ.setdefault(FR_BUFFER_ENV, FR_BUFFER_SIZE)
     use_threads(plan.num_threads)
     if dist.is_initialized():

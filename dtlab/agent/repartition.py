@@ -120,7 +120,7 @@ def _no_interrupt():
 
 
 def _group():
-    from dtlab.agent.stepping import control_group
+    from dtlab.agent.groups import control_group
 
     return control_group()
 
@@ -171,7 +171,7 @@ def _agree(problem: str, group, phase: str, deadline: float) -> None:
 
 def _finish(work, deadline: float, phase: str) -> None:
     """Wait with a deadline: a gloo collective with a dead peer may block until the group
-    timeout (30 min by default, FACTS.md), and polling keeps SIGINT deliverable."""
+    timeout (30 min by default, docs/design.md), and polling keeps SIGINT deliverable."""
     while not work.is_completed():
         if time.monotonic() > deadline:
             raise MoveFailed(f"{phase}: peers did not answer in time; {STALLED}")

@@ -26,6 +26,7 @@ from dtlab.agent import checkpoint_state as parts
 from dtlab.agent import job as jobs
 from dtlab.agent import rng
 from dtlab.agent.checkpoint import attempt
+from dtlab.agent.groups import control_group
 from dtlab.agent.rendezvous import identity
 from dtlab.checkpoint_format import CheckpointError, file_problem, read_manifest
 
@@ -47,7 +48,7 @@ def load(path: str) -> dict:
     manifest, extras, position, source = checked
     tensors, error = attempt(lambda: _targets(job, manifest, extras, source), folder)
     _agree(error, folder)
-    group = parts.control_group()  # None: one process, no collective to make
+    group = control_group()  # None: one process, no collective to make
     read = dict(storage_reader=SafeFileSystemReader(str(folder)), planner=tensors_only_planner(),
                 process_group=group, no_dist=group is None)  # fmt: skip
     _, error = attempt(lambda: dcp.load(tensors, **read), folder)  # every rank: collective

@@ -23,8 +23,6 @@ import sys
 import threading
 import traceback
 
-FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
-FR_BUFFER_SIZE = "2000"  # entries per rank: ~0.2 MB, and room for hours of DDP buckets
 KEEP_PER_GROUP = 6  # collectives reported per process group (the last ones)
 POLL_MS = 200
 
@@ -129,7 +127,7 @@ def _live_groups() -> dict[str, list[int]]:
 
     if not dist.is_initialized():
         return {}
-    from dtlab.agent.stepping import retired_groups
+    from dtlab.agent.groups import retired_groups
 
     return {name: dist.get_process_group_ranks(pg) for pg, name in _world.pg_names.items()
             if name not in retired_groups()}  # fmt: skip

@@ -1,7 +1,7 @@
 """The rank end of the stepping channel: steps on command, paused together, reported live.
 
 Why a channel of its own: one ipyparallel call to 8 engines costs ~20 ms here, a bare zmq
-round trip well under 1 ms (FACTS.md), and a step of the demo job is tens of ms. The
+round trip well under 1 ms (docs/design.md), and a step of the demo job is tens of ms. The
 socket is served by a ``ZMQStream`` on the engine's own main-thread event loop, so steps
 run on the main thread *between* ipyparallel requests, never beside a ``%%dt`` cell.
 
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dtlab.agent import job as jobs
+from dtlab.agent.groups import control_group
 from dtlab.records import Condition, StepRecord, step_record_to_dict
 
 AGREE_AFTER_ERROR_S = 5.0  # a failed rank waits this long for peers at the step boundary
@@ -47,19 +48,6 @@ MAX_AGREE_EVERY = 1000
 AGREE_POLL_S = 0.0005  # polling the agreement keeps SIGINT deliverable
 
 _server: StepServer | None = None
-_control: dict = {}  # {"world": the default group it was made for, "group": gloo group}
-
-
-def _group_name(group) -> str:
-    from torch.distributed.distributed_c10d import _world
-
-    return _world.pg_names.get(group, "")
-
-
-def retired_groups() -> set[str]:
-    """Names of control groups replaced since (their last agreement may be pending
-    forever: hang reports leave them out)."""
-    return set(_control.get("retired", ()))
 
 
 def serve(address: str, key: str, rank: int) -> int:
@@ -98,22 +86,6 @@ def condition_holds(cond: Condition | None, rec: StepRecord) -> bool:
 def _combined_fingerprint(rec: StepRecord) -> int:
     # halved so that -fp fits in int64 too (hash() may return -2**63)
     return hash((rec.grad_fingerprint, rec.param_fingerprint)) >> 1
-
-
-def control_group(rebuild: bool = False):
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    if _control.get("world") is not dist.group.WORLD:  # a new world: old groups went with it
-        _control.clear()
-    if rebuild or "group" not in _control:
-        if "group" in _control:  # left, not destroyed: its last collective may hang forever
-            _control.setdefault("retired", set()).add(_group_name(_control["group"]))
-        _control["world"] = dist.group.WORLD
-        # CPU tensors, NCCL jobs too; named so that hang reports can say whose it is
-        _control["group"] = dist.new_group(backend="gloo", group_desc="dtlab_control")
-    return _control["group"]
 
 
 @dataclass(frozen=True)

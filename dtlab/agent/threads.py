@@ -8,7 +8,7 @@ holds only at the same thread count. So:
 
 - a rank takes its count from its ``RankPlan`` through ``use_threads`` (rendezvous.join);
 - fresh engines of a restart, a resume check or a replay keep the count the ranks had
-  (control/lifecycle.renew), even on a host with another core count;
+  (Session.renew, control/session.py), even on a host with another core count;
 - a reference computed in another process (a test's one-process run, a script under
   torchrun) runs inside ``same_threads(n)`` or with ``thread_env(n)`` in its environment.
 """

@@ -70,7 +70,7 @@ ENV_RULES: tuple[EnvRule, ...] = (
             "set NCCL_DEBUG=WARN once the communicator setup is understood"),
 )  # fmt: skip
 
-# Measured in FACTS.md ("Steady-state steps and threads", gloo DDP on 2 cores).
+# Measured on 2 cores, gloo DDP (docs/design.md, "Threads").
 OVERSUBSCRIPTION_COST = (
     "OpenMP threads spin while they wait; measured on 2 cores, 8 ranks x 2 threads stepped "
     "~5.7x slower than with 1 thread (8x1024² MLP, ~17x for a small MLP), 4 x 2 ~3.7x (~18x)"

@@ -31,7 +31,7 @@ from dtlab.control.launchers import engine_launcher_class, launcher_problem, mpi
 from dtlab.control.network import listen_address
 from dtlab.control.rankmap import threads_per_rank
 
-# Registration waits for a heartbeat tick: 3 s by default, ~1.5 s at 250 ms (FACTS.md).
+# Registration waits for a heartbeat tick: 3 s by default, ~1.5 s at 250 ms (docs/design.md).
 HEARTBEAT_MS = 250
 # The nanny reports a local engine's death at once; the heartbeat is for a lost host, and
 # 120 missed beats (30 s) keep a merely slow engine on a loaded machine from being dropped.
@@ -78,7 +78,7 @@ def make_cluster(config: LaunchConfig) -> ipp.Cluster:
     env = dict(config.env)
     if local:
         # ipyparallel engines do not set it (torchrun does): without it torch takes every
-        # core in every rank, and 8 ranks on 2 cores step ~15x slower (FACTS.md)
+        # core in every rank, and 8 ranks on 2 cores step ~15x slower (docs/design.md)
         env.setdefault("OMP_NUM_THREADS", str(_local_threads(config)))
         env[EXIT_LOG_ENV] = exit_log_path(cluster)  # how engines died
     cluster.config.EngineLauncher.environment = env

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dtlab.control.launchers import LAUNCHERS
 from dtlab.control.network import is_loopback, listen_address
@@ -92,3 +92,13 @@ class LaunchConfig:
         """What the process group is built from besides the backend; a change means
         rebuilding the group on the same engines."""
         return (self.threads, self.port, self.pg_timeout_s)
+
+
+def keeping_threads(config: LaunchConfig, threads_by_rank: Mapping[int, int]) -> LaunchConfig:
+    """``config`` with the thread count its ranks ran at, for fresh engines: a resume check
+    or a replay on them is bitwise only at the same count (agent/threads.py), also when
+    they land on a host with another number of cores."""
+    counts = set(threads_by_rank.values())
+    if config.threads is not None or len(counts) != 1:
+        return config
+    return replace(config, threads=counts.pop())

@@ -17,7 +17,6 @@ A fresh launch that fails anywhere stops what it started: nothing is left half-u
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 from dtlab.agent import api
 from dtlab.control.cluster import EngineCluster, Progress
@@ -48,13 +47,8 @@ def current_or_none() -> Session | None:
     return None if _current is None or _current.closed else _current
 
 
-def forget(session: Session) -> None:
-    global _current
-    if _current is session:
-        _current = None
-
-
-def launch(config: LaunchConfig, progress: Progress, *, restart: bool = False) -> Session:
+def launch(config: LaunchConfig, progress: Progress, *, restart: bool = False,
+           session_class: type[Session] = Session) -> Session:  # fmt: skip
     """A ready session of ``config.num_ranks`` ranks, reusing the live one when it can."""
     global _current
     old = current_or_none()
@@ -62,40 +56,8 @@ def launch(config: LaunchConfig, progress: Progress, *, restart: bool = False) -
         if not restart and _reusable(old, config) and _regroup(old, config, progress):
             return old
         old.shutdown()
-    _current = start(config, progress)
+    _current = start(config, progress, session_class)
     return _current
-
-
-def renew(session: Session, progress: Progress) -> Session:
-    """Replace every engine of ``session`` with a fresh process (same config, same world
-    size) and rejoin them; the Session object stays the one the user holds."""
-    global _current
-    if session._stepper is not None:
-        session._stepper.close()
-        session._stepper = None
-    if session._sidecars is not None:
-        session._sidecars.close()
-        session._sidecars = None
-    if not session.closed:
-        session.engines.stop()
-        session.closed = True  # until the new engines stand: a failed start leaves it shut
-    fresh = start(_keeping_threads(session), progress)
-    for name in ("engines", "rank_map", "facts", "infos", "_stuck", "_sidecars"):
-        setattr(session, name, getattr(fresh, name))
-    session.closed = False
-    session.calls += 1  # the job attached before lives no more
-    _current = session
-    return session
-
-
-def _keeping_threads(session: Session) -> LaunchConfig:
-    """The session's config with the thread count its ranks ran at: a resume check or a
-    replay on the fresh engines is bitwise only at the same count (agent/threads.py), also
-    when they land on a host with another number of cores."""
-    counts = {i.num_threads for i in session.infos.values()}
-    if session.config.threads is not None or len(counts) != 1:
-        return session.config
-    return replace(session.config, threads=counts.pop())
 
 
 def _reusable(session: Session, config: LaunchConfig) -> bool:
@@ -143,13 +105,15 @@ def _regroup(session: Session, config: LaunchConfig, progress: Progress) -> bool
     return True
 
 
-def start(config: LaunchConfig, progress: Progress) -> Session:
+def start(
+    config: LaunchConfig, progress: Progress, session_class: type[Session] = Session
+) -> Session:
     deadline = time.monotonic() + config.timeout_s
     engines = EngineCluster(config)
     engines.start(progress)
     try:
         facts = _describe_engines(engines, deadline)
-        session = Session(config, engines, assign_ranks(facts), facts)
+        session = session_class(config, engines, assign_ranks(facts), facts, start=start)
         join(session, config, progress, deadline, _backend(config, session))
         return session
     except BaseException:

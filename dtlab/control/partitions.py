@@ -135,11 +135,5 @@ class PartitionMixin:
             f"stages but the pipeline cannot run without them. {offer}.\n{text}"
         )
 
-    def partition_editor(self):
-        """The partition editor widget (blocks, stage boundaries, preview, Apply, Auto)."""
-        from dtlab.views.partition_widgets import PartitionEditor  # control -> views: lazy
-
-        return PartitionEditor(self)
-
 
 __all__ = ["PartitionMixin", "PlanError", "RepartitionFailed"]

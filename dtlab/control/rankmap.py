@@ -89,7 +89,7 @@ def threads_per_rank(requested: int | None, num_cpus: int, local_world_size: int
     """Intra-op threads so that the ranks of one host do not oversubscribe its cores.
 
     Two OpenMP threads per rank on 8 ranks x 2 cores stepped a small MLP 15x slower
-    (~842 ms vs ~58 ms, FACTS.md): spinning threads steal each other's cores.
+    (~842 ms vs ~58 ms, docs/design.md): spinning threads steal each other's cores.
     """
     if requested is not None:
         return requested

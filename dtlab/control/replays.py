@@ -88,13 +88,6 @@ def _step_s(records: dict, first: int, last: int) -> float | None:
 class ReplayMixin:
     """Resume checks, replays and bisection (needs CheckpointMixin and TrainingMixin)."""
 
-    def checkpoint_browser(self, resume_steps: int = 10):
-        """The loss curve with a marker per checkpoint: select one and replay from it, or
-        check that resuming now is exact (an ipywidgets panel)."""
-        from dtlab.views.checkpoint_widgets import CheckpointBrowser  # a view, made lazily
-
-        return CheckpointBrowser(self, resume_steps=resume_steps)
-
     def record_outputs(self, on: bool = True) -> None:
         """While on, every step's record keeps a fingerprint of each module's forward
         output, so ``dt.bisect`` can name the module whose output first differed."""
@@ -105,8 +98,6 @@ class ReplayMixin:
         """Save now (step k), run ``steps`` more, then restore step k into fresh engines
         (``fresh=False``: the live ones), run the same steps and compare every step's loss,
         fingerprints, LR, scale, data and RNG state with the run that never stopped."""
-        from dtlab.control import lifecycle
-
         if steps < 1:
             raise ValueError(f"steps must be at least 1, got {steps}")
         if self.job_setup is None and self._scripts is not None and self._scripts.is_current():
@@ -119,7 +110,7 @@ class ReplayMixin:
         self.stepper.run(steps, None, record=True)  # no automatic restart inside a check
         reference = self._full_records(k + 1, k + steps)
         if fresh:
-            lifecycle.renew(self, progress or (lambda *a: None))
+            self.renew(progress)
             self.set_up_job()
         elif self.job_setup is not None:
             self.set_up_job()

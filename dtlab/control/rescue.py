@@ -155,8 +155,6 @@ class RecoveryMixin:
         """Replace every engine (dead, hung or not), rejoin at the same world size, build
         the job again (``dt.set_job_setup``; ``%dt_demo`` sets it) and load a checkpoint
         (``"latest"``: the last complete one; a step; None: start the job afresh)."""
-        from dtlab.control import lifecycle
-
         t0 = time.monotonic()
         if self._stepper is not None and self._stepper.active is not None:
             raise DtlabError("a dashboard run is in progress: pause it before restarting")
@@ -167,7 +165,7 @@ class RecoveryMixin:
         kept = (self.stepper.record_outputs, self.stepper.watch_modules)  # a new stepper comes
         if self.job_setup is None and chosen is not None:
             self.set_up_job()  # raises, saying how to tell dtlab to build the job
-        lifecycle.renew(self, progress or (lambda *a: None))
+        self.renew(progress)
         loaded = {}
         if self.job_setup is not None:  # else no job to rebuild: the fresh ranks are all
             self.set_up_job()

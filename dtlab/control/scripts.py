@@ -142,11 +142,9 @@ class Scripts:
     def _run_to(self, step: int, *, fresh: bool, progress=None) -> None:
         """The script from its start again (on fresh engines when ``fresh``), stepped to
         ``step``: recording off but for the last one."""
-        from dtlab.control import lifecycle
-
         session, path, argv = self.session, self.last.path, self.last.argv
         if fresh:
-            lifecycle.renew(session, progress or (lambda *a: None))
+            session.renew(progress)
         self.run(path, argv, self.cwd, record=self.record, on_output=self.on_output)
         if step > 1:
             session.stepper.run(step - 1, None, record=False)

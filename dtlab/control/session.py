@@ -19,7 +19,7 @@ from dtlab.control.calls import gather
 from dtlab.control.checkpointing import CheckpointMixin
 from dtlab.control.cluster import EngineCluster
 from dtlab.control.comm_bench import CommBenchMixin
-from dtlab.control.config import LaunchConfig
+from dtlab.control.config import LaunchConfig, keeping_threads
 from dtlab.control.errors import DtlabError, RankError
 from dtlab.control.partitions import PartitionMixin
 from dtlab.control.rankmap import RankMap
@@ -34,6 +34,10 @@ INTERRUPT_REPLY_S = 2.0
 INTERRUPT_GRACE_S = 2.0  # after SIGINT, how long to wait before calling a rank stuck
 STATUS_SETTLE_TRIES = 4
 STATUS_SETTLE_S = 0.05
+
+
+def _quiet(phase: str, done: int, total: int) -> None:
+    pass
 
 
 class Session(
@@ -51,8 +55,11 @@ class Session(
         engines: EngineCluster,
         rank_map: RankMap,
         facts: Mapping[int, EngineFacts],
+        *,
+        start: Callable[[LaunchConfig, Callable], Session] | None = None,
     ):
         self.config = config
+        self._start = start  # makes a fresh Session of new engines (lifecycle.start)
         self.engines = engines
         self.rank_map = rank_map
         self.facts = dict(facts)  # by engine id
@@ -326,11 +333,31 @@ class Session(
         return states
 
     # --- lifetime ---------------------------------------------------------------------
+    def renew(self, progress=None) -> Session:
+        """Replace every engine with a fresh process (same config and world size, at the
+        thread count the ranks ran at) and rejoin them; this Session stays the one the user
+        holds. The job attached before is gone: the caller builds it again."""
+        if self._start is None:
+            raise DtlabError("this session was not launched by dtlab: it cannot renew its ranks")
+        if self._stepper is not None:
+            self._stepper.close()
+            self._stepper = None
+        if self._sidecars is not None:
+            self._sidecars.close()
+            self._sidecars = None
+        if not self.closed:
+            self.engines.stop()
+            self.closed = True  # until the new engines stand: a failed start leaves it shut
+        threads = {rank: info.num_threads for rank, info in self.infos.items()}
+        fresh = self._start(keeping_threads(self.config, threads), progress or _quiet)
+        self.engines, self.rank_map, self.facts = fresh.engines, fresh.rank_map, fresh.facts
+        self.infos, self._stuck, self._sidecars = fresh.infos, fresh._stuck, fresh._sidecars
+        self.closed = False
+        self.calls += 1  # the job attached before lives no more
+        return self
+
     def shutdown(self) -> None:
         """Stop every engine, nanny and the controller; leaves no process behind."""
-        from dtlab.control import lifecycle
-
-        self.stop_metrics()
         if self._stepper is not None:
             self._stepper.close()
         if self._sidecars is not None:
@@ -339,7 +366,6 @@ class Session(
         if not self.closed:
             self.engines.stop()  # if this is interrupted, a second shutdown() tries again
             self.closed = True
-        lifecycle.forget(self)
 
     def __enter__(self) -> Session:
         return self

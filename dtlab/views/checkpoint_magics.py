@@ -16,7 +16,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from dtlab.views.magics import current_session
+from dtlab.views.magic_support import current_session
 from dtlab.views.progress import delayed_progress
 from dtlab.views.reports import checkpoints_table, replay_summary
 

@@ -14,7 +14,7 @@ from IPython.display import display
 
 from dtlab.analysis.bandwidth import DTYPE_NAMES, compare_sweeps
 from dtlab.views.bandwidth_views import bandwidth_figure, bandwidth_table
-from dtlab.views.magics import current_session
+from dtlab.views.magic_support import current_session
 
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 

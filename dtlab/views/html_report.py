@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import html
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import plotly.graph_objects as go
 
@@ -36,25 +38,40 @@ def report_html(title: str, lines: Sequence[str], tables: Sequence[Table],
     return f"<!DOCTYPE html><html><head>{head}</head><body>{''.join(parts)}</body></html>"
 
 
-def write_report(session, path: str | Path) -> Path:
-    """Collect what the session knows and write it to ``path`` (.html)."""
+@dataclass(frozen=True)
+class SessionSummary:
+    """What a report shows of a session, collected by the caller (a view makes no call
+    to the ranks): the findings of a stepped job, the checkpoint catalogue, restarts."""
+
+    world_size: int
+    backend: str
+    infos: Mapping
+    inconsistencies: Sequence
+    trace: Any
+    findings: Sequence
+    checkpoints: Sequence
+    restarts: Sequence[Mapping]
+
+
+def write_report(summary: SessionSummary, path: str | Path) -> Path:
+    """Write the report of ``summary`` to ``path`` (.html)."""
     from dtlab.views.figures import loss_figure, memory_figure, time_breakdown_figure
     from dtlab.views.reports import checkpoints_table, findings_table
     from dtlab.views.tables import rank_table
 
-    trace = session.trace
+    trace = summary.trace
     stepped = trace is not None and trace.last_step > 0
-    lines = [f"{session.world_size} ranks, {session.backend}, written "
+    lines = [f"{summary.world_size} ranks, {summary.backend}, written "
              f"{time.strftime('%Y-%m-%d %H:%M:%S')}"]  # fmt: skip
     if stepped:
         lines.append(f"{trace.last_step} steps recorded; run folder {trace.folder}")
-    tables = [rank_table(session.infos, session.inconsistencies(), title="ranks")]
+    tables = [rank_table(summary.infos, summary.inconsistencies, title="ranks")]
     if stepped:
-        tables.append(findings_table(session.doctor()))
-    tables.append(checkpoints_table(session.checkpoints()))
-    if session.restarts:
+        tables.append(findings_table(summary.findings))
+    tables.append(checkpoints_table(summary.checkpoints))
+    if summary.restarts:
         rows = tuple((time.strftime("%H:%M:%S", time.localtime(e["time"])), str(e["step"]),
-                      e["reason"]) for e in session.restarts)  # fmt: skip
+                      e["reason"]) for e in summary.restarts)  # fmt: skip
         tables.append(Table("restarts", ("when", "from step", "why"), rows))
     figures = [loss_figure(trace), memory_figure(trace), time_breakdown_figure(trace)] \
         if stepped else []  # fmt: skip

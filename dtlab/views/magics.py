@@ -25,14 +25,8 @@ from dtlab.control.config import BACKENDS, parse_env
 from dtlab.control.errors import NoSessionError, RankError
 from dtlab.control.launchers import LAUNCHERS
 from dtlab.views.cells import collate_cell
+from dtlab.views.magic_support import current_session
 from dtlab.views.tables import launch_summary, rank_table, status_table
-
-
-def current_session():
-    try:
-        return lifecycle.current()
-    except NoSessionError as e:
-        raise UsageError(str(e)) from None
 
 
 def show_cell(outputs) -> None:

@@ -23,7 +23,7 @@ from IPython.display import display
 
 from dtlab.analysis.partition import METHODS, PlanError
 from dtlab.analysis.partition_export import to_deepspeed, to_megatron, to_torchtitan
-from dtlab.views.magics import current_session
+from dtlab.views.magic_support import current_session
 from dtlab.views.partition_figures import balance_figure, schedule_figure
 from dtlab.views.partition_tables import balance_table
 

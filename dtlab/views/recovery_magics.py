@@ -14,7 +14,7 @@ from IPython.display import display
 
 from dtlab.analysis.ranks import label_ranks
 from dtlab.views.checkpoint_magics import which_checkpoint
-from dtlab.views.magics import current_session
+from dtlab.views.magic_support import current_session
 from dtlab.views.progress import delayed_progress
 from dtlab.views.reports import hang_table
 

@@ -17,7 +17,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from dtlab.control.errors import RankError
 from dtlab.views.cells import collate
-from dtlab.views.magics import current_session
+from dtlab.views.magic_support import current_session
 from dtlab.views.progress import delayed_progress
 from dtlab.views.reports import run_summary, script_summary
 

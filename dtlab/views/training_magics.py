@@ -22,7 +22,7 @@ from dtlab.analysis.partition import PlanError
 from dtlab.control.errors import RankError
 from dtlab.control.training import DEFAULT_MAX_STEPS
 from dtlab.trace import Trace
-from dtlab.views.magics import current_session
+from dtlab.views.magic_support import current_session
 from dtlab.views.partition_magics import plan_from_text
 from dtlab.views.plots import KINDS, figure_for
 from dtlab.views.progress import delayed_progress

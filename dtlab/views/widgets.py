@@ -41,7 +41,7 @@ class Dashboard:
 
     Runs go through ``Stepper.run_async`` as a task on the kernel's event loop, so the
     Pause button (and the rest of the notebook) stays usable while the ranks step. One
-    FigureWidget with subplots (FACTS.md: each FigureWidget ships ~5 MB of plotly.js),
+    FigureWidget with subplots (docs/design.md: each FigureWidget ships ~5 MB of plotly.js),
     updated in one batch at most every ``refresh_s``, each line downsampled.
     """
 

@@ -1,0 +1,85 @@
+"""``dt`` in a notebook: the Session with the views made from it.
+
+control/ never imports views (its Session runs ranks and holds what they said); what a
+person looks at (the dashboard, the partition editor, the checkpoint browser, the HTML
+report, TensorBoard files, Prometheus gauges) is made here, from data control/ hands over.
+``dtlab.launch`` / ``%dt_launch`` give a NotebookSession.
+"""
+
+from __future__ import annotations
+
+from dtlab.control.session import Session
+
+
+class NotebookSession(Session):
+    """A Session plus its views (each built on request, so nothing here costs a launch)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._metrics = None  # the Prometheus HTTP server, while served
+
+    def dashboard(self):
+        """Step / Run / Pause controls with live per-rank figures (an ipywidgets panel)."""
+        from dtlab.views.widgets import Dashboard
+
+        return Dashboard(self)
+
+    def partition_editor(self):
+        """The partition editor widget (blocks, stage boundaries, preview, Apply, Auto)."""
+        from dtlab.views.partition_widgets import PartitionEditor
+
+        return PartitionEditor(self)
+
+    def checkpoint_browser(self, resume_steps: int = 10):
+        """The loss curve with a marker per checkpoint: select one and replay from it, or
+        check that resuming now is exact (an ipywidgets panel)."""
+        from dtlab.views.checkpoint_widgets import CheckpointBrowser
+
+        return CheckpointBrowser(self, resume_steps=resume_steps)
+
+    def report(self, path="dtlab-report.html"):
+        """One self-contained HTML file of this session: ranks, findings, checkpoints,
+        restarts and interactive figures, for people without dtlab. Returns its path."""
+        from dtlab.views.html_report import SessionSummary, write_report
+
+        trace = self.trace
+        stepped = trace is not None and trace.last_step > 0
+        summary = SessionSummary(
+            world_size=self.world_size,
+            backend=self.backend,
+            infos=self.infos,
+            inconsistencies=self.inconsistencies(),
+            trace=trace,
+            findings=self.doctor() if stepped else (),
+            checkpoints=self.checkpoints(),
+            restarts=tuple(self.restarts),
+        )
+        return write_report(summary, path)
+
+    def export_tensorboard(self, folder=None):
+        """The trace as TensorBoard event files, one run per rank (default: the run
+        folder's ``tensorboard/``). Returns the folder: ``tensorboard --logdir FOLDER``."""
+        from dtlab.views.tb_export import export_tensorboard
+
+        trace = self.require_trace()
+        return export_tensorboard(trace, folder or trace.folder / "tensorboard")
+
+    def serve_metrics(self, port: int = 9464, addr: str = "127.0.0.1") -> str:
+        """Expose live per-rank gauges (loss, grad norm, LR, step time, memory) for
+        Prometheus at ``http://addr:port/metrics``; off until called, localhost by default.
+        ``dt.stop_metrics()`` stops it. Returns the URL."""
+        from dtlab.views.prometheus_export import serve_metrics
+
+        self.stop_metrics()
+        self._metrics, _ = serve_metrics(lambda: self.trace, port=port, addr=addr)
+        return f"http://{addr}:{self._metrics.server_port}/metrics"
+
+    def stop_metrics(self) -> None:
+        server, self._metrics = self._metrics, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+    def shutdown(self) -> None:
+        self.stop_metrics()
+        super().shutdown()
