@@ -1,4 +1,4 @@
-"""Checkpoints of the attached job, as the notebook drives them. Mixed into Session.
+"""Checkpoints of the attached job, as the notebook drives them (``dt.checkpointing``).
 
 ``dt.checkpoint()`` / ``%dt_checkpoint`` save now, ``dt.checkpoint_every(k)`` during runs,
 ``dt.checkpoints()`` lists them (a partial or corrupt one is marked, never loaded),
@@ -32,12 +32,16 @@ class CheckpointFailed(DtlabError):
 
 
 # --- on the ranks ---------------------------------------------------------------------
-class CheckpointMixin:
-    """Checkpoint control for a Session (needs ``run``, ``stepper``, ``require_trace``)."""
+class Checkpointing:
+    """Checkpoints of the attached job, and how to build the job again on fresh engines
+    (``dt.checkpointing``; ``dt.checkpoint`` is ``dt.checkpointing.checkpoint``)."""
 
-    job_setup: tuple[Callable | str, tuple, dict] | None = None
-    autosave_every: int | None = None
-    _checkpoint_root: Path | None = None
+    def __init__(self, session):
+        self.session = session
+        # how to build the job again on fresh engines: (setup, args, kwargs)
+        self.job_setup: tuple[Callable | str, tuple, dict] | None = None
+        self.autosave_every: int | None = None
+        self._checkpoint_root: Path | None = None
 
     # --- where ------------------------------------------------------------------------
     @property
@@ -56,7 +60,7 @@ class CheckpointMixin:
     def checkpoint(self, tag: str | None = None) -> CheckpointInfo:
         """Save the job's full state now, on every rank; the checkpoint exists only when
         every rank wrote its part (else CheckpointFailed, earlier ones untouched)."""
-        self.stepper._sync_job()  # a job must be attached; also starts the trace
+        self.session.stepper._sync_job()  # a job must be attached; also starts the trace
         root = self.checkpoint_root
         saved = self._on_ranks(api.save, str(root), secrets.token_hex(4), tag, what="save")
         return describe(Path(saved[0]["path"]))
@@ -66,13 +70,13 @@ class CheckpointMixin:
         the run with its error; the job stays as it was after the step."""
         if steps is not None and steps < 0:
             raise ValueError(f"steps must be positive (or 0/None to stop), got {steps}")
-        self.run(api.set_autosave, str(self.checkpoint_root), steps or None)
+        self.session.run(api.set_autosave, str(self.checkpoint_root), steps or None)
         self.autosave_every = steps or None  # re-applied where dtlab rebuilds the job
 
     def _autosave(self, on: bool) -> None:
         """Periodic saves off during a replay (its steps are not the job's), back after."""
         if self.autosave_every:
-            self.run(
+            self.session.run(
                 api.set_autosave, str(self.checkpoint_root), self.autosave_every if on else None
             )
 
@@ -109,14 +113,14 @@ class CheckpointMixin:
         A partial, corrupt or foreign checkpoint is refused and the job is unchanged."""
         info = self.find_checkpoint(which)
         result = self._load_into_job(info)
-        self.stepper.new_trace(resumed_from=str(info.path), step=info.step)
+        self.session.stepper.new_trace(resumed_from=str(info.path), step=info.step)
         return result
 
     def _load_into_job(self, info: CheckpointInfo) -> dict:
         if info.status == "partial":
             raise CheckpointFailed(f"{info.path} is partial ({info.problem}): "
                                    f"{self._previous_good(info)}")  # fmt: skip
-        self.stepper._sync_job()
+        self.session.stepper._sync_job()
         try:
             loaded = self._on_ranks(api.load, str(info.path), what="load")
         except CheckpointFailed as e:
@@ -137,7 +141,7 @@ class CheckpointMixin:
 
     def _on_ranks(self, fn: Callable, *args, what: str) -> dict:
         try:
-            return self.run(fn, *args, timeout=CHECKPOINT_TIMEOUT_S)
+            return self.session.run(fn, *args, timeout=CHECKPOINT_TIMEOUT_S)
         except RankError as e:
             said = list(dict.fromkeys(f.evalue for f in e.failures.values()))
             if said and all(f.ename == "CheckpointError" for f in e.failures.values()):
@@ -162,7 +166,7 @@ class CheckpointMixin:
         if self.job_setup is not None:
             return
         try:
-            problem = self.run(api.checkpoint_problem, ranks=[0], timeout=10)[0]
+            problem = self.session.run(api.checkpoint_problem, ranks=[0], timeout=10)[0]
         except DtlabError:
             return
         if problem:
@@ -178,9 +182,9 @@ class CheckpointMixin:
             )
         setup, args, kwargs = self.job_setup
         if isinstance(setup, str):
-            self.execute(setup)
+            self.session.execute(setup)
         else:
-            self.run(api.set_up, setup, args, kwargs)
+            self.session.run(api.set_up, setup, args, kwargs)
 
     def remove_checkpoint(self, info: CheckpointInfo) -> None:
         shutil.rmtree(info.path, ignore_errors=True)

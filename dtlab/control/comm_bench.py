@@ -1,4 +1,4 @@
-"""Communication measured on the live ranks (``dt.bandwidth_sweep()``). Mixed into Session.
+"""Communication measured on the live ranks (``dt.bandwidth_sweep()``, ``dt.comm``).
 
 Collect (each rank times its all_reduces, :mod:`dtlab.agent.bandwidth`) -> combine (the
 slowest rank per size, :mod:`dtlab.analysis.bandwidth`) -> present (views).
@@ -12,8 +12,12 @@ from dtlab.analysis.bandwidth import Sweep, combine, sizes_between
 SWEEP_TIMEOUT_S = 600.0
 
 
-class CommBenchMixin:
-    """Bandwidth sweeps for a Session (needs ``run``, ``backend``)."""
+class Comm:
+    """Bandwidth sweeps on the job's process group (``dt.comm``)."""
+
+    def __init__(self, session):
+        self.session = session
+        self.sweeps: list[Sweep] = []  # dt.bandwidth_sweep() results, oldest first
 
     def bandwidth_sweep(self, *, min_bytes: int = 1024, max_bytes: int = 16 * 2**20,
                         factor: int = 4, iters: int = 20, warmup: int = 5,
@@ -22,8 +26,10 @@ class CommBenchMixin:
         process group (nccl-tests' all_reduce_perf, on whatever backend is up). Sweeps are
         kept in ``dt.sweeps`` to compare settings (A/B)."""
         sizes = sizes_between(min_bytes, max_bytes, factor)
-        times = self.run(api.bandwidth_sweep, sizes, iters, warmup, dtype, timeout=SWEEP_TIMEOUT_S)
+        times = self.session.run(
+            api.bandwidth_sweep, sizes, iters, warmup, dtype, timeout=SWEEP_TIMEOUT_S
+        )
         label = label or f"sweep {len(self.sweeps) + 1}"
-        result = combine(times, label=label, backend=self.backend, dtype=dtype)
+        result = combine(times, label=label, backend=self.session.backend, dtype=dtype)
         self.sweeps.append(result)
         return result

@@ -182,9 +182,9 @@ def join(
             )
         )
         try:  # before anything can hang (then it is too late); without them, less is said
-            session.start_sidecars(timeout=remaining())
+            session.recovery.start_sidecars(timeout=remaining())
         except DtlabError as e:
-            session.sidecar_problem = str(e)
+            session.recovery.sidecar_problem = str(e)
     except BaseException:
         session.shutdown()
         raise

@@ -1,4 +1,4 @@
-"""Pipeline partitions of the attached job, as the notebook drives them. Mixed into Session.
+"""Pipeline partitions of the attached job, as the notebook drives them (``dt.pipeline``).
 
 ``dt.partition()`` the current plan, ``dt.balance()`` how it balances (measured on the
 last step), ``dt.profile_blocks()`` each block's measured cost, ``dt.predict(plan)`` a
@@ -28,14 +28,16 @@ class RepartitionFailed(DtlabError):
 
 
 # --- on the ranks ---------------------------------------------------------------------
-class PartitionMixin:
-    """Pipeline partitions for a Session (needs ``run``, ``world_size``, ``stepper``)."""
+class Pipeline:
+    """Pipeline partitions: balance, plans, profiles and live moves (``dt.pipeline``)."""
 
-    block_costs: dict[str, BlockCost] | None = None  # measured, by block name
+    def __init__(self, session):
+        self.session = session
+        self.block_costs: dict[str, BlockCost] | None = None  # measured, by block name
 
     def stage_reports(self) -> dict[int, StageReport]:
         """{rank: what its stage holds and its last step's schedule}."""
-        return self.run(api.stage_report)
+        return self.session.run(api.stage_report)
 
     def partition(self) -> Plan:
         """The plan the running pipeline uses (as its ranks report it)."""
@@ -46,7 +48,7 @@ class PartitionMixin:
         last step's first micro-batch (run a step first). Kept for ``measured`` plans."""
         costs = {
             c.name: c
-            for per_rank in self.run(api.profile_blocks, repeats).values()
+            for per_rank in self.session.run(api.profile_blocks, repeats).values()
             for c in per_rank
         }
         self.block_costs = costs
@@ -102,13 +104,13 @@ class PartitionMixin:
             return {"moved": {}, "plan": new, "seconds": 0.0}
         move_id = secrets.token_hex(8)  # names the commit-or-abort decision in the store
         try:
-            done = self.run(api.move_blocks, new.blocks, new.bounds, timeout, move_id,
+            done = self.session.run(api.move_blocks, new.blocks, new.bounds, timeout, move_id,
                             timeout=timeout + 30)  # fmt: skip
         except RankError as e:
-            self.stepper._regroup = True  # an agreement may be left pending in the group
+            self.session.stepper._regroup = True  # an agreement may be left pending in the group
             raise RepartitionFailed(self._move_failure(e)) from None
         self._remember_plan(new)
-        self.stepper.new_trace(describe=True, repartitioned=new.describe())  # new stages
+        self.session.stepper.new_trace(describe=True, repartitioned=new.describe())  # new stages
         first = next(iter(done.values()))
         return {"moved": first["moved"], "plan": new,
                 "seconds": max(d["seconds"] for d in done.values()),
@@ -117,16 +119,23 @@ class PartitionMixin:
     def _remember_plan(self, plan: Plan) -> None:
         """Fresh engines (a restart, a resume check) rebuild the job with the plan it runs
         now, so that its checkpoints load: a setup that takes ``plan=`` is given it."""
-        if self.job_setup is not None and "plan" in self.job_setup[2]:
-            setup, args, kwargs = self.job_setup
-            self.job_setup = (setup, args, {**kwargs, "plan": list(plan.bounds)})
+        if (
+            self.session.checkpointing.job_setup is not None
+            and "plan" in self.session.checkpointing.job_setup[2]
+        ):
+            setup, args, kwargs = self.session.checkpointing.job_setup
+            self.session.checkpointing.job_setup = (
+                setup,
+                args,
+                {**kwargs, "plan": list(plan.bounds)},
+            )
 
     def _move_failure(self, error: RankError) -> str:
         dead = [r for r, f in error.failures.items() if f.ename == "EngineError"]
         text = str(error)
         if not dead:
             return f"the re-partition was called off; every rank kept its stage.\n{text}"
-        saved = [c for c in self.checkpoints() if c.status == "complete"]
+        saved = [c for c in self.session.checkpointing.checkpoints() if c.status == "complete"]
         offer = (f"restart from the last checkpoint (step {saved[-1].step}): "
                  "%dt_restart --from-checkpoint") if saved else "no checkpoint to restart from: "\
                  "%dt_restart and attach the job again"  # fmt: skip
@@ -136,4 +145,4 @@ class PartitionMixin:
         )
 
 
-__all__ = ["PartitionMixin", "PlanError", "RepartitionFailed"]
+__all__ = ["Pipeline", "PlanError", "RepartitionFailed"]

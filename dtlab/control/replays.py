@@ -1,5 +1,5 @@
 """Is a checkpoint enough to go on exactly? ``dt.resume_check``, ``dt.replay``,
-``dt.bisect``. Mixed into Session (with :class:`CheckpointMixin`).
+``dt.bisect`` (the ``dt.replays`` feature of a Session).
 
 Each is the same three steps: run steps twice (the run that never stopped and a resumed
 one, or the original and a replay), collect both sets of per-rank step records, and
@@ -85,13 +85,17 @@ def _step_s(records: dict, first: int, last: int) -> float | None:
     return statistics.median(times) if times else None
 
 
-class ReplayMixin:
-    """Resume checks, replays and bisection (needs CheckpointMixin and TrainingMixin)."""
+class Replays:
+    """Resume checks, replays and bisection (``dt.replays``), built on the checkpointing
+    feature (save, load, rebuild) and the stepper."""
+
+    def __init__(self, session):
+        self.session = session
 
     def record_outputs(self, on: bool = True) -> None:
         """While on, every step's record keeps a fingerprint of each module's forward
         output, so ``dt.bisect`` can name the module whose output first differed."""
-        self.stepper.record_outputs = bool(on)
+        self.session.stepper.record_outputs = bool(on)
 
     # --- resume check ------------------------------------------------------------------
     def resume_check(self, steps: int = 10, *, fresh: bool = True, progress=None) -> ResumeReport:
@@ -100,31 +104,38 @@ class ReplayMixin:
         fingerprints, LR, scale, data and RNG state with the run that never stopped."""
         if steps < 1:
             raise ValueError(f"steps must be at least 1, got {steps}")
-        if self.job_setup is None and self._scripts is not None and self._scripts.is_current():
-            return self._scripts.resume_check(steps, fresh=fresh, progress=progress)
-        if fresh and self.job_setup is None:
-            self.set_up_job()  # raises, saying how to tell dtlab to build the job
+        if (
+            self.session.checkpointing.job_setup is None
+            and self.session.scripts is not None
+            and self.session.scripts.is_current()
+        ):
+            return self.session.scripts.resume_check(steps, fresh=fresh, progress=progress)
+        if fresh and self.session.checkpointing.job_setup is None:
+            self.session.checkpointing.set_up_job()  # raises, saying how to give the job setup
         t0 = time.perf_counter()
-        start = self.checkpoint(tag="resume-check")
+        start = self.session.checkpointing.checkpoint(tag="resume-check")
         k = start.step
-        self.stepper.run(steps, None, record=True)  # no automatic restart inside a check
+        self.session.stepper.run(steps, None, record=True)  # no automatic restart inside a check
         reference = self._full_records(k + 1, k + steps)
         if fresh:
-            self.renew(progress)
-            self.set_up_job()
-        elif self.job_setup is not None:
-            self.set_up_job()
-        loaded = self.load_checkpoint(start.path)
-        self._autosave(True)  # fresh engines do not know the job saved periodically
-        self.stepper.run(steps, None, record=True)  # no automatic restart inside a check
+            self.session.renew(progress)
+            self.session.checkpointing.set_up_job()
+        elif self.session.checkpointing.job_setup is not None:
+            self.session.checkpointing.set_up_job()
+        loaded = self.session.checkpointing.load_checkpoint(start.path)
+        self.session.checkpointing._autosave(
+            True
+        )  # fresh engines do not know the job saved periodically
+        self.session.stepper.run(steps, None, record=True)  # no automatic restart inside a check
         resumed = self._full_records(k + 1, k + steps)
         comparison = compare_runs(reference, resumed, steps=range(k + 1, k + steps + 1))
-        return ResumeReport(start, steps, fresh, comparison, _first_param(self, comparison,
+        return ResumeReport(start, steps, fresh, comparison, _first_param(self.session, comparison,
                             reference, resumed), loaded, time.perf_counter() - t0)  # fmt: skip
 
     def _full_records(self, first: int, last: int) -> dict:
         return {
-            rank: list(recs) for rank, recs in self.run(api.records_between, first, last).items()
+            rank: list(recs)
+            for rank, recs in self.session.run(api.records_between, first, last).items()
         }
 
     # --- replay ------------------------------------------------------------------------
@@ -135,23 +146,23 @@ class ReplayMixin:
         where it was (a checkpoint taken first, loaded after). ``outputs`` records every
         module's output; ``details`` holds the full records of ``keep_step`` (default: the
         first step that differs)."""
-        trace = self.require_trace()
+        trace = self.session.require_trace()
         now = trace.last_step
         to_step = now if to_step is None else to_step
         if not 1 <= from_step <= to_step <= now:
             raise ValueError(f"replay needs 1 <= from_step <= to_step <= {now} (the last "
                              f"step run), got {from_step}..{to_step}")  # fmt: skip
         start = self._checkpoint_before(from_step)
-        back = self.checkpoint(tag="before-replay")
+        back = self.session.checkpointing.checkpoint(tag="before-replay")
         replayed = Trace(trace.jobs, meta={"replay_of": str(trace.folder), "from": start.step})
-        self.run(api.stash_records, True)
-        self._autosave(False)
-        saved_outputs = self.stepper.record_outputs
+        self.session.run(api.stash_records, True)
+        self.session.checkpointing._autosave(False)
+        saved_outputs = self.session.stepper.record_outputs
         try:
-            self._load_into_job(start)
-            self.stepper.record_outputs = outputs
-            with self.stepper.tracing(replayed):
-                self.stepper.run(to_step - start.step, None, record=True)
+            self.session.checkpointing._load_into_job(start)
+            self.session.stepper.record_outputs = outputs
+            with self.session.stepper.tracing(replayed):
+                self.session.stepper.run(to_step - start.step, None, record=True)
             comparison = compare_runs(
                 trace.records,
                 replayed.records,
@@ -160,9 +171,9 @@ class ReplayMixin:
                 other_name="the replay",
             )
             keep = keep_step or (comparison.first.step if comparison.first else None)
-            details = self.step_details(keep) if keep else {}
+            details = self.session.training.step_details(keep) if keep else {}
         finally:
-            self.stepper.record_outputs = saved_outputs
+            self.session.stepper.record_outputs = saved_outputs
             self._return_from_replay(back)
         return ReplayResult(start, start.step + 1, to_step, replayed, comparison, details,
                             _step_s(trace.records, start.step + 1, to_step),
@@ -171,22 +182,22 @@ class ReplayMixin:
     def _return_from_replay(self, back: CheckpointInfo) -> None:
         """Put the job back where the replay found it; if that fails, say where it is."""
         try:
-            self._load_into_job(back)
+            self.session.checkpointing._load_into_job(back)
         except Exception as e:
             raise DtlabError(f"the replay could not put the job back ({e}); it is at the "
                              f"replay's last step; {back.path} holds where it was: "
                              f"dt.load_checkpoint('{back.path}')") from e  # fmt: skip
         finally:
-            self.run(api.stash_records, False)
-            self._autosave(True)
-        self.remove_checkpoint(back)
+            self.session.run(api.stash_records, False)
+            self.session.checkpointing._autosave(True)
+        self.session.checkpointing.remove_checkpoint(back)
 
     def _checkpoint_before(self, step: int) -> CheckpointInfo:
         """The newest complete checkpoint of this job's timeline (written since its trace
         began, or the one it resumed from) at or before ``step - 1``."""
-        trace = self.require_trace()
+        trace = self.session.require_trace()
         resumed_from = trace.meta.get("resumed_from")
-        good = [c for c in self.checkpoints() if c.ok and c.step <= step - 1
+        good = [c for c in self.session.checkpointing.checkpoints() if c.ok and c.step <= step - 1
                 and c.tag != "before-replay"
                 and (c.created >= trace.created or str(c.path) == resumed_from)]  # fmt: skip
         if not good:
@@ -212,7 +223,7 @@ class ReplayMixin:
             return self._bisect_ranks(good_step, bad_step)
         if isinstance(against, Trace):
             comparison = compare_runs(
-                self.require_trace().records,
+                self.session.require_trace().records,
                 against.records,
                 steps=range(good_step + 1, bad_step + 1),
                 reference_name="this run",
@@ -226,7 +237,7 @@ class ReplayMixin:
         return self._bisect_replay(good_step, bad_step)
 
     def _bisect_ranks(self, good_step: int, bad_step: int) -> BisectResult:
-        found = self.divergence()
+        found = self.session.training.divergence()
         if found is None or not good_step < found.step <= bad_step:
             return BisectResult(None, verdict=f"ranks agree over steps {good_step + 1}-{bad_step}")
         verdict = (f"ranks {list(found.outliers)} first differ from {list(found.majority)} at "
@@ -260,7 +271,9 @@ class ReplayMixin:
 
     def _blame_module(self, step, first, replayed_outputs, replay) -> BisectResult:
         try:
-            original = {r: rec.module_outputs for r, rec in self.step_details(step).items()}
+            original = {
+                r: rec.module_outputs for r, rec in self.session.training.step_details(step).items()
+            }
         except DtlabError:
             original = {}
         if not any(original.values()):

@@ -1,5 +1,5 @@
 """When ranks die or hang: what each is doing, how the dead died, and a restart that
-continues from the last good checkpoint. Mixed into Session.
+continues from the last good checkpoint (``dt.recovery``).
 
 - every rank runs a sidecar thread (:mod:`dtlab.agent.sidecar`) on a channel of its own,
   started at launch, so a rank stuck in a collective still says where it is;
@@ -56,28 +56,40 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-class RecoveryMixin:
-    """Hang reports, death causes and restarts for a Session."""
+class Recovery:
+    """Hang reports, death causes and restarts (``dt.recovery``). Owns each rank's sidecar
+    channel, which answers while the rank's main thread is stuck."""
 
-    _sidecars: Channel | None = None
-    _auto: tuple[int, object] | None = None  # (restarts left, from_checkpoint)
-    hang_timeout: float | None = None  # None: max(HANG_MIN_S, HANG_STEPS x median step)
-    restarts: list  # set in Session.__init__
+    def __init__(self, session):
+        self.session = session
+        self.sidecars: Channel | None = None
+        self.sidecar_problem: str | None = None  # why the sidecars could not be started
+        self._auto: tuple[int, object] | None = None  # (restarts left, from_checkpoint)
+        self.hang_timeout: float | None = None  # None: max(HANG_MIN_S, HANG_STEPS x step)
+        self.restarts: list[dict] = []  # dt.restart() events, oldest first
+        self._report_id = 0  # numbers the questions asked of the sidecars
 
-    sidecar_problem: str | None = None  # why the sidecars could not be started
+    def stop_sidecars(self) -> None:
+        if self.sidecars is not None:
+            self.sidecars.close()
+            self.sidecars = None
 
     def start_sidecars(self, timeout: float = CONNECT_TIMEOUT_S) -> None:
         """Start each rank's sidecar (at launch: a stuck rank can no longer be asked to)."""
         from dtlab.control.stepper import _channel_hosts
 
-        if self._sidecars is not None:
-            self._sidecars.close()
-        channel = Channel(*_channel_hosts(self))
+        if self.sidecars is not None:
+            self.sidecars.close()
+        channel = Channel(*_channel_hosts(self.session))
         try:
-            where = {r: (channel.address, channel.key, r) for r in self.ranks}
+            where = {r: (channel.address, channel.key, r) for r in self.session.ranks}
             deadline = time.monotonic() + timeout
-            self.run_each(api.start_sidecar, where, what="start the sidecars", timeout=timeout)
-            missing = channel.wait_connected(self.ranks, max(0.1, deadline - time.monotonic()))
+            self.session.run_each(
+                api.start_sidecar, where, what="start the sidecars", timeout=timeout
+            )
+            missing = channel.wait_connected(
+                self.session.ranks, max(0.1, deadline - time.monotonic())
+            )
         except BaseException:
             channel.close()
             raise
@@ -85,13 +97,15 @@ class RecoveryMixin:
             channel.close()
             raise DtlabError(f"{label_ranks(missing)} did not connect their sidecar to "
                              f"{channel.address} (a firewall between the hosts?)")  # fmt: skip
-        self._sidecars, self.sidecar_problem = channel, None
+        self.sidecars, self.sidecar_problem = channel, None
 
     def death_causes(self, ranks) -> dict[int, str]:
         """How each of ``ranks`` died, as far as the launcher knows."""
-        exits = self.engines.exits()
-        engine_rank = {eid: r for r, eid in enumerate(self.rank_map.engine_ids)}
-        pids = {engine_rank[eid]: f.pid for eid, f in self.facts.items() if eid in engine_rank}
+        exits = self.session.engines.exits()
+        engine_rank = {eid: r for r, eid in enumerate(self.session.rank_map.engine_ids)}
+        pids = {
+            engine_rank[eid]: f.pid for eid, f in self.session.facts.items() if eid in engine_rank
+        }
         return {r: describe_exit(exits.get(pids.get(r))) for r in ranks}
 
     def explain_failure(self, error) -> None:
@@ -106,7 +120,7 @@ class RecoveryMixin:
             for rank, cause in self.death_causes(dead).items():
                 error.failures[rank] = RemoteFailure("EngineError", cause)
             if dead or isinstance(error, RankTimeoutError):  # Ctrl-C on a hung cell too
-                taken = getattr(self, "_last_hang", None)  # before SIGINT, when there was one
+                taken = self.session.last_hang  # before SIGINT, when there was one
                 error.explain(taken if taken is not None else self.hang_report())
             else:
                 error.args = (error._message(),)
@@ -116,29 +130,29 @@ class RecoveryMixin:
     def hang_report(self, ranks=None, *, timeout: float = REPORT_TIMEOUT_S) -> HangReport:
         """Ask every rank's sidecar what it is doing (the main threads may be stuck) and
         say why they are stuck."""
-        chosen = self.select(ranks)
-        dead = self.dead_ranks(chosen)
+        chosen = self.session.select(ranks)
+        dead = self.session.dead_ranks(chosen)
         alive = [r for r in chosen if r not in dead]
         reports: dict[int, RankReport | None] = {r: None for r in alive}
-        if self._sidecars is not None and alive:
+        if self.sidecars is not None and alive:
             reports.update(self._ask(alive, timeout))
         causes = self.death_causes(dead) if dead else {}
         verdict = diagnose(reports, causes)
-        if self._sidecars is None and alive:
+        if self.sidecars is None and alive:
             why = self.sidecar_problem or "not started"
             verdict = replace(verdict, summary=f"ranks cannot be asked out of band ({why}); "
                                                + verdict.summary)  # fmt: skip
         return HangReport(verdict, reports, causes, time.time())
 
     def _ask(self, ranks: list[int], timeout: float) -> dict[int, RankReport]:
-        self._report_id = getattr(self, "_report_id", 0) + 1
+        self._report_id += 1
         asked = self._report_id
-        self._sidecars.receive(0)  # late answers of an earlier question
-        self._sidecars.send(ranks, {"op": "report", "id": asked})
+        self.sidecars.receive(0)  # late answers of an earlier question
+        self.sidecars.send(ranks, {"op": "report", "id": asked})
         got: dict[int, RankReport] = {}
         deadline = time.monotonic() + timeout
         while len(got) < len(ranks) and time.monotonic() < deadline:
-            for reply in self._sidecars.receive(max(0.0, deadline - time.monotonic())):
+            for reply in self.sidecars.receive(max(0.0, deadline - time.monotonic())):
                 if reply.get("kind") == "report" and reply.get("id") == asked:
                     got[reply["rank"]] = RankReport.from_dict(reply["rank"], reply)
         return got
@@ -147,7 +161,8 @@ class RecoveryMixin:
         """Seconds without a finished step after which a run counts as hung."""
         if self.hang_timeout is not None:
             return self.hang_timeout
-        step_s = self._stepper._step_s() if self._stepper and self._stepper.trace else None
+        stepper = self.session.connected_stepper
+        step_s = stepper.step_s() if stepper is not None and stepper.trace else None
         return max(HANG_MIN_S, HANG_STEPS * step_s) if step_s else HANG_MIN_S * 2
 
     # --- restart ------------------------------------------------------------------------
@@ -156,28 +171,46 @@ class RecoveryMixin:
         the job again (``dt.set_job_setup``; ``%dt_demo`` sets it) and load a checkpoint
         (``"latest"``: the last complete one; a step; None: start the job afresh)."""
         t0 = time.monotonic()
-        if self._stepper is not None and self._stepper.active is not None:
+        if (
+            self.session.connected_stepper is not None
+            and self.session.connected_stepper.active is not None
+        ):
             raise DtlabError("a dashboard run is in progress: pause it before restarting")
-        if self.job_setup is None and self._scripts is not None and self._scripts.is_current():
-            return self._scripts.restart(reason=reason, progress=progress)  # run again
-        self.refuse_unbuildable_job()
-        chosen = self.find_checkpoint(from_checkpoint) if from_checkpoint is not None else None
-        kept = (self.stepper.record_outputs, self.stepper.watch_modules)  # a new stepper comes
-        if self.job_setup is None and chosen is not None:
-            self.set_up_job()  # raises, saying how to tell dtlab to build the job
-        self.renew(progress)
+        if (
+            self.session.checkpointing.job_setup is None
+            and self.session.scripts is not None
+            and self.session.scripts.is_current()
+        ):
+            return self.session.scripts.restart(reason=reason, progress=progress)  # run again
+        self.session.checkpointing.refuse_unbuildable_job()
+        chosen = (
+            self.session.checkpointing.find_checkpoint(from_checkpoint)
+            if from_checkpoint is not None
+            else None
+        )
+        kept = (
+            self.session.stepper.record_outputs,
+            self.session.stepper.watch_modules,
+        )  # a new stepper comes
+        if self.session.checkpointing.job_setup is None and chosen is not None:
+            self.session.checkpointing.set_up_job()  # raises, saying how to give the job setup
+        self.session.renew(progress)
         loaded = {}
-        if self.job_setup is not None:  # else no job to rebuild: the fresh ranks are all
-            self.set_up_job()
-            self.stepper.record_outputs, self.stepper.watch_modules = kept
-            loaded = self._load_into_job(chosen) if chosen is not None else {}
-            self._autosave(True)
+        if (
+            self.session.checkpointing.job_setup is not None
+        ):  # else no job to rebuild: the fresh ranks are all
+            self.session.checkpointing.set_up_job()
+            self.session.stepper.record_outputs, self.session.stepper.watch_modules = kept
+            loaded = self.session.checkpointing._load_into_job(chosen) if chosen is not None else {}
+            self.session.checkpointing._autosave(True)
         event = {"time": time.time(), "reason": reason, "seconds": time.monotonic() - t0,
                  "checkpoint": str(chosen.path) if chosen else None,
                  "step": chosen.step if chosen else 0}  # fmt: skip
         self.restarts.append(event)
-        if self.job_setup is not None:  # the new timeline's trace: where it came from
-            self.stepper.new_trace(resumed_from=event["checkpoint"], step=event["step"],
+        if (
+            self.session.checkpointing.job_setup is not None
+        ):  # the new timeline's trace: where it came from
+            self.session.stepper.new_trace(resumed_from=event["checkpoint"], step=event["step"],
                                    restarts=list(self.restarts))  # fmt: skip
         return event | {"loaded": loaded}
 
@@ -188,13 +221,15 @@ class RecoveryMixin:
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         if max_restarts and from_checkpoint not in (None, "latest"):
-            self.find_checkpoint(from_checkpoint)  # a wrong one is said now, not at a death
-        if max_restarts and self.job_setup is None:
-            self.set_up_job()  # raises, saying how to tell dtlab to build the job
+            self.session.checkpointing.find_checkpoint(
+                from_checkpoint
+            )  # a wrong one is said now, not at a death
+        if max_restarts and self.session.checkpointing.job_setup is None:
+            self.session.checkpointing.set_up_job()  # raises, saying how to give the job setup
         self._auto = (max_restarts, from_checkpoint) if max_restarts else None
 
     def current_step(self) -> int:
-        trace = self.trace
+        trace = self.session.trace
         if trace is None:
             return 0
         return trace.last_step or int(trace.meta.get("step") or 0)

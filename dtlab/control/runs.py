@@ -38,7 +38,7 @@ class Run:
         self.pending = set(self.session.ranks)
         self.done: dict[int, dict] = {}
         self.failures: dict[int, RemoteFailure] = {}
-        self.first_step = self.session.current_step()  # after a rewind: where it resumed
+        self.first_step = self.session.recovery.current_step()  # after a rewind: where it resumed
         # after a failure on one rank, ranks may start a run at different steps
         self.start_steps = {
             recs[-1].step if recs else 0
@@ -82,14 +82,18 @@ class Run:
             self.last_check = now
             self.session.check_controller()
             dead = self.session.dead_ranks(self.pending)
-            for rank, cause in (self.session.death_causes(dead) if dead else {}).items():
+            for rank, cause in (self.session.recovery.death_causes(dead) if dead else {}).items():
                 self.failures[rank] = RemoteFailure("EngineError", cause)
                 self._finish(rank)
         quiet = now - self.last_reply
         if self.timeout is not None and now - self.started > self.timeout:
             self._timed_out(f"timed out after {self.timeout:g} s", quiet > STALLED_S)
-        elif self.timeout is None and quiet > self.session.stall_limit() and now > self.next_look:
-            self.next_look = now + self.session.stall_limit()  # slow, not hung: look later
+        elif (
+            self.timeout is None
+            and quiet > self.session.recovery.stall_limit()
+            and now > self.next_look
+        ):
+            self.next_look = now + self.session.recovery.stall_limit()  # slow, not hung: look later
             self._timed_out(f"no step finished for {quiet:.0f} s", True, pause=False)
         if interrupts >= 1:
             self.ask_pause("interrupted")
@@ -112,13 +116,13 @@ class Run:
             self.ask_pause(reason)
 
     def _confirmed_hang(self):
-        first = self.session.hang_report()
+        first = self.session.recovery.hang_report()
         if not (first.verdict.missing or first.verdict.mismatch):
             return None  # every rank is in it, or none is in one: slow, or not a deadlock
         asked = time.monotonic()
         while time.monotonic() - asked < STALL_CONFIRM_S:
             self.stepper.dispatch(self.stepper.channel.receive(POLL_S))
-        second = self.session.hang_report()
+        second = self.session.recovery.hang_report()
         moved = self.last_reply >= asked or _pending(first) != _pending(second)
         return None if moved else second
 
@@ -184,7 +188,7 @@ class Run:
         if unfinished:  # SIGINT can leave a gloo collective issued that never completes
             self.stepper.interrupted = True
             if self.hang is None:  # before SIGINT moves anyone: what they were doing
-                self.hang = self.session.hang_report()
+                self.hang = self.session.recovery.hang_report()
         stuck = self.session.interrupt_and_wait(unfinished, self._poll_late)
         ranks = dict(finished=sorted(self.done), stopped=[r for r in unfinished if r not in stuck],
                      stuck=stuck)  # fmt: skip
@@ -195,7 +199,7 @@ class Run:
         else:
             error = RankTimeoutError(what, reason or "interrupted", self.failures, **ranks)
         if self.hang is None and error.dead_ranks:  # what the others were doing
-            self.hang = self.session.hang_report()
+            self.hang = self.session.recovery.hang_report()
         raise error.explain(self.hang) if self.hang is not None else error
 
     def _poll_late(self) -> list[int]:

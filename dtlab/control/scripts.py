@@ -107,12 +107,13 @@ class Scripts:
         if status.paused:  # which job the ranks hold now: a later attach replaces it
             session.stepper._sync_job()
             self.attach_counts = dict(session.stepper.attach_counts)
-            session.job_setup = None  # how to rebuild the job attached before: not this one
+            # how to rebuild the job attached before: not this one
+            session.checkpointing.job_setup = None
         return status
 
     def is_current(self) -> bool:
         """Is the job on the ranks the script this object last ran (not attached since)?"""
-        stepper = self.session._stepper
+        stepper = self.session.connected_stepper
         return (
             bool(self.attach_counts)
             and stepper is not None
@@ -127,12 +128,12 @@ class Scripts:
         from dtlab.analysis.resume import compare_runs
 
         session, t0 = self.session, time.monotonic()
-        k = session.current_step()
+        k = session.recovery.current_step()
         session.stepper.run(steps, None, record=True)
-        reference = session._full_records(k + 1, k + steps)
+        reference = session.replays._full_records(k + 1, k + steps)
         self._run_to(k, fresh=fresh, progress=progress)
         session.stepper.run(steps, None, record=True)
-        again = session._full_records(k + 1, k + steps)
+        again = session.replays._full_records(k + 1, k + steps)
         span = range(k + 1, k + steps + 1)
         comparison = compare_runs(_without_rng(reference), _without_rng(again), steps=span)
         if not comparison.identical:  # then a generator that differs may be why: name it
@@ -157,7 +158,7 @@ class Scripts:
         compared with the first run's: a script's own loop and data position cannot be
         loaded from a checkpoint, but a deterministic script gets back there exactly."""
         session, t0 = self.session, time.monotonic()
-        target = session.current_step()
+        target = session.recovery.current_step()
         before = session.trace.at(target) if target else {}
         self._run_to(target, fresh=True, progress=progress)
         after = session.trace.at(target) if target else {}
@@ -168,7 +169,7 @@ class Scripts:
                  "checkpoint": None, "step": target, "rerun": True,
                  "compared": bool(before) and all(r.param_fingerprint for r in before.values()),
                  "differ": differ}  # fmt: skip
-        session.restarts.append(event)
+        session.recovery.restarts.append(event)
         return event | {"loaded": {}}
 
     def continue_(self, *, timeout: float | None = None, progress=None) -> RunResult:

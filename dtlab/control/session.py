@@ -16,17 +16,20 @@ from typing import Any
 from dtlab.analysis.consistency import Inconsistency, find_inconsistencies
 from dtlab.analysis.ranks import label_ranks, parse_rank_spec
 from dtlab.control.calls import gather
-from dtlab.control.checkpointing import CheckpointMixin
+from dtlab.control.checkpointing import Checkpointing
 from dtlab.control.cluster import EngineCluster
-from dtlab.control.comm_bench import CommBenchMixin
+from dtlab.control.comm_bench import Comm
 from dtlab.control.config import LaunchConfig, keeping_threads
 from dtlab.control.errors import DtlabError, RankError
-from dtlab.control.partitions import PartitionMixin
+from dtlab.control.partitions import Pipeline
 from dtlab.control.rankmap import RankMap
-from dtlab.control.replays import ReplayMixin
-from dtlab.control.rescue import RecoveryMixin
-from dtlab.control.training import TrainingMixin
+from dtlab.control.replays import Replays
+from dtlab.control.rescue import HangReport, Recovery
+from dtlab.control.scripts import Scripts
+from dtlab.control.stepper import Stepper
+from dtlab.control.training import Training
 from dtlab.records import CellOutput, EngineFacts, RankInfo, RemoteFailure
+from dtlab.trace import Trace
 
 Ranks = Iterable[int] | str | None
 OUTPUT_WAIT_S = 2.0  # engine output travels apart from the reply; let it catch up
@@ -40,13 +43,34 @@ def _quiet(phase: str, done: int, total: int) -> None:
     pass
 
 
-class Session(
-    TrainingMixin, CheckpointMixin, ReplayMixin, RecoveryMixin, PartitionMixin, CommBenchMixin
-):
+class _Forward:
+    """``dt.<name>`` is ``dt.<feature>.<name>``: a feature's method or setting under the
+    short name users know (``dt.step`` is ``dt.training.step``)."""
+
+    def __init__(self, feature: str):
+        self.feature = feature
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+        self.__doc__ = f"dt.{name} is dt.{self.feature}.{name}"
+
+    def __get__(self, session, owner=None):
+        if session is None:
+            return self
+        return getattr(getattr(session, self.feature), self.name)
+
+    def __set__(self, session, value) -> None:
+        setattr(getattr(session, self.feature), self.name, value)
+
+
+class Session:
     """N torch.distributed ranks living in ipyparallel engines.
 
     Use ``run``/``execute``/``pull``/``push`` to work on the ranks and ``shutdown`` (or a
-    ``with`` block) to stop every process it started.
+    ``with`` block) to stop every process it started. What dtlab does with the ranks is in
+    feature objects that receive the session and own their state: ``training``,
+    ``checkpointing``, ``replays``, ``recovery``, ``pipeline``, ``comm``, ``scripts``; their
+    methods users call are forwarded under short names (``dt.step``, ``dt.checkpoint``).
     """
 
     def __init__(
@@ -67,19 +91,64 @@ class Session(
         self.closed = False
         self._stuck: dict[int, Any] = {}  # rank -> request it did not finish, even on SIGINT
         self.calls = 0  # ipyparallel requests so far (any of them may have re-attached a job)
-        self._stepper = None
-        self.restarts: list[dict] = []  # dt.restart() events, oldest first
-        self.sweeps: list = []  # dt.bandwidth_sweep() results, oldest first
-        self._scripts = None
+        self._stepper: Stepper | None = None  # the stepping channel, made on first use
+        self.last_hang: HangReport | None = None  # asked of the ranks before a SIGINT
+        self.training = Training(self)
+        self.checkpointing = Checkpointing(self)
+        self.replays = Replays(self)
+        self.recovery = Recovery(self)
+        self.pipeline = Pipeline(self)
+        self.comm = Comm(self)
+        self.scripts = Scripts(self)
 
-    # --- the user's own script (dtlab.control.scripts) --------------------------------
-    @property
-    def scripts(self):
-        from dtlab.control.scripts import Scripts
-
-        if self._scripts is None:
-            self._scripts = Scripts(self)
-        return self._scripts
+    # dt.training
+    step = _Forward("training")
+    run_until = _Forward("training")
+    pause = _Forward("training")
+    collectives_may_hang = _Forward("training")
+    watch_modules = _Forward("training")
+    grads = _Forward("training")
+    params = _Forward("training")
+    step_details = _Forward("training")
+    divergence = _Forward("training")
+    divergence_detail = _Forward("training")
+    evidence = _Forward("training")
+    checks = _Forward("training")
+    doctor = _Forward("training")
+    findings = _Forward("training")
+    # dt.checkpointing
+    checkpoint_root = _Forward("checkpointing")
+    checkpoint = _Forward("checkpointing")
+    checkpoint_every = _Forward("checkpointing")
+    checkpoints = _Forward("checkpointing")
+    load_checkpoint = _Forward("checkpointing")
+    set_job_setup = _Forward("checkpointing")
+    # dt.replays
+    record_outputs = _Forward("replays")
+    resume_check = _Forward("replays")
+    replay = _Forward("replays")
+    bisect = _Forward("replays")
+    # dt.recovery
+    hang_report = _Forward("recovery")
+    restart = _Forward("recovery")
+    auto_restart = _Forward("recovery")
+    hang_timeout = _Forward("recovery")
+    restarts = _Forward("recovery")
+    current_step = _Forward("recovery")
+    # dt.pipeline
+    stage_reports = _Forward("pipeline")
+    partition = _Forward("pipeline")
+    profile_blocks = _Forward("pipeline")
+    balance = _Forward("pipeline")
+    plan = _Forward("pipeline")
+    predict = _Forward("pipeline")
+    costs = _Forward("pipeline")
+    repartition = _Forward("pipeline")
+    block_costs = _Forward("pipeline")
+    partition_from = _Forward("pipeline")
+    # dt.comm
+    bandwidth_sweep = _Forward("comm")
+    sweeps = _Forward("comm")
 
     def run_script(self, path: str, argv=(), cwd: str | None = None, **options):
         """Run an unchanged torchrun script on every rank, paused at step 0 (see
@@ -89,6 +158,33 @@ class Session(
     def continue_script(self, **options):
         """Let the paused script run to its end (``dt.pause()`` / Ctrl-C pause it again)."""
         return self.scripts.continue_(**options)
+
+    # --- stepping ---------------------------------------------------------------------
+    @property
+    def connected_stepper(self) -> Stepper | None:
+        """The stepper if stepping was ever used, else None (``stepper`` would connect it)."""
+        return self._stepper
+
+    @property
+    def stepper(self) -> Stepper:
+        if self._stepper is None:
+            self._stepper = Stepper(self)
+        return self._stepper
+
+    @property
+    def trace(self) -> Trace | None:
+        """The step records of the attached job (a :class:`dtlab.Trace`), None before the
+        first step."""
+        return self._stepper.trace if self._stepper is not None else None
+
+    def require_trace(self):
+        if self.trace is None or self.trace.last_step == 0:
+            since = self.trace.meta.get("step") if self.trace is not None else None
+            if since is not None:
+                raise DtlabError(f"no steps recorded since the job was rewound to step {since} "
+                                 "(a checkpoint was loaded): run %dt_step")  # fmt: skip
+            raise DtlabError("no steps recorded yet: attach a job (%dt_demo) and run %dt_step")
+        return self.trace
 
     # --- what it is -------------------------------------------------------------------
     @property
@@ -125,7 +221,8 @@ class Session(
         return chosen
 
     # --- calls on ranks ---------------------------------------------------------------
-    def _client(self):
+    def client(self):
+        """The ipyparallel client (DtlabError when the session or its controller is gone)."""
         if self.closed or self.engines.client is None:
             raise DtlabError("this session is shut down; run %dt_launch N to start a new one")
         self.check_controller()
@@ -169,7 +266,7 @@ class Session(
 
     def dead_ranks(self, ranks: Iterable[int]) -> list[int]:
         """The ranks among ``ranks`` whose engine is gone (its nanny told the controller)."""
-        registered = set(self._client().ids)
+        registered = set(self.client().ids)
         return [r for r in ranks if self.rank_map.engine_ids[r] not in registered]
 
     def interrupt_and_wait(self, ranks: list[int], poll: Callable[[], list[int]]) -> list[int]:
@@ -189,14 +286,14 @@ class Session(
     def _interrupt_after_report(self, ranks: list[int]) -> None:
         """Ask every rank what it is doing before SIGINT moves any of them."""
         try:
-            self._last_hang = self.hang_report()
+            self.last_hang = self.recovery.hang_report()
         except Exception:  # the error must still come: it just says less
-            self._last_hang = None
+            self.last_hang = None
         self._interrupt(ranks)
 
     def _interrupt(self, ranks: list[int]) -> None:
         engines = self.rank_map.engines(ranks)
-        reply = self._client().send_signal(signal.SIGINT, targets=engines, block=False)
+        reply = self.client().send_signal(signal.SIGINT, targets=engines, block=False)
         # the nannies confirm; never wait on them forever
         concurrent.futures.wait([reply], timeout=INTERRUPT_REPLY_S)
 
@@ -211,10 +308,10 @@ class Session(
     ) -> dict[int, Any]:
         """Send ``request(view, rank)`` to each rank's engine and gather the results."""
         chosen = self.select(ranks)
-        client = self._client()
+        client = self.client()
         self.calls += 1
         self.check_ready(client, chosen, what)
-        self._last_hang = None
+        self.last_hang = None
         sent: dict[int, Any] = {}
 
         def send(batch: list[int]):
@@ -233,7 +330,7 @@ class Session(
             )
         except RankError as e:
             self._stuck.update({r: sent[r] for r in e.stuck})
-            self.explain_failure(e)
+            self.recovery.explain_failure(e)
             raise
 
     def run(
@@ -320,7 +417,7 @@ class Session(
         return states
 
     def _status_once(self) -> dict[int, str]:
-        client = self._client()
+        client = self.client()
         registered = set(client.ids)
         queues = self.engines.queue_status() if registered else {}
         states = {}
@@ -342,16 +439,16 @@ class Session(
         if self._stepper is not None:
             self._stepper.close()
             self._stepper = None
-        if self._sidecars is not None:
-            self._sidecars.close()
-            self._sidecars = None
+        self.recovery.stop_sidecars()
         if not self.closed:
             self.engines.stop()
             self.closed = True  # until the new engines stand: a failed start leaves it shut
         threads = {rank: info.num_threads for rank, info in self.infos.items()}
         fresh = self._start(keeping_threads(self.config, threads), progress or _quiet)
         self.engines, self.rank_map, self.facts = fresh.engines, fresh.rank_map, fresh.facts
-        self.infos, self._stuck, self._sidecars = fresh.infos, fresh._stuck, fresh._sidecars
+        self.infos, self._stuck = fresh.infos, fresh._stuck
+        self.recovery.sidecars = fresh.recovery.sidecars  # joined with the fresh engines
+        self.recovery.sidecar_problem = fresh.recovery.sidecar_problem
         self.closed = False
         self.calls += 1  # the job attached before lives no more
         return self
@@ -360,9 +457,7 @@ class Session(
         """Stop every engine, nanny and the controller; leaves no process behind."""
         if self._stepper is not None:
             self._stepper.close()
-        if self._sidecars is not None:
-            self._sidecars.close()
-            self._sidecars = None
+        self.recovery.stop_sidecars()
         if not self.closed:
             self.engines.stop()  # if this is interrupted, a second shutdown() tries again
             self.closed = True

@@ -172,7 +172,7 @@ class Stepper:
         if steps < 1:
             raise ValueError(f"the number of steps must be at least 1, got {steps}")
         self._connect()
-        self.session.check_ready(self.session._client(), self.session.ranks, "step")
+        self.session.check_ready(self.session.client(), self.session.ranks, "step")
         self._sync_job()
         if until is not None and until.kind == "step" and until.value <= self.trace.last_step:
             raise ValueError(
@@ -208,18 +208,18 @@ class Stepper:
             run.give_up_reason = f"{label_ranks(unreachable)} could not be sent the run"
         return run
 
-    def _step_s(self) -> float | None:
+    def step_s(self) -> float | None:
         recent = [r for recs in self.trace.records.values() for r in recs[-10:]]
         return statistics.median(r.times.total for r in recent) if recent else None
 
     def _agree_every(self) -> int:
         """Steps between agreements (~AGREE_S apart), from the last steps' durations."""
-        step_s = self._step_s()
+        step_s = self.step_s()
         return 1 if step_s is None else max(1, min(1000, int(AGREE_S / max(step_s, 1e-4))))
 
     def _failure_grace(self) -> float:
         """After a failure, long enough for the others to reach their next agreement."""
-        step_s = self._step_s()
+        step_s = self.step_s()
         if step_s is None:
             return FAILURE_GRACE_S
         return max(FAILURE_GRACE_S, 2 * (self._agree_every() + 1) * step_s)

@@ -1,5 +1,5 @@
 """The attached training job, as the notebook drives it: ``dt.step``, ``dt.run_until``,
-``dt.trace``, ``dt.grads``, ``dt.findings``. Mixed into :class:`Session`.
+``dt.grads``, ``dt.doctor`` (the ``dt.training`` feature of a Session).
 
 Each feature is collect (ranks record every step, see :mod:`dtlab.agent.job`) -> combine
 (pure functions in :mod:`dtlab.analysis`) -> present (views).
@@ -25,16 +25,12 @@ DEFAULT_MAX_STEPS = 100_000
 EVIDENCE_TIMEOUT_S = 60.0
 
 
-class TrainingMixin:
-    """Job control for a Session (needs ``run``, ``ranks``, ``select``)."""
+class Training:
+    """Stepping the attached job and reading what it did (``dt.training``; ``dt.step`` is
+    ``dt.training.step``)."""
 
-    @property
-    def stepper(self):
-        from dtlab.control.stepper import Stepper
-
-        if self._stepper is None:
-            self._stepper = Stepper(self)
-        return self._stepper
+    def __init__(self, session):
+        self.session = session
 
     def step(
         self,
@@ -49,7 +45,7 @@ class TrainingMixin:
         Ctrl-C pauses every rank after the same step (a second Ctrl-C sends SIGINT).
         ``record`` overrides the job's per-parameter recording for these steps.
         """
-        return self.resilient(num_steps, lambda steps: self.stepper.run(
+        return self.session.recovery.resilient(num_steps, lambda steps: self.session.stepper.run(
             steps, None, record=record, timeout=timeout, progress=progress))  # fmt: skip
 
     def run_until(
@@ -65,8 +61,8 @@ class TrainingMixin:
         holds on any rank, or ``max_steps``; every rank pauses after the same step."""
         cond = parse_condition(condition) if isinstance(condition, str) else condition
         if cond.kind == "diverged":
-            self.stepper._sync_job()  # the attached job's trace, made now if need be
-        trace = self.trace
+            self.session.stepper._sync_job()  # the attached job's trace, made now if need be
+        trace = self.session.trace
         if (
             cond.kind == "diverged"
             and trace is not None
@@ -76,38 +72,24 @@ class TrainingMixin:
                 "'diverged' compares replicas, and this job's ranks hold different parameters "
                 "(pipeline stages): there is nothing for them to agree on"
             )
-        return self.resilient(max_steps, lambda steps: self.stepper.run(
+        return self.session.recovery.resilient(max_steps, lambda steps: self.session.stepper.run(
             steps, cond, record=record, timeout=timeout, progress=progress))  # fmt: skip
 
     def pause(self) -> None:
         """Ask a run in progress (the dashboard's) to stop at the next step boundary."""
-        self.stepper.pause()
+        self.session.stepper.pause()
 
     def collectives_may_hang(self) -> bool:
         """A run was ended by SIGINT: a collective it issued may never complete, and
         tearing the process group down would wait for it (relaunch must replace engines)."""
-        return self._stepper is not None and self._stepper.interrupted
+        stepper = self.session.connected_stepper
+        return stepper is not None and stepper.interrupted
 
     def watch_modules(self, on: bool = True) -> None:
         """While on, every rank checks each module's forward output for inf/nan (~20% of a
         step here) and the records name the first module that produced one. Always on
         during ``run_until("nonfinite")``."""
-        self.stepper.watch_modules = bool(on)
-
-    @property
-    def trace(self):
-        """The step records of the attached job (a :class:`dtlab.Trace`), None before the
-        first step."""
-        return self._stepper.trace if self._stepper is not None else None
-
-    def require_trace(self):
-        if self.trace is None or self.trace.last_step == 0:
-            since = self.trace.meta.get("step") if self.trace is not None else None
-            if since is not None:
-                raise DtlabError(f"no steps recorded since the job was rewound to step {since} "
-                                 "(a checkpoint was loaded): run %dt_step")  # fmt: skip
-            raise DtlabError("no steps recorded yet: attach a job (%dt_demo) and run %dt_step")
-        return self.trace
+        self.session.stepper.watch_modules = bool(on)
 
     # --- tensors, on request only ------------------------------------------------------
     def grads(self, name: str, ranks=None, step: int | None = None) -> dict:
@@ -122,18 +104,18 @@ class TrainingMixin:
         return self._tensors(name, "param", ranks, step)
 
     def _tensors(self, name: str, what: str, ranks, step: int | None) -> dict:
-        last = self.trace.last_step if self.trace is not None else 0
+        last = self.session.trace.last_step if self.session.trace is not None else 0
         if step is not None and step != last:
             raise ValueError(
                 f"ranks keep only the tensors of the latest step ({last}), not step {step}; "
                 f"use %dt_run --until step>={step} to stop there and look"
             )
-        return self.stepper.tensors(name, what, self.select(ranks))
+        return self.session.stepper.tensors(name, what, self.session.select(ranks))
 
     def step_details(self, step: int, ranks=None) -> dict:
         """``{rank: StepRecord}`` of one step with its per-parameter norms and fingerprints,
         fetched from the ranks' buffers (the trace keeps whole-step summaries only)."""
-        return self.stepper.details(step, self.select(ranks))
+        return self.session.stepper.details(step, self.session.select(ranks))
 
     # --- findings ----------------------------------------------------------------------
     def divergence(self, kind: str = "param"):
@@ -141,7 +123,7 @@ class TrainingMixin:
 
         The summaries say at which step; that step's per-parameter records say which
         parameter (fetched from the ranks)."""
-        trace = self.require_trace()
+        trace = self.session.require_trace()
         step = first_divergent_step(trace.records, kind=kind)
         if step is None:
             return None
@@ -162,7 +144,7 @@ class TrainingMixin:
     def evidence(self) -> Evidence:
         """What the doctor's checks read: the launch, the trace's summaries, and the
         per-parameter records of the steps where ranks' fingerprints first differ."""
-        trace = self.require_trace()
+        trace = self.session.require_trace()
         kinds = ("grad", "param", "buffer")
         pipeline = len({info.params for info in trace.jobs.values()}) > 1
         # stages hold different parameters: their fingerprints differ by design
@@ -177,9 +159,9 @@ class TrainingMixin:
             for rank, rec in found.items():
                 details[rank].append(rec)
         cores: dict[str, int] = {}
-        for facts in self.facts.values():  # engines of a host may see different cores
+        for facts in self.session.facts.values():  # engines of a host may see different cores
             cores[facts.host] = max(cores.get(facts.host, 0), facts.num_cpus)
-        now = self.run(api.rank_now, timeout=EVIDENCE_TIMEOUT_S)  # env may have changed
+        now = self.session.run(api.rank_now, timeout=EVIDENCE_TIMEOUT_S)  # env may have changed
         return Evidence(
             records=trace.records, names=trace.param_names, jobs=trace.jobs,
             ranks={rank: info for rank, (info, _) in now.items()}, cores_by_host=cores,
@@ -190,7 +172,7 @@ class TrainingMixin:
     def checks(self) -> list[CheckResult]:
         """Every doctor check on the records so far (kept with the trace)."""
         results = run_checks(self.evidence())
-        self.require_trace().keep_checks(results)
+        self.session.require_trace().keep_checks(results)
         return results
 
     def doctor(self) -> list[Finding]:

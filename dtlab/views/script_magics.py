@@ -31,9 +31,7 @@ def _rank0_output(text: str) -> None:
 
 def show_other_ranks(session) -> None:
     """What ranks other than 0 printed meanwhile (rank 0's came live), identical text once."""
-    scripts = session._scripts
-    others = scripts.unshown() if scripts is not None else {}
-    text = collate(others)
+    text = collate(session.scripts.unshown())
     if text:
         print(f"printed on other ranks:\n{text}", end="")
 
