@@ -60,8 +60,8 @@ def test_param_perturbed_on_rank_2_names_rank_step_and_first_param_in_module_ord
     assert (found.num_params_differing, found.num_params) == (2, 4)
     assert found.rel_norm_diff == 0.0  # the gradients agree
     assert found.summary == (
-        "parameters diverge from step 4: blocks.0.weight differs on rank 2 "
-        "(ranks 0-1,3 agree); 2 of 4 parameters differ"
+        "parameters diverge from step 4: blocks.0.weight differs on rank 2 from the copy "
+        "ranks 0-1,3 hold; 2 of 4 parameters differ"
     )
     assert find_divergence(recs, NAMES, kind="grad") is None
 
@@ -98,7 +98,7 @@ def test_grads_differing_are_found_with_their_norms():
     assert found.norm_by_rank == pytest.approx({0: 1.5 / 5, 1: 1 / 5, 2: 1 / 5, 3: 1 / 5})
     assert found.rel_norm_diff == pytest.approx(0.5)
     assert "gradients diverge from step 3" in found.summary
-    assert "off by 0.5x" in found.summary
+    assert "its gradient norm there differs by 0.5x from ranks 1-3's" in found.summary
 
 
 def test_grad_divergence_is_the_cause_of_the_param_divergence_it_brings():
@@ -109,14 +109,16 @@ def test_grad_divergence_is_the_cause_of_the_param_divergence_it_brings():
     assert param.fix == "follows from the gradient divergence at step 3: fix that first"
 
 
-def test_two_against_two_takes_the_group_with_the_lowest_rank_as_majority():
+def test_two_against_two_lists_both_groups_and_takes_neither_as_right():
     found = find_divergence(records(change=params_differ({2, 3}, 5, {1})), NAMES, kind="param")
     assert found.groups == ((0, 1), (2, 3))
-    assert found.majority == (0, 1) and found.outliers == (2, 3)
-    assert found.is_tie
-    assert "splits ranks 0-1 | ranks 2-3 with no majority (ranks 0-1 taken as reference)" in (
+    assert found.majority == (0, 1) and found.outliers == (2, 3)  # the reference to compute
+    assert found.is_tie and not found.has_majority
+    assert found.named_ranks == (0, 1, 2, 3)  # a finding names every rank
+    assert "splits ranks 0-1 | ranks 2-3, with no majority to tell which is right" in (
         found.summary
     )
+    assert "reference" not in found.summary and "majority's" not in found.summary
 
 
 def test_largest_group_wins_over_lowest_rank():
@@ -129,6 +131,9 @@ def test_largest_group_wins_over_lowest_rank():
     assert found.groups == ((1, 2), (0,), (3,))
     assert found.majority == (1, 2) and found.outliers == (0, 3)
     assert not found.is_tie
+    # the largest group is two of four: no majority, so every group is listed
+    assert not found.has_majority and found.named_ranks == (0, 1, 2, 3)
+    assert "splits ranks 1-2 | rank 0 | rank 3, with no majority" in found.summary
 
 
 def test_steps_a_rank_did_not_record_are_skipped():

@@ -51,7 +51,7 @@ def test_drift_runbook_names_step_rank_and_parameter_and_a_restart_ends_it():
     assert "checkpoint of step 3:" in texts(code, "%dt_demo")[0]
     found, after = texts(code, "%dt_doctor")[0], texts(code, "%dt_step 5\n%dt_doctor")[0]
     named = "parameters diverge from step 4: blocks.1.attn.qkv.weight differs on rank 2"
-    assert named in found and "(ranks 0-1,3 agree)" in found
+    assert named in found and "from the copy ranks 0-1,3 hold" in found
     divergence = texts(code, 'found = dt.divergence("param")')[0]
     assert "step 4, parameter blocks.1.attn.qkv.weight, outliers (2,)" in divergence
     assert "rank 2 against rank 0: 12288 of 12288 elements differ" in divergence
@@ -59,7 +59,8 @@ def test_drift_runbook_names_step_rank_and_parameter_and_a_restart_ends_it():
     restarted = texts(code, "%dt_restart --from-checkpoint 3")[0]
     assert "restarted 4 ranks in " in restarted and "the job is at step 3 from " in restarted
     # the evidence: the same steps again, nothing found, one parameter state per step
-    assert "steps 4-8 in " in after and "no problem found: every check passed" in after
+    # 5 steps: too few to judge stragglers, and it says so instead of "every check passed"
+    assert "steps 4-8 in " in after and "no problem found in what could be checked" in after
     states = texts(code, "for step in")[0].splitlines()
     assert states == [f"step {s}: ranks [0, 1, 2, 3] hold 1 parameter state(s)"
                       for s in range(4, 9)] + ["first divergence: None"]  # fmt: skip
@@ -94,7 +95,7 @@ def test_mixed_precision_runbook_names_rank_module_and_the_scalers_skips():
     assert "steps 1-16 in " in fixed and "nonfinite never held" in fixed
     evidence = texts(code, "df = dt.trace.to_dataframe()\nhistory")[0]
     assert rows(evidence) == {r: ["16", "0", "1024.0"] for r in range(4)}
-    assert "no problem found: every check passed" in evidence
+    assert "no problem found" in evidence  # "in what could be checked" if timings are too noisy
 
 
 def test_learning_rate_runbook_scales_the_lr_and_finds_the_rank_that_differs():
@@ -124,7 +125,7 @@ def test_learning_rate_runbook_scales_the_lr_and_finds_the_rank_that_differs():
     assert "steps 1-16 in " in fixed
     evidence = texts(code, "df = dt.trace.to_dataframe()\nper_step")[0]
     assert "steps 1-16: 1 LR per step across ranks" in evidence
-    assert "no problem found: every check passed" in evidence
+    assert "no problem found" in evidence  # "in what could be checked" if timings are too noisy
 
 
 def growth(text: str) -> dict[int, float]:
@@ -145,7 +146,7 @@ def test_leak_runbook_names_the_rank_and_its_growth_and_the_memory_is_flat_after
     assert all(abs(kept[r]) < 0.5 for r in (0, 2, 3))
     assert "steps 1-20 in " in texts(code, "%dt_demo\n%dt_step 20")[0]
     evidence = texts(code, "%dt_doctor\ngrowth_per_step")[0]
-    assert "no problem found: every check passed" in evidence
+    assert "no problem found" in evidence  # "in what could be checked" if timings are too noisy
     after = growth(evidence)
     assert sorted(after) == [0, 1, 2, 3] and all(g < 1.0 for g in after.values())
     assert len(figures(code, "%dt_step 20")) == 1 and len(figures(code, "%dt_plot memory")) == 1
@@ -180,7 +181,7 @@ def test_data_runbook_finds_shared_shards_a_missing_set_epoch_and_a_slow_rank():
     assert after == {r: (after[r][0], 0, "False") for r in range(4)}
     assert all(share < 0.3 for share, _, _ in after.values())
     explained = texts(code, "%dt_doctor --explain")[0]
-    assert explained.startswith("no problem found: every check passed")
+    assert explained.startswith("no problem found")
     assert re.search(r"^data_order +passed", explained, re.M)
     assert re.search(r"^stragglers +passed", explained, re.M)
     slow, fixed = (data_ms(f) for f in figures(code, "%dt_plot times"))
@@ -206,4 +207,4 @@ def test_your_own_script_runbook_pauses_it_finds_its_bug_and_runs_the_fix():
     evidence = texts(code, "from itertools import combinations")[0]
     assert "epoch 0: 256 samples per rank, 0 read by two ranks" in evidence
     assert "epoch 1: 64 samples per rank, 0 read by two ranks" in evidence
-    assert "no problem found: every check passed" in evidence
+    assert "no problem found" in evidence  # "in what could be checked" if timings are too noisy

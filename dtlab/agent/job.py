@@ -104,6 +104,8 @@ class Job:
         self._recording = False
         self._record_size: dict[bool, int] = {}
         self._buffer_prints: tuple[int, ...] = ()
+        self._input_prints: tuple[int, ...] = ()  # this step's batches' tensors
+        self._epoch_starts: tuple[int, ...] = ()
         if any(True for _ in self.module.buffers()):
             self.module.register_forward_pre_hook(self._snapshot_buffers)
         self.initial: InitialState | None = None
@@ -181,6 +183,7 @@ class Job:
             epoch_starts=self._epoch_starts,
             nonfinite_module=self.watcher.first_bad,
             micro_batches=self.accumulate,
+            input_fingerprints=self._input_prints,
             comm_calls=self.comm.calls if counted else None,
             comm_bytes=self.comm.bytes if counted else None,
             rng=rngs,
@@ -195,6 +198,7 @@ class Job:
         """Forward and backward of ``accumulate`` micro-batches; only the last one syncs
         gradients when ``no_sync`` (DDP's ``no_sync()`` skips the all-reduce)."""
         losses, indices, epoch, times = [], [], None, [0.0, 0.0, 0.0]
+        inputs: list[int] = []  # fingerprints of the batches' tensors, when recording
         starts = []  # where in ``indices`` a new epoch began (accumulation across the end)
         for micro in range(self.accumulate):
             t0 = self._now()
@@ -216,7 +220,9 @@ class Job:
                 times[i] += spent
             losses.append(float(loss.detach()))
             indices.extend(int(i) for i in self.indices(batch))
-        self._epoch_starts = tuple(starts)
+            if self._recording:
+                inputs.extend(recorder.input_fingerprints(batch))
+        self._epoch_starts, self._input_prints = tuple(starts), tuple(inputs)
         return math.fsum(losses) / len(losses), tuple(indices), epoch, times
 
     def _buffer_bytes(self) -> int:

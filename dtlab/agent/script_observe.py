@@ -233,19 +233,10 @@ class Observer:
         d.indices.extend(_flat_indices(index))
 
 
-INPUT_PRINT_ELEMENTS = 1 << 20  # a batch is told apart by its first million values
-
-
 def _input_prints(inputs) -> list[int]:
-    """Fingerprints of the data tensors a forward got (not ones that need gradients:
-    those are activations of an earlier module, such as logits into a loss module)."""
-    from dtlab.agent.recorder import fingerprint
+    from dtlab.agent.recorder import input_fingerprints
 
-    found = []
-    for t in inputs if isinstance(inputs, (tuple, list)) else (inputs,):
-        if isinstance(t, torch.Tensor) and not t.requires_grad and t.numel():
-            found.append(fingerprint(t.detach().reshape(-1)[:INPUT_PRINT_ELEMENTS]))
-    return found
+    return input_fingerprints(inputs)
 
 
 def _flat_indices(index) -> list[int]:

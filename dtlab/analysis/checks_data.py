@@ -73,6 +73,14 @@ def check_data_order(evidence: Evidence) -> CheckResult:
         else " (shard overlap and set_epoch not checked: sample indices were not recorded)"
     )
     looked = f"{shape_of(records)} of {what} data time per step"
+    if not (has_indices or has_inputs or findings):
+        return CheckResult(
+            "data_order", "Data sharding and input pipeline", (), looked,
+            "not checked: sample identity unknown (no sample indices and no input "
+            "fingerprints were recorded), so ranks reading the same samples cannot be "
+            "seen; no rank waited for data over 30% of a step", checked=False,
+            needs="pass indices= to dtlab.attach, or draw batches from a DataLoader",
+        )  # fmt: skip
     return CheckResult("data_order", "Data sharding and input pipeline", tuple(findings),
                        looked, "" if findings else why)  # fmt: skip
 

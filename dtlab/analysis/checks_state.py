@@ -42,12 +42,16 @@ def _first_difference(
 
 def _finding(what: str, found, total: int, fix: str) -> Finding:
     name, groups, count = found
-    outliers = tuple(sorted(r for ranks, _ in groups[1:] for r in ranks))
-    agree = label_ranks(groups[0][0])
-    summary = (
-        f"{what} differ across ranks before the first step: {name} on "
-        f"{label_ranks(outliers)} is not what {agree} have; {count} of {total} differ"
-    )
+    head = f"{what} differ across ranks before the first step: {name}"
+    if 2 * len(groups[0][0]) > sum(len(ranks) for ranks, _ in groups):  # a majority
+        outliers = tuple(sorted(r for ranks, _ in groups[1:] for r in ranks))
+        where = (f"differs on {label_ranks(outliers)} from the copy "
+                 f"{label_ranks(groups[0][0])} hold")  # fmt: skip
+    else:  # none is right by number: every rank is named, every group listed
+        outliers = tuple(sorted(r for ranks, _ in groups for r in ranks))
+        split = " | ".join(label_ranks(ranks) for ranks, _ in groups)
+        where = f"splits {split}, with no majority to tell which is right"
+    summary = f"{head} {where}; {count} of {total} differ"
     groups_text = {label_ranks(ranks): str(fp) for ranks, fp in groups}
     evidence = {"first": name, "groups": groups_text, "differing": count}
     return Finding("initial_state", outliers, summary, 1, evidence, fix, "error")

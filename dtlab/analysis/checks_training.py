@@ -151,6 +151,12 @@ def check_learning_rate(evidence: Evidence) -> CheckResult:
     """
     records = evidence.records
     steps = aligned_steps(records)
+    if not any(rec.lr is not None for _, at in steps for rec in at.values()):
+        return CheckResult(
+            "learning_rate", "Learning rate across ranks", (), f"{len(steps)} steps",
+            "not checked: no rank recorded a learning rate (no param_groups 'lr')",
+            checked=False, needs="an optimizer whose param groups carry 'lr'",
+        )  # fmt: skip
     differing = [(step, *_lr_outliers(at)) for step, at in steps]
     differing = [d for d in differing if d[1]]
     findings = []

@@ -71,25 +71,48 @@ class Divergence:
         return len(self.groups) > 1 and len(self.groups[0]) == len(self.groups[1])
 
     @property
+    def has_majority(self) -> bool:
+        """True when one group holds more than half of the ranks: the others are odd."""
+        return 2 * len(self.groups[0]) > sum(len(g) for g in self.groups)
+
+    @property
+    def named_ranks(self) -> tuple[int, ...]:
+        """The ranks a finding names: the odd ones out, or every rank when there is no
+        majority to tell which side is right."""
+        if self.has_majority:
+            return self.outliers
+        return tuple(sorted(r for g in self.groups for r in g))
+
+    @property
     def summary(self) -> str:
-        """One sentence: what diverges, since when, where, on which ranks."""
+        """One sentence: what diverges, since when, where, on which ranks; numbers are
+        phrased against what they are compared with, and without a majority every group
+        is listed and none is taken as right."""
         head = f"{_WHAT[self.kind]} diverge from step {self.step}: {self.param}"
-        if self.is_tie:
-            split = " | ".join(label_ranks(g) for g in self.groups)
-            where = (
-                f"{head} splits {split} with no majority "
-                f"({label_ranks(self.majority)} taken as reference)"
-            )
-        else:
-            where = (
-                f"{head} differs on {label_ranks(self.outliers)} "
-                f"({label_ranks(self.majority)} agree)"
-            )
         count = f"{self.num_params_differing} of {self.num_params} parameters differ"
+        if not self.has_majority:
+            split = " | ".join(label_ranks(g) for g in self.groups)
+            return f"{head} splits {split}, with no majority to tell which is right; " + (
+                f"{count}{self._norms_by_group()}"
+            )
+        where = (
+            f"{head} differs on {label_ranks(self.outliers)} from the copy "
+            f"{label_ranks(self.majority)} hold"
+        )
         norm = ""
         if math.isfinite(self.rel_norm_diff) and self.rel_norm_diff > 0:
-            norm = f"; its gradient norm is off by {self.rel_norm_diff:.3g}x the majority's"
+            norm = (f"; its gradient norm there differs by {self.rel_norm_diff:.3g}x from "
+                    f"{label_ranks(self.majority)}'s")  # fmt: skip
         return f"{where}; {count}{norm}"
+
+    def _norms_by_group(self) -> str:
+        parts = []
+        for group in self.groups:
+            norms = [self.norm_by_rank[r] for r in group if r in self.norm_by_rank]
+            norms = [n for n in norms if math.isfinite(n)]
+            if norms:
+                parts.append(f"{statistics.median(norms):.4g} on {label_ranks(group)}")
+        return f"; its gradient norm: {', '.join(parts)}" if len(parts) > 1 else ""
 
 
 def find_divergence(
@@ -234,7 +257,7 @@ def _finding(d: Divergence, fix: str) -> Finding:
     }
     return Finding(
         kind="divergence",
-        ranks=d.outliers,
+        ranks=d.named_ranks,
         summary=d.summary,
         step=d.step,
         evidence=evidence,

@@ -13,18 +13,20 @@ import statistics
 from collections.abc import Callable, Sequence
 
 from dtlab.analysis.checks_environment import check_environment
+from dtlab.analysis.checks_learning import check_learning
 from dtlab.analysis.checks_state import check_buffers, check_initial_state
 from dtlab.analysis.checks_training import check_data_order, check_learning_rate, check_numerics
 from dtlab.analysis.divergence import divergence_findings
 from dtlab.analysis.evidence import CheckResult, Evidence, ranked, shape_of
 from dtlab.analysis.ranks import label_ranks
-from dtlab.analysis.trends import aligned_steps, find_leaks, find_stragglers
+from dtlab.analysis.trends import aligned_steps, find_leaks, find_stragglers, timing_noise
 from dtlab.records import Finding
 
 Check = Callable[[Evidence], CheckResult]
 ACCUMULATION_RATIO = 1.5  # bytes all-reduced per gradient byte above which syncs repeat
 LEAK_MIN_RECORDS = 11  # find_leaks: 3 warm-up steps, then 8 points for a trend
 STRAGGLER_MIN_STEPS = 7  # find_stragglers: 2 warm-up steps, then 5 to compare
+NOISY_TIMINGS = 0.5  # a compute time whose interquartile range is half its median
 IMBALANCE_SHARE = 0.25  # memory beyond the model state over the median by this share...
 IMBALANCE_MIN_BYTES = 256 * 2**20  # ... and at least this many bytes
 
@@ -34,6 +36,16 @@ def check_gradient_sync(evidence: Evidence) -> CheckResult:
     on data-parallel ranks; a parameter must not lack a gradient on some ranks only."""
     findings = list(divergence_findings(evidence.details, evidence.names))
     findings += _missing_gradients(evidence)
+    printed = any(rec.grad_fingerprint or rec.param_fingerprint
+                  for recs in evidence.records.values() for rec in recs)  # fmt: skip
+    if not findings and not printed:
+        return CheckResult(
+            "gradient_sync", "gradients and parameters identical across ranks", (),
+            f"{shape_of(evidence.records)}: no gradient or parameter fingerprints",
+            "not checked: the steps were run with recording off, so there are no "
+            "fingerprints to compare", checked=False,
+            needs="run some steps with recording on (%dt_step without --no-record)",
+        )  # fmt: skip
     return CheckResult(
         "gradient_sync",
         "gradients and parameters identical across ranks",
@@ -138,7 +150,9 @@ def check_memory(evidence: Evidence) -> CheckResult:
         why = (f"leaks not checked: {LEAK_MIN_RECORDS} steps are needed to tell a trend from "
                "noise; no rank holds much more than its model state explains")  # fmt: skip
     title = "no memory that keeps growing on some ranks, or stands out"
-    return CheckResult("memory", title, findings, looked, why, checked=enough or bool(findings))
+    needs = "" if enough else f"run at least {LEAK_MIN_RECORDS} steps"
+    return CheckResult("memory", title, findings, looked, why, checked=enough or bool(findings),
+                       needs=needs)  # fmt: skip
 
 
 def _num_steps(evidence: Evidence) -> int:
@@ -191,14 +205,24 @@ def _imbalance(evidence: Evidence) -> list[Finding]:
 
 
 def check_stragglers(evidence: Evidence) -> CheckResult:
-    findings = tuple(find_stragglers(evidence.records))
+    doubtful: list[int] = []
+    findings = tuple(find_stragglers(evidence.records, doubtful=doubtful))
     enough = _num_steps(evidence) >= STRAGGLER_MIN_STEPS and len(evidence.records) > 1
+    noise = timing_noise(evidence.records)
+    needs = ""
     if findings:
         why = ""
+    elif enough and doubtful and noise > NOISY_TIMINGS:  # slower, or noise? cannot tell
+        enough = False
+        why = (f"not checked: timings too noisy to judge: {label_ranks(doubtful)} slower by "
+               f"the median but not steadily, while a rank's compute time varies by "
+               f"{noise:.0%} of its median from step to step (busy cores?)")  # fmt: skip
+        needs = "run more steps, or on a quieter machine"
     elif enough:
         why = "no rank's compute time is 1.3x the median in most steps"
     else:
         why = f"not checked: needs two ranks and {STRAGGLER_MIN_STEPS} steps"
+        needs = f"run at least {STRAGGLER_MIN_STEPS} steps on two or more ranks"
     return CheckResult(
         "stragglers",
         "no rank consistently slower",
@@ -207,11 +231,13 @@ def check_stragglers(evidence: Evidence) -> CheckResult:
         "backward holds the wait for the slowest rank)",
         why,
         checked=enough or bool(findings),
+        needs=needs,
     )
 
 
 CHECKS: tuple[Check, ...] = (
     check_environment,
+    check_learning,
     check_initial_state,
     check_gradient_sync,
     check_buffers,
@@ -227,6 +253,8 @@ CHECKS: tuple[Check, ...] = (
 # Checks that compare ranks as data-parallel replicas (same parameters, different samples)
 REPLICA_CHECKS = (check_initial_state, check_gradient_sync, check_buffers, check_data_order,
                   check_stragglers)  # fmt: skip
+# Checks that compare ranks with each other: with one rank there is nothing to compare
+CROSS_RANK_CHECKS = (*REPLICA_CHECKS, check_learning_rate)
 PIPELINE_WHY = ("a pipeline with one stage per rank: each parameter lives on one rank, every "
                 "stage reads the same batches and waits for its neighbours, so there is no "
                 "replica to compare; %dt_partition shows the stages' balance")  # fmt: skip
@@ -240,6 +268,11 @@ def run_checks(evidence: Evidence, checks: Sequence[Check] = CHECKS) -> list[Che
         if evidence.is_pipeline and check in REPLICA_CHECKS:
             results.append(CheckResult(name, name, (), "", f"not checked: {PIPELINE_WHY}",
                                        checked=False))  # fmt: skip
+            continue
+        if len(evidence.records) < 2 and check in CROSS_RANK_CHECKS:
+            results.append(CheckResult(name, name, (), "", "not checked: one rank, nothing "
+                                       "to compare it with", checked=False,
+                                       needs="launch two or more ranks"))  # fmt: skip
             continue
         try:
             results.append(check(evidence))

@@ -43,16 +43,24 @@ class CheckResult:
     looked_at: str  # what it read, e.g. "4 ranks x 40 steps of sample indices"
     passed_because: str = ""  # when there is no finding: why that means healthy
     checked: bool = True  # False: it could not look (recording off, too few steps, ...)
+    needs: str = ""  # when not checked: what would let it look
 
     @property
     def passed(self) -> bool:
         return not self.findings
 
     @property
+    def outcome(self) -> str:
+        """One of three, never two: "found", "passed" (it looked) or "not checked"."""
+        if self.findings:
+            return "found"
+        return "passed" if self.checked else "not checked"
+
+    @property
     def verdict(self) -> str:
         if self.findings:
             return f"{len(self.findings)} finding(s)"
-        return "passed" if self.checked else "not checked"
+        return self.outcome
 
 
 def shape_of(records: Mapping[int, Sequence[StepRecord]]) -> str:

@@ -108,6 +108,7 @@ def find_stragglers(
     min_steps: int = 5,
     threshold: float = 1.3,
     skip_first: int = 2,
+    doubtful: list[int] | None = None,
 ) -> list[Finding]:
     """Ranks whose own compute (data + forward + optimizer) is slower than the others'.
 
@@ -116,7 +117,9 @@ def find_stragglers(
     ``skip_first`` common steps (warm-up) are left out and at least ``min_steps`` must
     remain. Rule: a rank's compute / the median over ranks, per step, has a median of at
     least ``threshold``, the rank is the slowest in at least 60% of the steps, and its
-    median extra compute is at least STRAGGLER_MIN_SHARE of a step.
+    median extra compute is at least STRAGGLER_MIN_SHARE of a step; and it is slower by
+    half the threshold in three steps of four (steadily, not by a few slow steps). Ranks
+    slower by the median but not steadily are added to ``doubtful`` when it is given.
     """
     steps = aligned_steps(records)[skip_first:]
     if len(steps) < min_steps or len(records) < 2:
@@ -136,13 +139,31 @@ def find_stragglers(
     for i, rank in enumerate(ranks):
         slowest_in = int(np.sum(slowest == i))
         matters = np.median(excess[:, i]) >= STRAGGLER_MIN_SHARE * step_s
-        if (np.median(ratio[:, i]) >= threshold and slowest_in >= SLOWEST_FRACTION * len(steps)
-                and matters):  # fmt: skip
+        # slower in most steps by a clear margin, not a median pulled up by noisy steps
+        steady = np.percentile(ratio[:, i], 25) >= 1 + (threshold - 1) / 2
+        slow = np.median(ratio[:, i]) >= threshold and matters
+        if slow and slowest_in >= SLOWEST_FRACTION * len(steps) and steady:
             first = next(s for (s, _), r in zip(steps, ratio[:, i], strict=True) if r >= threshold)
             found.append(
                 _straggler_finding(rank, i, phases, ratio[:, i], backward, slowest_in, first)
             )
+        elif slow and doubtful is not None:  # slower by the median, not steadily: noise?
+            doubtful.append(rank)
     return found
+
+
+def timing_noise(records: Mapping[int, Sequence[StepRecord]], skip_first: int = 2) -> float:
+    """How much a rank's compute time (data + forward + optimizer) varies from step to
+    step: the median over ranks of its interquartile range over its median (0.1: +-5%).
+    On a machine whose cores other processes share this grows, and so does what one
+    rank's timings can tell."""
+    spreads = []
+    for recs in records.values():
+        compute = [sum(getattr(r.times, p) for p in COMPUTE_PHASES) for r in recs[skip_first:]]
+        if len(compute) >= 4 and np.median(compute) > 0:
+            q1, q3 = np.percentile(compute, [25, 75])
+            spreads.append((q3 - q1) / np.median(compute))
+    return float(np.median(spreads)) if spreads else 0.0
 
 
 def _straggler_finding(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from dtlab.analysis.conditions import describe_condition
+from dtlab.analysis.evidence import ranked
 from dtlab.analysis.ranks import label_ranks
 from dtlab.records import Finding, JobInfo, RunResult, ScriptStatus
 from dtlab.views.tables import Table
@@ -96,8 +97,7 @@ def run_summary(result: RunResult, trace) -> str:
 
 def findings_table(findings: Sequence[Finding]) -> Table:
     rows = tuple(
-        (f.severity, f.kind, label_ranks(f.ranks), "-" if f.step is None else str(f.step),
-         f.summary, f.fix)
+        (f.severity, f.kind, label_ranks(f.ranks), _since_column(f), f.summary, f.fix)
         for f in findings
     )  # fmt: skip
     notes = () if findings else ("no problem found in the records so far",)
@@ -105,16 +105,49 @@ def findings_table(findings: Sequence[Finding]) -> Table:
     return Table("findings", headers, rows, notes)
 
 
-def doctor_summary(findings: Sequence[Finding]) -> str:
-    """A short ranked list, most severe first (``findings`` come ranked)."""
-    if not findings:
-        return "no problem found: every check passed (--explain shows what each looked at)"
-    lines = [f"{len(findings)} finding(s), most severe first:"]
-    for number, f in enumerate(findings, 1):
-        named = f.step is None or f"step {f.step}" in f.summary
-        since = "" if named else f" (since step {f.step})"
-        lines.append(f"{number}. [{f.severity}] {f.summary}{since}")
+def doctor_summary(results: Sequence) -> str:
+    """How many checks passed, found something or could not look, then the findings
+    ranked, most severe first. "every check passed" only when every check looked."""
+    findings = ranked([f for r in results for f in r.findings])
+    passed = [r for r in results if r.outcome == "passed"]
+    unchecked = [r for r in results if r.outcome == "not checked"]
+    found = [r for r in results if r.outcome == "found"]
+    counts = ", ".join(
+        part for part in (
+            f"{len(found)} found something" if found else "",
+            f"{len(passed)} passed" if passed else "",
+            f"{len(unchecked)} not checked" if unchecked else "",
+        ) if part
+    )  # fmt: skip
+    lines = []
+    if not findings and not unchecked:
+        lines.append(f"no problem found: every check passed ({counts}; --explain shows what "
+                     "each looked at)")  # fmt: skip
+    elif not findings:
+        lines.append(f"no problem found in what could be checked: {counts}")
+    else:
+        lines.append(f"{len(findings)} finding(s) ({counts}), most severe first:")
+        for number, f in enumerate(findings, 1):
+            lines.append(f"{number}. [{f.severity}] {f.summary}{_since(f)}")
+    for r in unchecked:
+        why = r.passed_because.removeprefix("not checked: ")
+        lines.append(
+            f"not checked: {r.check}: {why}" + (f" (to check: {r.needs})" if r.needs else "")
+        )
     return "\n".join(lines)
+
+
+def _since(f: Finding) -> str:
+    """When it began, unless the summary says: a step, or launch for the environment."""
+    if f.step is None:
+        return " (from launch)" if f.kind == "environment" else ""
+    return "" if f"step {f.step}" in f.summary else f" (since step {f.step})"
+
+
+def _since_column(f: Finding) -> str:
+    if f.step is None:
+        return "launch" if f.kind == "environment" else "-"
+    return str(f.step)
 
 
 def checks_table(results: Sequence) -> Table:

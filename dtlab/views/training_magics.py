@@ -188,7 +188,7 @@ class TrainingMagics(Magics):
         args = parse_argstring(self.dt_doctor, line)
         results = current_session().checks()
         findings = all_findings(results)
-        print(doctor_summary(findings))
+        print(doctor_summary(results))
         if findings:
             display(findings_table(findings))
         if args.explain:
