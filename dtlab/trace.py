@@ -199,7 +199,8 @@ class Trace:
         """Keep ``%dt_doctor`` results with the run (``doctor.json`` in its folder)."""
         self.checks = list(results)
         if self.folder is not None:
-            data = [dataclasses.asdict(r) for r in self.checks]
+            # the outcome too: passed, found or not checked, for whoever reads the file
+            data = [{**dataclasses.asdict(r), "outcome": r.outcome} for r in self.checks]
             (self.folder / "doctor.json").write_text(json.dumps(data, indent=1, default=str))
 
     def save(self, folder: str | os.PathLike) -> Path:
@@ -249,4 +250,5 @@ def _check_from_json(data: Mapping):
     from dtlab.records import Finding
 
     findings = tuple(Finding(**{**f, "ranks": tuple(f["ranks"])}) for f in data.get("findings", ()))
-    return CheckResult(**{**data, "findings": findings})
+    fields = {k: v for k, v in data.items() if k != "outcome"}  # derived, written for readers
+    return CheckResult(**{**fields, "findings": findings})

@@ -35,6 +35,9 @@ def test_a_session_report_names_ranks_findings_checkpoints_and_keeps_secrets_out
     assert "Loss per rank" in page and page.count("plotly.js v") == 1
     assert page.count("<tr><td>") >= 4 + 1  # 4 ranks and the checkpoint
     assert "no problem found in the records so far" in page
+    # every check with its outcome: 3 steps are too few to judge stragglers or learning
+    assert "<td>stragglers</td><td>not checked</td>" in page
+    assert "<td>numerics</td><td>passed</td>" in page and "(to check: run at least" in page
     assert saved.path.name in page
     assert "hf_secret_value_1234" not in page and "HF_TOKEN" not in page
     url = dt.serve_metrics(port=0)

@@ -51,12 +51,13 @@ class SessionSummary:
     findings: Sequence
     checkpoints: Sequence
     restarts: Sequence[Mapping]
+    checks: Sequence = ()  # the doctor's CheckResults, each with its outcome
 
 
 def write_report(summary: SessionSummary, path: str | Path) -> Path:
     """Write the report of ``summary`` to ``path`` (.html)."""
     from dtlab.views.figures import loss_figure, memory_figure, time_breakdown_figure
-    from dtlab.views.reports import checkpoints_table, findings_table
+    from dtlab.views.reports import checkpoints_table, checks_table, findings_table
     from dtlab.views.tables import rank_table
 
     trace = summary.trace
@@ -68,6 +69,8 @@ def write_report(summary: SessionSummary, path: str | Path) -> Path:
     tables = [rank_table(summary.infos, summary.inconsistencies, title="ranks")]
     if stepped:
         tables.append(findings_table(summary.findings))
+        if summary.checks:  # what each check looked at: passed, found, or not checked
+            tables.append(checks_table(summary.checks))
     tables.append(checkpoints_table(summary.checkpoints))
     if summary.restarts:
         rows = tuple((time.strftime("%H:%M:%S", time.localtime(e["time"])), str(e["step"]),

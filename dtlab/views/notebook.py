@@ -40,19 +40,22 @@ class NotebookSession(Session):
     def report(self, path="dtlab-report.html"):
         """One self-contained HTML file of this session: ranks, findings, checkpoints,
         restarts and interactive figures, for people without dtlab. Returns its path."""
+        from dtlab.analysis.doctor import all_findings
         from dtlab.views.html_report import SessionSummary, write_report
 
         trace = self.trace
         stepped = trace is not None and trace.last_step > 0
+        checks = self.checks() if stepped else []
         summary = SessionSummary(
             world_size=self.world_size,
             backend=self.backend,
             infos=self.infos,
             inconsistencies=self.inconsistencies(),
             trace=trace,
-            findings=self.doctor() if stepped else (),
+            findings=all_findings(checks),
             checkpoints=self.checkpoints(),
             restarts=tuple(self.restarts),
+            checks=tuple(checks),
         )
         return write_report(summary, path)
 

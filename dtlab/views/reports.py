@@ -157,7 +157,9 @@ def checks_table(results: Sequence) -> Table:
             r.check,
             r.verdict,
             r.looked_at,
-            r.passed_because if r.passed else "; ".join(f.summary for f in r.findings),
+            "; ".join(f.summary for f in r.findings)
+            if r.findings
+            else r.passed_because + (f" (to check: {r.needs})" if r.needs else ""),
         )
         for r in results
     )
