@@ -93,10 +93,16 @@ def _check(job, folder: Path, rank: int, world_size: int):
         raise CheckpointError(f"rank {rank}: {problem}")
     files = manifest["files"]
     mine = [e for i, e in enumerate(files) if i % world_size == rank]
-    problems = [p for p in (file_problem(folder, e) for e in mine) if p]
+    # the file this rank unpickles itself is checked here too, whoever checks the rest:
+    # listed, a regular file of its listed size and checksum, before torch.load opens it
+    extras_name = f"rank-{source}.pt"
+    listed = [e for e in files if e["name"] == extras_name]
+    if not listed:
+        raise CheckpointError(f"{folder}: the manifest lists no {extras_name}")
+    problems = [p for p in (file_problem(folder, e) for e in [*mine, *listed]) if p]
     if problems:
-        raise CheckpointError("; ".join(problems))
-    extras = torch.load(folder / f"rank-{source}.pt", weights_only=True)
+        raise CheckpointError("; ".join(dict.fromkeys(problems)))
+    extras = torch.load(folder / extras_name, weights_only=True)
     if "optimizer" in extras:
         _check_optimizer(extras["optimizer"], job, folder)
     return manifest, extras, position, source
