@@ -112,8 +112,7 @@ def test_dt_doctor_prints_ranked_findings_and_explains_its_checks(ip, live4, cap
     # the LR differs from step 7 (the scheduler applies it after step 6), and so the
     # weights, although DDP keeps the gradients equal
     assert out.startswith(
-        "2 finding(s) (2 found something, 8 passed, 1 not checked), most severe first:\n"
-        "1. [error] "
+        "2 finding(s) (2 found something, 8 passed, 1 not checked), most severe first:\n1. [error] "
     )
     assert "[error] the learning rate at step 7 is 0.07 on rank 2" in out
     assert "[error] parameters diverge from step 7: embed.weight differs on rank 2" in out
