@@ -6,8 +6,10 @@ analysis/consistency.py).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
+import re
 import socket
 
 from dtlab.records import EngineFacts, RankInfo, RankPlan
@@ -58,9 +60,20 @@ def describe_engine() -> EngineFacts:
     )
 
 
+SECRET_NAME = re.compile(r"PASSWORD|PASSWD|TOKEN|SECRET|KEY|CREDENTIAL|AUTH", re.IGNORECASE)
+
+
 def relevant_env(environ=None) -> dict[str, str]:
+    """The variables dtlab compares across ranks (NCCL_*, TORCH_*, ...). A value whose name
+    looks secret never leaves the rank: it is sent as a hash, which still tells ranks
+    that differ apart."""
     environ = os.environ if environ is None else environ
-    return {k: v for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIXES)}
+    return {k: redacted(v) if SECRET_NAME.search(k) else v
+            for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIXES)}  # fmt: skip
+
+
+def redacted(value: str) -> str:
+    return f"<redacted, sha256 {hashlib.sha256(value.encode()).hexdigest()[:12]}>"
 
 
 def _nccl_version() -> str | None:

@@ -25,6 +25,9 @@ class Comm:
         """All_reduce time, algorithm and bus bandwidth per message size on the job's
         process group (nccl-tests' all_reduce_perf, on whatever backend is up). Sweeps are
         kept in ``dt.sweeps`` to compare settings (A/B)."""
+        if iters < 1 or warmup < 0:  # said here, not as a traceback from every rank
+            raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters}, "
+                             f"warmup={warmup}")  # fmt: skip
         sizes = sizes_between(min_bytes, max_bytes, factor)
         times = self.session.run(
             api.bandwidth_sweep, sizes, iters, warmup, dtype, timeout=SWEEP_TIMEOUT_S

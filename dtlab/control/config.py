@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -12,6 +13,18 @@ from dtlab.control.network import is_loopback, listen_address
 LOCAL_NAMES = {"localhost", "127.0.0.1"}
 
 BACKENDS = ("auto", "gloo", "nccl")
+
+
+def checked_timeout(value, what: str = "timeout") -> float | None:
+    """None (no limit) or a positive, finite number of seconds: every timeout dtlab takes,
+    from a magic or from Python, is checked here (0 or -1 would time out at once, and
+    interrupt ranks that were doing nothing wrong)."""
+    if value is None:
+        return None
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 def parse_env(items: Iterable[str]) -> dict[str, str]:
@@ -57,14 +70,12 @@ class LaunchConfig:
             raise ValueError(
                 f"unknown launcher {self.launcher!r}; choose one of {', '.join(LAUNCHERS)}"
             )
-        if not self.timeout_s > 0:
-            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout_s!r}")
+        checked_timeout(self.timeout_s, "--timeout")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be 0 (any free port) or 1-65535, got {self.port!r}")
-        if not self.pg_timeout_s > 0:
-            raise ValueError(f"process-group timeout must be > 0 s, got {self.pg_timeout_s!r}")
+        checked_timeout(self.pg_timeout_s, "the process-group timeout (--pg-timeout)")
         address = listen_address(self.listen)  # ValueError names the interfaces
         if self.launcher == "local" and not is_loopback(address):
             raise ValueError("--listen is for ranks on other hosts; the local launcher's are "

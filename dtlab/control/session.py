@@ -19,7 +19,7 @@ from dtlab.control.calls import gather
 from dtlab.control.checkpointing import Checkpointing
 from dtlab.control.cluster import EngineCluster
 from dtlab.control.comm_bench import Comm
-from dtlab.control.config import LaunchConfig, keeping_threads
+from dtlab.control.config import LaunchConfig, checked_timeout, keeping_threads
 from dtlab.control.errors import DtlabError, RankError
 from dtlab.control.partitions import Pipeline
 from dtlab.control.rankmap import RankMap
@@ -307,6 +307,7 @@ class Session:
         progress: Callable[[int, int], None] | None = None,
     ) -> dict[int, Any]:
         """Send ``request(view, rank)`` to each rank's engine and gather the results."""
+        timeout = checked_timeout(timeout)
         chosen = self.select(ranks)
         client = self.client()
         self.calls += 1

@@ -29,6 +29,7 @@ from dtlab.analysis.conditions import describe_condition
 from dtlab.analysis.ranks import label_ranks
 from dtlab.control.calls import counted_interrupts
 from dtlab.control.channel import Channel
+from dtlab.control.config import checked_timeout
 from dtlab.control.errors import DtlabError
 from dtlab.control.network import EVERYWHERE, LOOPBACK, is_loopback, listen_address, route_ip
 from dtlab.control.runs import FAILURE_GRACE_S, POLL_S, Run
@@ -171,6 +172,7 @@ class Stepper:
     ) -> Run:
         if steps < 1:
             raise ValueError(f"the number of steps must be at least 1, got {steps}")
+        timeout = checked_timeout(timeout)
         self._connect()
         self.session.check_ready(self.session.client(), self.session.ranks, "step")
         self._sync_job()

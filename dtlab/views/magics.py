@@ -25,7 +25,7 @@ from dtlab.control.config import BACKENDS, parse_env
 from dtlab.control.errors import NoSessionError, RankError
 from dtlab.control.launchers import LAUNCHERS
 from dtlab.views.cells import collate_cell
-from dtlab.views.magic_support import current_session
+from dtlab.views.magic_support import current_session, seconds
 from dtlab.views.tables import launch_summary, rank_table, status_table
 
 
@@ -57,7 +57,7 @@ class DtlabMagics(Magics):
     )
     @argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=120.0,
         help="seconds for engines to register and ranks to join (default 120)",
     )
@@ -83,7 +83,7 @@ class DtlabMagics(Magics):
     )
     @argument(
         "--pg-timeout",
-        type=float,
+        type=seconds,
         default=600.0,
         help="process-group timeout in seconds: frees ranks stuck in a collective",
     )
@@ -131,7 +131,7 @@ class DtlabMagics(Magics):
     @argument("--ranks", default=None, help="ranks to run on: all (default), even, odd, 0,3 or 0-3")
     @argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=None,
         help="seconds before unfinished ranks are interrupted and named in an error",
     )

@@ -8,6 +8,8 @@ report, TensorBoard files, Prometheus gauges) is made here, from data control/ h
 
 from __future__ import annotations
 
+import warnings
+
 from dtlab.control.session import Session
 
 
@@ -71,11 +73,24 @@ class NotebookSession(Session):
         """Expose live per-rank gauges (loss, grad norm, LR, step time, memory) for
         Prometheus at ``http://addr:port/metrics``; off until called, localhost by default.
         ``dt.stop_metrics()`` stops it. Returns the URL."""
+        from dtlab.control.network import is_loopback
         from dtlab.views.prometheus_export import serve_metrics
 
         self.stop_metrics()
         self._metrics, _ = serve_metrics(lambda: self.trace, port=port, addr=addr)
-        return f"http://{addr}:{self._metrics.server_port}/metrics"
+        url = f"http://{addr}:{self._metrics.server_port}/metrics"
+        try:
+            private = addr == "localhost" or is_loopback(addr)
+        except ValueError:  # a host name: who can reach it is not known here
+            private = False
+        if not private:
+            warnings.warn(
+                f"{url} serves every rank's loss, LR, step times and memory, without a "
+                "password, to anyone who can reach this machine on that address; serve on "
+                "127.0.0.1 (the default) unless that is what you want",
+                stacklevel=2,
+            )
+        return url
 
     def stop_metrics(self) -> None:
         server, self._metrics = self._metrics, None

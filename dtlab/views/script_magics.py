@@ -17,7 +17,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from dtlab.control.errors import RankError
 from dtlab.views.cells import collate
-from dtlab.views.magic_support import current_session
+from dtlab.views.magic_support import current_session, seconds
 from dtlab.views.progress import delayed_progress
 from dtlab.views.reports import run_summary, script_summary
 
@@ -53,7 +53,7 @@ class ScriptMagics(Magics):
     )
     @argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=None,
         help="seconds the set-up (up to the first optimizer step) may take",
     )
@@ -87,7 +87,7 @@ class ScriptMagics(Magics):
 
     @line_magic
     @magic_arguments()
-    @argument("--timeout", type=float, default=None, help="seconds before ranks are interrupted")
+    @argument("--timeout", type=seconds, default=None, help="seconds before ranks are interrupted")
     def dt_continue(self, line):
         """Let the paused script run free to its end; Ctrl-C pauses every rank again."""
         args = parse_argstring(self.dt_continue, line)

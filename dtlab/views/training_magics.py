@@ -22,7 +22,7 @@ from dtlab.analysis.partition import PlanError
 from dtlab.control.errors import RankError
 from dtlab.control.training import DEFAULT_MAX_STEPS
 from dtlab.trace import Trace
-from dtlab.views.magic_support import current_session
+from dtlab.views.magic_support import current_session, seconds
 from dtlab.views.partition_magics import plan_from_text
 from dtlab.views.plots import KINDS, figure_for
 from dtlab.views.progress import delayed_progress
@@ -126,7 +126,7 @@ class TrainingMagics(Magics):
     @magic_arguments()
     @argument("num_steps", type=int, nargs="?", default=1, help="optimizer steps (default 1)")
     @argument("--no-record", action="store_true", help="skip per-parameter stats for these steps")
-    @argument("--timeout", type=float, default=None, help="seconds before ranks are interrupted")
+    @argument("--timeout", type=seconds, default=None, help="seconds before ranks are interrupted")
     def dt_step(self, line):
         """Run N optimizer steps on every rank; Ctrl-C pauses all after the same step."""
         args = parse_argstring(self.dt_step, line)
@@ -156,7 +156,7 @@ class TrainingMagics(Magics):
         default=DEFAULT_MAX_STEPS,
         help=f"stop after this many steps anyway (default {DEFAULT_MAX_STEPS})",
     )
-    @argument("--timeout", type=float, default=None, help="seconds before ranks are interrupted")
+    @argument("--timeout", type=seconds, default=None, help="seconds before ranks are interrupted")
     def dt_run(self, line):
         """Step until a condition holds on some rank; every rank pauses at the same step."""
         args = parse_argstring(self.dt_run, line)
