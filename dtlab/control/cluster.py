@@ -24,6 +24,7 @@ from collections.abc import Callable
 import ipyparallel as ipp
 import psutil
 
+from dtlab.control.calls import held_interrupts
 from dtlab.control.config import LaunchConfig
 from dtlab.control.errors import DtlabError, LaunchError
 from dtlab.control.forkserver import EXIT_LOG_ENV
@@ -262,7 +263,13 @@ class EngineCluster:
         return sorted(p.pid for p in self.local_processes())
 
     def stop(self) -> None:
-        """Stop engines, then the controller; SIGKILL whatever is left. Idempotent."""
+        """Stop engines, then the controller; SIGKILL whatever is left. Idempotent, and
+        never cut short: a Ctrl-C while it runs (a second press during an interrupted
+        launch, say) is held until everything is gone, then raised."""
+        with held_interrupts():
+            self._stop()
+
+    def _stop(self) -> None:
         procs = self.local_processes()
         if self.client is not None:
             if self.config.launcher != "local":
