@@ -181,6 +181,9 @@ class StepRecord:
     param_fingerprints: tuple[int, ...] = ()
     nonfinite: tuple[int, ...] = ()  # non-finite gradient elements per parameter
     missing_grads: tuple[int, ...] = ()  # indices of parameters with no gradient
+    # indices of the parameters this rank's own backward did not reach (before DDP's
+    # all-reduce fills them in); None: not watched
+    unreached: tuple[int, ...] | None = None
     grad_norm: float | None = None  # L2 norm over every gradient (None: not recorded)
     grad_fingerprint: int = 0  # of all gradients together
     param_fingerprint: int = 0  # of all parameters together

@@ -16,7 +16,7 @@ from dtlab.control.config import LaunchConfig, parse_env
             {"num_ranks": 2, "launcher": "k8s"},
             "unknown launcher 'k8s'; choose one of local, mpi, slurm, ssh",
         ),
-        ({"num_ranks": 2, "timeout_s": 0}, "--timeout must be > 0"),
+        ({"num_ranks": 2, "timeout_s": 0}, "--timeout must be a positive number of seconds"),
         ({"num_ranks": 2, "threads": 0}, "--threads must be >= 1"),
         ({"num_ranks": 2, "port": 70000}, "--port must be 0"),
     ],

@@ -78,3 +78,50 @@ def test_the_two_output_twin_learns_and_comes_out_clean(live4):
     dt.step(12)
     assert dt.doctor() == []
     assert by_check(dt)["learning"].outcome == "passed"
+
+
+BRANCH_JOB = """
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.extra = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        if {branch}:
+            h = h + self.extra(h)
+        return self.head(h)
+
+torch.manual_seed(0)
+model = DDP(Net(), find_unused_parameters=True)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+g = torch.Generator().manual_seed(rank)
+data = [(torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)) for _ in range(40)]
+dtlab.attach(model, opt, data, lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+"""
+
+
+def test_a_branch_taken_on_one_rank_only_is_named_although_ddp_filled_the_gradients(live4):
+    dt = live4
+    dt.execute(BRANCH_JOB.format(branch="rank == 0"))  # the bug: only rank 0 runs `extra`
+    dt.step(6)
+    # DDP averaged rank 0's gradient in: after the step every rank has one
+    assert all(rec.missing_grads == () for recs in dt.trace.records.values() for rec in recs)
+    found = [f for f in dt.doctor() if f.kind == "gradient_sync"]
+    assert [(f.ranks, f.step, f.evidence["param"]) for f in found] == [
+        ((1, 2, 3), 1, "extra.weight"),
+        ((1, 2, 3), 1, "extra.bias"),
+    ]
+    assert "never reached by the backward of ranks 1-3" in found[0].summary
+
+
+def test_the_same_branch_on_every_rank_comes_out_clean(live4):
+    dt = live4
+    dt.execute(BRANCH_JOB.format(branch="True"))
+    dt.step(6)
+    assert [f for f in dt.doctor() if f.kind == "gradient_sync"] == []

@@ -19,7 +19,7 @@ import torch
 
 from dtlab.agent import recorder, rng
 from dtlab.agent.data_stream import DataStream
-from dtlab.agent.hooks import CommCounter, ModuleWatcher, OutputRecorder
+from dtlab.agent.hooks import CommCounter, ModuleWatcher, OutputRecorder, ReachedParams
 from dtlab.records import (
     InitialState,
     JobInfo,
@@ -98,6 +98,7 @@ class Job:
         # only where it is asked about: a comm hook is a change to the user's DDP object
         self.comm = CommCounter(model) if accumulate > 1 else None
         self.watcher = ModuleWatcher(self.module)
+        self.reached = ReachedParams(self.params)  # what this rank's own backward reached
         self.outputs = OutputRecorder(self.module)
         self.recording_outputs = False
         self.autosave: tuple[str, int] | None = None  # (checkpoint root, every k steps)
@@ -152,7 +153,12 @@ class Job:
         if self.lr_at is not None:
             for group in self.optimizer.param_groups:
                 group["lr"] = float(self.lr_at(self.step_count))
-        loss, indices, epoch, (data_s, forward_s, backward_s) = self._accumulate()
+        if record:
+            self.reached.start()
+        try:
+            loss, indices, epoch, (data_s, forward_s, backward_s) = self._accumulate()
+        finally:
+            unreached = self.reached.stop()
         t3 = self._now()
         lr = self.optimizer.param_groups[0].get("lr")
         scale = float(self.scaler.get_scale()) if self.scaler is not None else None
@@ -184,6 +190,7 @@ class Job:
             nonfinite_module=self.watcher.first_bad,
             micro_batches=self.accumulate,
             input_fingerprints=self._input_prints,
+            unreached=unreached,
             comm_calls=self.comm.calls if counted else None,
             comm_bytes=self.comm.bytes if counted else None,
             rng=rngs,

@@ -283,6 +283,8 @@ class ScriptRun:
             self.notes.extend(script_env.run_exit_handlers())
         script_observe.uninstall()
         script_env.uninstall()
+        if self.job is not None:
+            self.job.reached.stop()  # no hook of dtlab's stays on the script's parameters
         if signal.signal == self._signal:
             signal.signal = _real_signal
         for it in list(self.observer.iterators):
@@ -398,6 +400,7 @@ class ScriptJob(jobs.Job):
         t0 = time.perf_counter()
         lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
         grads = self._grad_fields(draft.early_grads) if record else {}
+        unreached = self.reached.stop()  # watched from the last boundary (not step 1's)
         self.step_count += 1
         params = self._param_fields() if record else {}
         epoch = draft.passes[0][1] if draft.passes else getattr(self, "_epoch", 0)
@@ -424,12 +427,15 @@ class ScriptJob(jobs.Job):
             micro_batches=draft.backward_calls,
             synced_micro_batches=draft.synced_calls if draft.ddp_seen else None,
             input_fingerprints=tuple(draft.input_prints),
+            unreached=unreached,
             rng=self._rngs,
             module_outputs=tuple(self.outputs.prints) if self.recording_outputs else (),
             **grads,
             **params,
         )
         self.records.append(rec)
+        if observer.recording:
+            self.reached.start()  # the next step's backward
         return rec
 
 

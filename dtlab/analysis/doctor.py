@@ -60,30 +60,47 @@ def check_gradient_sync(evidence: Evidence) -> CheckResult:
 
 
 def _missing_gradients(evidence: Evidence) -> list[Finding]:
-    """A parameter that never had a gradient on some ranks but had one on others."""
+    """A parameter that no step gave a gradient on some ranks but did on others: by the
+    rank's own backward where that was watched (before DDP's all-reduce fills the gap in),
+    else by the gradient after the step."""
     steps = aligned_steps(evidence.records)
     if not steps:
         return []
     never: dict[int, set[int]] = {}  # parameter index -> ranks where it never had one
+    watched = all(at[rank].unreached is not None for _, at in steps for rank in at)
     for rank in evidence.records:
-        missing_always = set.intersection(*(set(at[rank].missing_grads) for _, at in steps))
-        for index in missing_always:
+        per_step = [at[rank].unreached if watched else at[rank].missing_grads for _, at in steps]
+        for index in set.intersection(*(set(missing) for missing in per_step)):
             never.setdefault(index, set()).add(rank)
     findings = []
     for index, ranks in sorted(never.items()):
         if len(ranks) == len(evidence.records):
             continue  # frozen, or unused everywhere: the same on every rank
-        name = evidence.names[index] if index < len(evidence.names) else f"#{index}"
-        findings.append(Finding(
-            kind="gradient_sync", ranks=tuple(sorted(ranks)), step=steps[0][0],
-            summary=f"{name} never got a gradient on {label_ranks(ranks)} in "
-                    f"{len(steps)} steps, but did on the other ranks",
-            evidence={"param": name, "steps": len(steps)},
-            fix="the forward differs across ranks (a branch, unused experts): with DDP use "
-                "find_unused_parameters=True, or make every rank use the parameter",
-            severity="error",
-        ))  # fmt: skip
+        findings.append(_missing_finding(evidence, index, ranks, len(steps), steps[0][0], watched))
     return findings
+
+
+def _missing_finding(evidence, index, ranks, num_steps, step, watched) -> Finding:
+    name = evidence.names[index] if index < len(evidence.names) else f"#{index}"
+    if watched:
+        summary = (f"{name} was never reached by the backward of {label_ranks(ranks)} in "
+                   f"{num_steps} steps, but was on the other ranks: a rank-dependent branch "
+                   "(its gradient there is only the other ranks' average)")  # fmt: skip
+        fix = (
+            "the forward takes another path on these ranks (an `if rank ...`, a "
+            "rank-dependent config): make every rank run the same code; DDP's "
+            "find_unused_parameters=True hides this by averaging in the other ranks'"
+        )
+    else:
+        summary = (f"{name} never got a gradient on {label_ranks(ranks)} in {num_steps} "
+                   "steps, but did on the other ranks")  # fmt: skip
+        fix = (
+            "the forward differs across ranks (a branch, unused experts): with DDP use "
+            "find_unused_parameters=True, or make every rank use the parameter"
+        )
+    return Finding(kind="gradient_sync", ranks=tuple(sorted(ranks)), step=step, summary=summary,
+                   evidence={"param": name, "steps": num_steps, "local": watched}, fix=fix,
+                   severity="error")  # fmt: skip
 
 
 def check_accumulation(evidence: Evidence) -> CheckResult:
