@@ -48,6 +48,7 @@ def launch(
     listen: str = "",
     partition: str | None = None,
     sbatch_args: tuple[str, ...] = (),
+    force: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> Session:
     """Start ``num_ranks`` ranks (or reuse the live session) and return the Session.
@@ -57,9 +58,13 @@ def launch(
     ``hosts`` (ssh launcher): ``"node1:4,node2:4"`` or ``{"node1": 4, ...}``; ``listen``:
     the interface or address the notebook side listens on for ranks on other hosts;
     ``partition`` and ``sbatch_args`` (slurm launcher): ``#SBATCH`` lines of the engines' job.
+    More local ranks than cores is warned about; more than 16 per core is refused unless
+    ``force=True``.
     """
+    import warnings
+
     from dtlab.control import lifecycle
-    from dtlab.control.config import LaunchConfig
+    from dtlab.control.config import LaunchConfig, oversubscription
     from dtlab.control.launchers import parse_hosts, slurm_config, ssh_config
     from dtlab.views.notebook import NotebookSession
     from dtlab.views.progress import auto_progress
@@ -82,7 +87,11 @@ def launch(
         profile=profile,
         launcher_config=launcher_config,
         listen=listen,
+        force=force,
     )
+    if note := oversubscription(config):
+        warnings.warn(f"{note}; the doctor says when timings are too noisy to judge",
+                      stacklevel=2)  # fmt: skip
     return lifecycle.launch(
         config, progress or auto_progress(), restart=restart, session_class=NotebookSession
     )

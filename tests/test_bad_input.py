@@ -89,3 +89,26 @@ def test_a_bandwidth_sweep_of_no_iterations_is_refused_in_the_notebook():
 
     with pytest.raises(ValueError, match="need iters >= 1"):
         Comm(session=None).bandwidth_sweep(iters=0)  # before any rank is asked
+
+
+def test_far_more_local_ranks_than_cores_is_refused_unless_forced(ip):
+    from dtlab.control.config import MAX_RANKS_PER_CORE, _cores
+
+    too_many = MAX_RANKS_PER_CORE * _cores() + 1
+    with pytest.raises(ValueError, match=f"{too_many} ranks on {_cores()} cores.*--force"):
+        LaunchConfig(num_ranks=too_many)
+    assert LaunchConfig(num_ranks=too_many, force=True).force  # asked for: allowed
+    assert LaunchConfig(num_ranks=too_many, launcher="mpi").num_ranks == too_many  # not here
+    with pytest.raises(UsageError, match="refuses more than"):
+        ip.run_line_magic("dt_launch", "100000")  # nothing is started
+
+
+def test_more_ranks_than_cores_is_said_with_the_figure():
+    from dtlab.control.config import _cores, oversubscription
+
+    cores = _cores()
+    assert oversubscription(LaunchConfig(num_ranks=cores)) is None
+    said = oversubscription(LaunchConfig(num_ranks=4 * cores))
+    assert said == f"{4 * cores} ranks on {cores} cores: 4 ranks per core, so they take " + (
+        "turns and their timings are noisy"
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -58,6 +59,7 @@ class LaunchConfig:
     profile: str = ""
     launcher_config: Mapping[str, Mapping[str, object]] = field(default_factory=dict)
     listen: str = ""  # interface or address the notebook side listens on ("": loopback)
+    force: bool = False  # start more local ranks than MAX_RANKS_PER_CORE allows
 
     def __post_init__(self):
         if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
@@ -88,6 +90,10 @@ class LaunchConfig:
                 "engines on other hosts cannot reach a controller on 127.0.0.1: add --listen "
                 "<interface or address of this machine> (e.g. --listen eth0)"
             )
+        too_many = oversubscription(self)
+        if too_many and not self.force and self.num_ranks > MAX_RANKS_PER_CORE * _cores():
+            raise ValueError(f"{too_many}; dtlab refuses more than {MAX_RANKS_PER_CORE} "
+                             "ranks per core unless asked to (--force, or force=True)")  # fmt: skip
         omp = self.env.get("OMP_NUM_THREADS", "1")
         if not (omp.isdigit() and int(omp) >= 1):
             raise ValueError(f"--env OMP_NUM_THREADS must be a whole number >= 1, got {omp!r}")
@@ -103,6 +109,27 @@ class LaunchConfig:
         """What the process group is built from besides the backend; a change means
         rebuilding the group on the same engines."""
         return (self.threads, self.port, self.pg_timeout_s)
+
+
+MAX_RANKS_PER_CORE = 16  # beyond this a local launch is refused unless forced
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def oversubscription(config: LaunchConfig) -> str | None:
+    """What a local launch of more ranks than this host has cores means (None: it fits).
+    Ranks then take turns on the cores: steps are slower, and timings (stragglers, the
+    partition editor's gains) carry the noise of the sharing."""
+    cores = _cores()
+    if config.launcher != "local" or config.num_ranks <= cores:
+        return None
+    return (f"{config.num_ranks} ranks on {cores} cores: {config.num_ranks / cores:g} ranks "
+            "per core, so they take turns and their timings are noisy")  # fmt: skip
 
 
 def keeping_threads(config: LaunchConfig, threads_by_rank: Mapping[int, int]) -> LaunchConfig:

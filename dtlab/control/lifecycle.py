@@ -17,6 +17,7 @@ A fresh launch that fails anywhere stops what it started: nothing is left half-u
 from __future__ import annotations
 
 import time
+import warnings
 
 from dtlab.agent import api
 from dtlab.control.cluster import EngineCluster, Progress
@@ -55,7 +56,11 @@ def launch(config: LaunchConfig, progress: Progress, *, restart: bool = False,
     if old is not None:
         if not restart and _reusable(old, config) and _regroup(old, config, progress):
             return old
+        folder = old.trace.folder if old.trace is not None else None
         old.shutdown()
+        kept = f"; its records stay in {folder}" if folder else ""
+        warnings.warn(f"stopped the live {old.world_size}-rank session and the job attached to "
+                      f"it, to launch {config.num_ranks} ranks{kept}", stacklevel=3)  # fmt: skip
     _current = start(config, progress, session_class)
     return _current
 

@@ -106,6 +106,11 @@ class DtlabMagics(Magics):
         action="store_true",
         help="start fresh engines even if a live session with N ranks exists",
     )
+    @argument(
+        "--force",
+        action="store_true",
+        help="start more than 16 ranks per core of this host (refused otherwise)",
+    )
     def dt_launch(self, line):
         """Start N ranks (or reuse the live ones) and show the rank table."""
         args = parse_argstring(self.dt_launch, line)
@@ -118,7 +123,7 @@ class DtlabMagics(Magics):
                 timeout=args.timeout, threads=args.threads, env=env, port=args.port,
                 pg_timeout=args.pg_timeout, restart=args.restart, hosts=args.hosts,
                 listen=args.listen, partition=args.partition,
-                sbatch_args=tuple(args.sbatch_arg),
+                sbatch_args=tuple(args.sbatch_arg), force=args.force,
             )  # fmt: skip
         except ValueError as e:  # raised by validation, before anything starts
             raise UsageError(str(e)) from None
