@@ -225,3 +225,26 @@ def test_fuzzed_manifests_end_in_a_refusal_or_a_correct_load(saved, tmp_path):
         assert listed[good].ok, listed[good].problem
         shutil.rmtree(folder)
     assert restore.load(str(good))["step"] == reference
+
+
+def test_a_hostile_dcp_metadata_is_refused_before_anything_is_loaded(saved):
+    """A .metadata that would run code (with a size and checksum to match) is refused
+    before the load begins, and the error says the job was left as it was."""
+    import pickle
+
+    root, (bad, good) = saved
+    (bad / ".metadata").write_bytes(pickle.dumps(os.getpid))  # a callable, unpickled = run
+
+    def relist(manifest):
+        for entry in manifest["files"]:
+            if entry["name"] == ".metadata":
+                entry.update(size=(bad / ".metadata").stat().st_size,
+                             xxh3=checksum(bad / ".metadata"))  # fmt: skip
+
+    rewrite(bad, relist)
+    job = jobs.current()
+    before = [p.detach().clone() for p in job.params]
+    with pytest.raises(CheckpointError, match="was refused .*nothing was loaded, the job is as"):
+        restore.load(str(bad))
+    assert all(torch.equal(a, p) for a, p in zip(before, job.params, strict=True))
+    still_usable(root, good)

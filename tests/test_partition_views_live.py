@@ -73,3 +73,14 @@ def test_dt_partition_magics(live4, ip, capsys):
     with pytest.raises(UsageError, match="plan"):
         ip.run_line_magic("dt_demo", "--pipeline --plan 0,9")
     assert live4.partition().bounds == (0, 1, 3, 5, 7)  # the refused plans changed nothing
+
+
+def test_a_job_that_is_not_a_pipeline_has_no_partition_to_show(live4, ip):
+    """Said once, in one line, by the notebook; not a traceback from every rank."""
+    ip.user_ns["dt"] = live4
+    demo.attach(live4)  # data parallel: no stages
+    live4.step(1)
+    with pytest.raises(UsageError, match="not a pipeline: attach one with"):
+        ip.run_line_magic("dt_partition", "")
+    with pytest.raises(UsageError, match="not a pipeline"):
+        ip.run_line_magic("dt_partition", "--profile")

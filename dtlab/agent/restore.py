@@ -102,10 +102,25 @@ def _check(job, folder: Path, rank: int, world_size: int):
     problems = [p for p in (file_problem(folder, e) for e in [*mine, *listed]) if p]
     if problems:
         raise CheckpointError("; ".join(dict.fromkeys(problems)))
+    _check_metadata(folder)
     extras = torch.load(folder / extras_name, weights_only=True)
     if "optimizer" in extras:
         _check_optimizer(extras["optimizer"], job, folder)
     return manifest, extras, position, source
+
+
+def _check_metadata(folder: Path) -> None:
+    """DCP's ``.metadata`` read (with the classes it may hold only) before anything is
+    loaded: one it refuses leaves the job as it was, and says so."""
+    import pickle
+
+    from dtlab.agent.dcp_io import SafeFileSystemReader
+
+    try:
+        SafeFileSystemReader(str(folder)).read_metadata()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{folder}/.metadata was refused ({e}); nothing was loaded, "
+                              "the job is as it was") from None  # fmt: skip
 
 
 def _check_model(manifest: dict, job, folder: Path, source: int) -> None:

@@ -23,6 +23,10 @@ from dtlab.stage_records import BlockCost, StageReport
 MOVE_TIMEOUT_S = 120.0
 
 
+class NotAPipeline(DtlabError):
+    """The attached job is not a pipeline, so it has no partition to show or move."""
+
+
 class RepartitionFailed(DtlabError):
     """A live re-partition did not happen; the message says whether the job is intact."""
 
@@ -37,7 +41,18 @@ class Pipeline:
 
     def stage_reports(self) -> dict[int, StageReport]:
         """{rank: what its stage holds and its last step's schedule}."""
-        return self.session.run(api.stage_report)
+        return self._on_stages(api.stage_report)
+
+    def _on_stages(self, fn, *args) -> dict:
+        """``fn`` on every rank's stage; a job that is no pipeline is one NotAPipeline,
+        not a traceback from every rank."""
+        try:
+            return self.session.run(fn, *args)
+        except RankError as e:
+            said = {f.evalue for f in e.failures.values()}
+            if len(said) == 1 and "not a pipeline" in next(iter(said)) and not e.stuck:
+                raise NotAPipeline(next(iter(said))) from None
+            raise
 
     def partition(self) -> Plan:
         """The plan the running pipeline uses (as its ranks report it)."""
@@ -48,7 +63,7 @@ class Pipeline:
         last step's first micro-batch (run a step first). Kept for ``measured`` plans."""
         costs = {
             c.name: c
-            for per_rank in self.session.run(api.profile_blocks, repeats).values()
+            for per_rank in self._on_stages(api.profile_blocks, repeats).values()
             for c in per_rank
         }
         self.block_costs = costs
@@ -145,4 +160,4 @@ class Pipeline:
         )
 
 
-__all__ = ["Pipeline", "PlanError", "RepartitionFailed"]
+__all__ = ["NotAPipeline", "Pipeline", "PlanError", "RepartitionFailed"]

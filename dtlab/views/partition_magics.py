@@ -23,6 +23,7 @@ from IPython.display import display
 
 from dtlab.analysis.partition import METHODS, PlanError
 from dtlab.analysis.partition_export import to_deepspeed, to_megatron, to_torchtitan
+from dtlab.control.partitions import NotAPipeline
 from dtlab.views.magic_support import current_session
 from dtlab.views.partition_figures import balance_figure, schedule_figure
 from dtlab.views.partition_tables import balance_table
@@ -60,7 +61,12 @@ class PartitionMagics(Magics):
     def dt_partition(self, line):
         """See and move the pipeline partition of the running job."""
         args = parse_argstring(self.dt_partition, line)
-        dt = current_session()
+        try:
+            return self._partition(args, current_session())
+        except NotAPipeline as e:
+            raise UsageError(str(e)) from None
+
+    def _partition(self, args, dt):
         if args.editor:
             return dt.partition_editor()
         if args.profile:
