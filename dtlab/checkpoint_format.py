@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,29 @@ def final_name(root: Path, step: int) -> str:
         n += 1
         name = f"step-{step:07d}-{n}"
     return name
+
+
+def commit(root: Path, folder: Path, step: int) -> Path:
+    """Rename a finished partial folder (its manifest written) into place as the
+    checkpoint of ``step``, durably; -> its final path. Until this rename nothing of the
+    save is visible: a failure before it leaves the earlier checkpoints as they were."""
+    final = root / final_name(root, step)
+    folder.rename(final)
+    try:
+        fsync_dir(root)
+    except OSError:
+        pass  # renamed already: the checkpoint exists; only its durability is less sure
+    return final
+
+
+def remove_partial(root: Path, token: str) -> list[Path]:
+    """Remove what a save with ``token`` left unfinished (its .partial-* folder)."""
+    gone = []
+    for folder in root.glob(f"{PARTIAL_PREFIX}step-*-{token}"):
+        if folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder, ignore_errors=True)
+            gone.append(folder)
+    return gone
 
 
 def checksum_text(value: int) -> str:

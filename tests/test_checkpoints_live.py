@@ -171,13 +171,30 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(dt, tmp_path):
     assert time.monotonic() - t0 < 60
     killer.join(5)
     statuses = {c.step: c.status for c in dt.checkpoints()}
-    assert statuses == {good.step: "complete", good.step + 1: "partial"}
+    assert statuses == {good.step: "complete"}  # the failed save's partial folder is gone
     fresh = dtlab.launch(4, restart=True, progress=quiet)
     fresh.checkpoint_root = dt.checkpoint_root
     demo.attach(fresh, dropout=0.1, num_samples=512)
     assert fresh.load_checkpoint("latest")["step"] == good.step
     fresh.step(1)
     assert fresh.trace.last_step == good.step + 1
+
+
+@pytest.mark.parametrize("when", ["before_commit", "after_commit"])
+def test_a_save_that_fails_is_never_committed_wherever_the_rank_dies(dt, when):
+    """What the call says and what is on disk agree: a rank killed while the others
+    finish the checkpoint (rank 0 had renamed it into place before the last agreement)
+    means no new checkpoint, and no partial folder left behind."""
+    dt.step(2)
+    good = dt.checkpoint()
+    dt.step(1)
+    dt.execute(f"dtlab.inject.kill_in_save({when!r})", ranks=[2])
+    with pytest.raises(RankError, match="rank 2 died"):
+        dt.checkpoint()
+    assert [(c.step, c.status) for c in dt.checkpoints()] == [(good.step, "complete")]
+    assert not list(dt.checkpoint_root.glob(".partial-*"))
+    dt.restart("latest")  # fresh engines from the last good one
+    assert dt.current_step() == good.step
 
 
 def test_bisect_finds_the_step_and_module_of_a_transient_fault(dt):

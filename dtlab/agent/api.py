@@ -144,10 +144,12 @@ def stash_records(on: bool) -> None:
 # --- checkpoints -------------------------------------------------------------------------
 
 
-def save(root: str, token: str, tag: str | None) -> dict:
+def save(root: str, token: str, tag: str | None, commit: bool = True) -> dict:
+    """Write this rank's part of a checkpoint; ``commit=False``: leave the finished folder
+    for the notebook to rename once every rank has returned."""
     from dtlab.agent.checkpoint import save as save_
 
-    return save_(root, token, tag=tag)
+    return save_(root, token, tag=tag, commit=commit)
 
 
 def load(path: str) -> dict:

@@ -36,11 +36,11 @@ from dtlab.checkpoint_format import (
     CheckpointError,
     checksum_text,
     file_checksum,
-    final_name,
     fsync_dir,
     partial_name,
     write_atomic,
 )
+from dtlab.checkpoint_format import commit as commit_folder
 
 PARTS = parts.PARTS
 
@@ -48,6 +48,7 @@ PARTS = parts.PARTS
 # run between writing and committing (to die or stall mid-save on purpose).
 omitted: set[str] = set()
 before_commit: Callable[[], None] | None = None
+after_commit: Callable[[], None] | None = None  # dtlab.inject: between commit and the end
 
 _WRITE_SHORT = ("unexpected pos", "No space left", "File too large", "Disk quota exceeded")
 
@@ -83,10 +84,15 @@ def attempt(action: Callable[[], object], folder: Path) -> tuple[object, str | N
         return None, failure_text(e, folder)
 
 
-def save(root: str, token: str, *, tag: str | None = None) -> dict:
+def save(root: str, token: str, *, tag: str | None = None, commit: bool = True) -> dict:
     """Write a checkpoint of this rank's job under ``root`` (every rank, same arguments).
-    Returns ``{"path", "step", "bytes", "seconds", "replicated"}``; raises CheckpointError
-    naming each rank that failed (then nothing was committed)."""
+    Returns ``{"path", "step", "bytes", "seconds", "replicated", "committed"}``; raises
+    CheckpointError naming each rank that failed (then nothing was committed).
+
+    ``commit=False`` (a save asked for from the notebook): the finished folder, manifest
+    written, stays ``.partial-*`` and its path is returned; the notebook renames it into
+    place only once every rank has returned, so a rank that dies at any point of the save
+    means no new checkpoint. ``commit=True`` (autosave during a run): rank 0 renames it."""
     t0 = time.perf_counter()
     job, me = jobs.current(), identity()
     root_path = Path(root)
@@ -112,7 +118,9 @@ def save(root: str, token: str, *, tag: str | None = None) -> dict:
         if failed:
             shutil.rmtree(folder, ignore_errors=True)  # the earlier checkpoints stay as they are
         else:
-            committed = _commit(root_path, folder, job, reports, tag, replicated)
+            committed = _commit(root_path, folder, job, reports, tag, replicated, commit)
+    if after_commit is not None:
+        after_commit()
     path, why = parts.gather(committed or (None, None))[0]
     if failed or path is None:
         said = "; ".join(_by_error(failed)) or f"rank 0 could not commit it: {why}"
@@ -120,7 +128,7 @@ def save(root: str, token: str, *, tag: str | None = None) -> dict:
                               "earlier checkpoints are untouched and the job goes on")  # fmt: skip
     mine = sum(f["size"] for f in next(r for r in reports if r["rank"] == me.rank)["files"])
     return {"path": path, "step": job.step_count, "bytes": mine, "replicated": replicated,
-            "seconds": time.perf_counter() - t0}  # fmt: skip
+            "seconds": time.perf_counter() - t0, "committed": commit}  # fmt: skip
 
 
 def _prepare(job, folder: Path, omit: set[str], rank: int) -> tuple[dict, bytes, int]:
@@ -190,8 +198,9 @@ def _describe_files(folder: Path, rank: int, sums: dict[str, int]) -> list[dict]
 
 
 def _commit(root: Path, folder: Path, job, reports: list[dict], tag: str | None,
-            replicated: bool) -> tuple[str | None, str | None]:  # fmt: skip
-    """(final path, None), or (None, why) with the partial folder removed."""
+            replicated: bool, rename: bool) -> tuple[str | None, str | None]:  # fmt: skip
+    """(final path, or with ``rename`` False the finished partial folder's, None), or
+    (None, why) with the partial folder removed."""
     try:
         files = [f for r in reports for f in r["files"]]
         for f in files:  # every rank wrote into this very folder
@@ -201,16 +210,12 @@ def _commit(root: Path, folder: Path, job, reports: list[dict], tag: str | None,
         manifest = _manifest(job, reports, tag, replicated, files)
         write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
         fsync_dir(folder)
-        final = root / final_name(root, job.step_count)
-        folder.rename(final)
+        if not rename:
+            return str(folder), None
+        return str(commit_folder(root, folder, job.step_count)), None
     except Exception as e:
         shutil.rmtree(folder, ignore_errors=True)
         return None, f"{type(e).__name__}: {e}"
-    try:
-        fsync_dir(root)
-    except OSError:
-        pass  # renamed already: the checkpoint exists; only its durability is less sure
-    return str(final), None
 
 
 def _manifest(job, reports: list[dict], tag, replicated: bool, files: list[dict]) -> dict:

@@ -218,6 +218,19 @@ def stall_save(seconds: float) -> None:
     checkpoint.before_commit = (lambda: time.sleep(seconds)) if seconds else None
 
 
+def kill_in_save(when: str = "after_commit") -> None:
+    """SIGKILL this rank inside its next checkpoint save: "before_commit" (its files
+    written, before the ranks compare reports) or "after_commit" (the checkpoint's folder
+    finished by rank 0, before the ranks' last agreement)."""
+    import signal
+
+    from dtlab.agent import checkpoint
+
+    if when not in ("before_commit", "after_commit"):
+        raise ValueError(f"when={when!r}: before_commit or after_commit")
+    setattr(checkpoint, when, lambda: os.kill(os.getpid(), signal.SIGKILL))
+
+
 def limit_file_size(num_bytes: int | None) -> None:
     """Make every write past ``num_bytes`` in a file fail here with "File too large"
     (RLIMIT_FSIZE), as a disk that fills mid-save does; None lifts the limit."""

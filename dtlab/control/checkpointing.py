@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dtlab.agent import api
-from dtlab.checkpoint_format import CheckpointInfo, catalogue, describe
+from dtlab.checkpoint_format import CheckpointInfo, catalogue, commit, describe, remove_partial
 from dtlab.control.errors import DtlabError, RankError
 from dtlab.trace import RUNS_DIR_ENV
 
@@ -61,9 +61,14 @@ class Checkpointing:
         """Save the job's full state now, on every rank; the checkpoint exists only when
         every rank wrote its part (else CheckpointFailed, earlier ones untouched)."""
         self.session.stepper._sync_job()  # a job must be attached; also starts the trace
-        root = self.checkpoint_root
-        saved = self._on_ranks(api.save, str(root), secrets.token_hex(4), tag, what="save")
-        return describe(Path(saved[0]["path"]))
+        root, token = self.checkpoint_root, secrets.token_hex(4)
+        try:  # the ranks write a finished .partial-* folder; only this commits it
+            saved = self._on_ranks(api.save, str(root), token, tag, False, what="save")
+        except BaseException:  # a rank failed or died at any point: nothing new is kept
+            remove_partial(root, token)
+            raise
+        final = commit(root, Path(saved[0]["path"]), saved[0]["step"])
+        return describe(final)
 
     def checkpoint_every(self, steps: int | None) -> None:
         """Save every ``steps`` steps during runs (None or 0: stop). A failed save stops
