@@ -112,3 +112,23 @@ def test_more_ranks_than_cores_is_said_with_the_figure():
     assert said == f"{4 * cores} ranks on {cores} cores: 4 ranks per core, so they take " + (
         "turns and their timings are noisy"
     )
+
+
+def test_a_failed_launch_does_not_advise_restarting_what_it_stopped():
+    """A launch that times out stops every process it started: its error says so, not
+    "run %dt_launch N --restart" as for a live session's stuck ranks."""
+    from dtlab.control.errors import LaunchError, RankError
+    from dtlab.control.lifecycle import _launch_step
+    from dtlab.records import RemoteFailure
+
+    def timed_out():
+        failures = {0: RemoteFailure("TimeoutError", "no reply in 20 s")}
+        raise RankError("initialising ranks", failures, stuck=range(150))
+
+    with pytest.raises(RankError, match="--restart"):
+        timed_out()  # in a live session: the advice stands
+    with pytest.raises(LaunchError) as failed:
+        _launch_step(timed_out)
+    text = str(failed.value)
+    assert "--restart" not in text and "the failed launch stops them" in text
+    assert "larger --timeout" in text

@@ -68,6 +68,7 @@ class RankError(DtlabError):
         stuck: Iterable[int] = (),
     ):
         self.what = what
+        self.launching = False  # inside a launch, which stops every engine when it fails
         self.report: str | None = None  # why, from the ranks' sidecars (a hang report)
         self.hang = None  # the HangReport itself, when one was taken
         self.finished = tuple(sorted(finished))
@@ -97,7 +98,11 @@ class RankError(DtlabError):
             lines.append(f"{label_ranks(self.finished)} finished without error")
         if self.stopped:
             lines.append(f"{label_ranks(self.stopped)} stopped on SIGINT")
-        if self.stuck:
+        if self.stuck and self.launching:
+            lines.append(f"{label_ranks(self.stuck)} still busy after SIGINT; the failed "
+                         "launch stops them with every process it started: run %dt_launch "
+                         "again (a larger --timeout gives slow ranks longer)")  # fmt: skip
+        elif self.stuck:
             lines.append(f"{label_ranks(self.stuck)} {STUCK_HINT}")
         if self.dead_ranks:
             lines.append("dead ranks cannot be reused: run %dt_launch again to restart the cluster")

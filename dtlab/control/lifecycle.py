@@ -22,7 +22,13 @@ import warnings
 from dtlab.agent import api
 from dtlab.control.cluster import EngineCluster, Progress
 from dtlab.control.config import LaunchConfig
-from dtlab.control.errors import DtlabError, LaunchError, NoSessionError, RankTimeoutError
+from dtlab.control.errors import (
+    DtlabError,
+    LaunchError,
+    NoSessionError,
+    RankError,
+    RankTimeoutError,
+)
 from dtlab.control.rankmap import LOCALHOST, assign_ranks, choose_backend, make_plans, master_addr
 from dtlab.control.session import Session
 
@@ -200,6 +206,9 @@ def _launch_step(step):
     try:
         return step()
     except DtlabError as e:
+        if isinstance(e, RankError):  # its advice for a session that lives on is wrong here
+            e.launching = True
+            e.args = (e._message(),)
         raise LaunchError(f"launch failed:\n{e}") from None
 
 
