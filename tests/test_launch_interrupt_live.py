@@ -30,8 +30,9 @@ CHILD = textwrap.dedent(
 
     def progress(phase, done, total):
         if phase == "engines registered" and done >= 1 and not pressed:
-            pressed.append(time.time())
-            threading.Thread(target=press_twice, daemon=True).start()
+            presser = threading.Thread(target=press_twice, daemon=True)
+            pressed.append(presser)
+            presser.start()
             time.sleep(5)  # the first press lands here, mid-launch
 
     seen = set()
@@ -47,6 +48,10 @@ CHILD = textwrap.dedent(
         dtlab.launch(4, progress=progress, timeout=60)
     except KeyboardInterrupt:
         outcome = "interrupted"
+    # a second press that comes only after the cleanup ended interrupts nothing of dtlab's
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for presser in pressed:
+        presser.join()
     time.sleep(0.5)  # a killed process is reaped by now
     alive = [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     print(json.dumps({"outcome": outcome, "started": len(seen), "alive": alive}))
