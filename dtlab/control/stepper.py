@@ -252,12 +252,13 @@ class Stepper:
         """Step every rank ``steps`` times or until ``until`` holds on some rank."""
         with counted_interrupts() as interrupts:  # before the start: no Ctrl-C is lost
             run = self._start(steps, until, record, timeout)
+            phase, total = _progress_of(run, steps, until)
             try:
                 while not run.over():
                     self.dispatch(self.channel.receive(POLL_S))
                     run.check(interrupts[0])
                     if progress:
-                        progress("steps", run.done_steps(), steps)
+                        progress(phase, run.done_steps(), total)
             except BaseException:  # never leave ranks stepping unattended
                 self._abandon()
                 raise
@@ -314,6 +315,18 @@ class Stepper:
                 "attach with a larger capacity= to keep more"
             )
         return {rank: rec for rank, (rec, _) in found.items()}
+
+
+def _progress_of(run: Run, steps: int, until: Condition | None) -> tuple[str, int]:
+    """What a run's progress reports: (phase, total). Waiting for a condition has no
+    total (0: the reporter shows steps run and their rate, not a bar), unless it is a
+    step to reach; ``--max-steps`` is a cap, not a target."""
+    if until is None:
+        return "steps", steps
+    phase = f"steps until {describe_condition(until)}"
+    if until.kind == "step":
+        return phase, max(int(until.value) - run.first_step, 1)
+    return phase, 0
 
 
 def _channel_hosts(session) -> tuple[str, str]:

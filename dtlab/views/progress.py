@@ -1,6 +1,8 @@
 """Progress of long steps (engines registering, ranks joining) as text or as a widget.
 
 A reporter is a callable ``(phase, done, total)``; control/ calls it, views decide the face.
+``total`` 0 means open-ended (a run until a condition): the reporter shows what was done
+and its rate, never a bar with a made-up end.
 """
 
 from __future__ import annotations
@@ -27,9 +29,16 @@ class TextProgress:
         now = time.monotonic()
         if done == total or now - self.last_print >= QUIET_S:
             self.last_print = now
-            print(
-                f"{phase} {done}/{total} ({now - self.start:.1f} s)", file=self.stream, flush=True
-            )
+            print(f"{phase} {describe(done, total, now - self.start)}", file=self.stream,
+                  flush=True)  # fmt: skip
+
+
+def describe(done: int, total: int, seconds: float) -> str:
+    """``5/10 (1.2 s)``, or for an open-ended phase ``15 so far, 12.3/s (1.2 s)``."""
+    if total > 0:
+        return f"{done}/{total} ({seconds:.1f} s)"
+    rate = f", {done / seconds:.1f}/s" if seconds > 0 and done else ""
+    return f"{done} so far{rate} ({seconds:.1f} s)"
 
 
 def in_notebook_kernel() -> bool:
@@ -44,8 +53,6 @@ def in_notebook_kernel() -> bool:
 def auto_progress():
     """A widget in a notebook kernel, text anywhere else."""
     if in_notebook_kernel():
-        from dtlab.views.widgets import WidgetProgress
-
         return WidgetProgress()
     return TextProgress()
 
@@ -68,3 +75,39 @@ class DelayedProgress:
 
 def delayed_progress(after_s: float = 1.0) -> DelayedProgress:
     return DelayedProgress(after_s)
+
+
+class WidgetProgress:
+    """One labelled progress bar per phase, shown when the first phase starts."""
+
+    def __init__(self):
+        import ipywidgets as widgets  # only in a notebook kernel: launches elsewhere skip it
+
+        self.widgets = widgets
+        self.start = time.monotonic()
+        self.rows: dict[str, tuple] = {}
+        self.box = widgets.VBox()
+        self.shown = False
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        from IPython.display import display
+
+        widgets = self.widgets
+        if phase not in self.rows:
+            bar = widgets.IntProgress(
+                min=0, max=max(total, 1), description=phase, style={"description_width": "initial"}
+            )
+            label = widgets.Label()
+            self.rows[phase] = (bar, label)
+            self.box.children = (*self.box.children, widgets.HBox([bar, label]))
+        if not self.shown:
+            display(self.box)
+            self.shown = True
+        bar, label = self.rows[phase]
+        bar.layout.display = None if total > 0 else "none"  # no end known: no bar
+        bar.max = max(total, 1)
+        bar.value = done
+        bar.bar_style = "success" if done == total else ""
+        label.value = (phase + ": " if total <= 0 else "") + describe(
+            done, total, time.monotonic() - self.start
+        )
