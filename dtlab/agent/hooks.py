@@ -120,42 +120,47 @@ class ReachedParams:
     """Which parameters this rank's own backward reached in a step: a gradient hook on
     each one, before any all-reduce. Under DDP a parameter a rank's forward never used
     still ends the step with a gradient (find_unused_parameters=True averages the other
-    ranks' in), so only this tells a rank-dependent branch from a shared one. On from
-    ``start()`` to ``stop()``; a sharded (FSDP2) model is not watched: its gradients
-    accumulate on unsharded copies, not on the parameters it registers."""
+    ranks' in), so only this tells a rank-dependent branch from a shared one. Watching
+    from ``start()`` to ``stop()``; the hooks are registered once (not every step) and
+    do nothing in between; ``close()`` removes them. A sharded (FSDP2) model is not
+    watched: its gradients accumulate on unsharded copies, not on the parameters it
+    registers."""
 
     def __init__(self, params):
-        self.params = [p for p in params]
+        self.params = list(params)
         self.sharded = any(hasattr(p, "to_local") for p in self.params)
         self.reached: set[int] = set()
+        self.watching = False
         self.handles: list = []
-
-    @property
-    def active(self) -> bool:
-        return bool(self.handles)
 
     def start(self) -> None:
         self.reached.clear()
-        if self.handles or self.sharded:
+        if self.sharded:
             return
-        for i, p in enumerate(self.params):
-            if p.requires_grad:
-                self.handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+        if not self.handles:
+            self.handles = [p.register_post_accumulate_grad_hook(self._hook(i))
+                            for i, p in enumerate(self.params) if p.requires_grad]  # fmt: skip
+        self.watching = True
 
     def _hook(self, index: int):
         def reached(param) -> None:
-            self.reached.add(index)
+            if self.watching:
+                self.reached.add(index)
 
         return reached
 
     def stop(self) -> tuple[int, ...] | None:
         """Indices of the parameters (needing gradients) not reached since ``start()``;
         None when nothing was watched."""
-        if not self.handles:
+        if not self.watching:
             return None
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+        self.watching = False
         return tuple(
             i for i, p in enumerate(self.params) if p.requires_grad and i not in self.reached
         )
+
+    def close(self) -> None:
+        self.watching = False
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []

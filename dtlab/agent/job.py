@@ -40,6 +40,8 @@ def install(job: Job) -> None:
     """Make ``job`` (built by another attach, e.g. a pipeline's) the attached job."""
     global _job, _attach_count
     _attach_count += 1
+    if _job is not None and _job is not job:
+        _job.reached.close()  # the job it replaces leaves no hook on its parameters
     _job = job
 
 

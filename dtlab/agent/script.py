@@ -284,7 +284,7 @@ class ScriptRun:
         script_observe.uninstall()
         script_env.uninstall()
         if self.job is not None:
-            self.job.reached.stop()  # no hook of dtlab's stays on the script's parameters
+            self.job.reached.close()  # no hook of dtlab's stays on the script's parameters
         if signal.signal == self._signal:
             signal.signal = _real_signal
         for it in list(self.observer.iterators):

@@ -119,11 +119,8 @@ def _parameters_frozen(records: Records) -> bool:
 
 def _constant_loss(records: Records) -> float | None:
     """The loss, when it is one finite number at every step of every rank."""
-    losses = {rec.loss for recs in records.values() for rec in recs}
-    if len(losses) == 1:
-        (loss,) = losses
-        return loss if math.isfinite(loss) else None
-    return None
+    values = set((_losses_frozen(records) or {}).values())
+    return values.pop() if len(values) == 1 else None
 
 
 def _losses_frozen(records: Records) -> dict[int, float] | None:

@@ -78,7 +78,7 @@ class Checkpointing:
         self.session.run(api.set_autosave, str(self.checkpoint_root), steps or None)
         self.autosave_every = steps or None  # re-applied where dtlab rebuilds the job
 
-    def _autosave(self, on: bool) -> None:
+    def apply_autosave(self, on: bool) -> None:
         """Periodic saves off during a replay (its steps are not the job's), back after."""
         if self.autosave_every:
             self.session.run(
@@ -117,11 +117,11 @@ class Checkpointing:
         """Rewind the job to a checkpoint on every rank (a new trace starts there).
         A partial, corrupt or foreign checkpoint is refused and the job is unchanged."""
         info = self.find_checkpoint(which)
-        result = self._load_into_job(info)
+        result = self.load_into_job(info)
         self.session.stepper.new_trace(resumed_from=str(info.path), step=info.step)
         return result
 
-    def _load_into_job(self, info: CheckpointInfo) -> dict:
+    def load_into_job(self, info: CheckpointInfo) -> dict:
         if info.status == "partial":
             raise CheckpointFailed(f"{info.path} is partial ({info.problem}): "
                                    f"{self._previous_good(info)}")  # fmt: skip

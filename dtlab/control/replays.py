@@ -104,11 +104,7 @@ class Replays:
         fingerprints, LR, scale, data and RNG state with the run that never stopped."""
         if steps < 1:
             raise ValueError(f"steps must be at least 1, got {steps}")
-        if (
-            self.session.checkpointing.job_setup is None
-            and self.session.scripts is not None
-            and self.session.scripts.is_current()
-        ):
+        if self.session.checkpointing.job_setup is None and self.session.scripts.is_current():
             return self.session.scripts.resume_check(steps, fresh=fresh, progress=progress)
         if fresh and self.session.checkpointing.job_setup is None:
             self.session.checkpointing.set_up_job()  # raises, saying how to give the job setup
@@ -116,23 +112,22 @@ class Replays:
         start = self.session.checkpointing.checkpoint(tag="resume-check")
         k = start.step
         self.session.stepper.run(steps, None, record=True)  # no automatic restart inside a check
-        reference = self._full_records(k + 1, k + steps)
+        reference = self.full_records(k + 1, k + steps)
         if fresh:
             self.session.renew(progress)
             self.session.checkpointing.set_up_job()
         elif self.session.checkpointing.job_setup is not None:
             self.session.checkpointing.set_up_job()
         loaded = self.session.checkpointing.load_checkpoint(start.path)
-        self.session.checkpointing._autosave(
-            True
-        )  # fresh engines do not know the job saved periodically
+        # fresh engines do not know the job saved periodically
+        self.session.checkpointing.apply_autosave(True)
         self.session.stepper.run(steps, None, record=True)  # no automatic restart inside a check
-        resumed = self._full_records(k + 1, k + steps)
+        resumed = self.full_records(k + 1, k + steps)
         comparison = compare_runs(reference, resumed, steps=range(k + 1, k + steps + 1))
         return ResumeReport(start, steps, fresh, comparison, _first_param(self.session, comparison,
                             reference, resumed), loaded, time.perf_counter() - t0)  # fmt: skip
 
-    def _full_records(self, first: int, last: int) -> dict:
+    def full_records(self, first: int, last: int) -> dict:
         return {
             rank: list(recs)
             for rank, recs in self.session.run(api.records_between, first, last).items()
@@ -156,10 +151,10 @@ class Replays:
         back = self.session.checkpointing.checkpoint(tag="before-replay")
         replayed = Trace(trace.jobs, meta={"replay_of": str(trace.folder), "from": start.step})
         self.session.run(api.stash_records, True)
-        self.session.checkpointing._autosave(False)
+        self.session.checkpointing.apply_autosave(False)
         saved_outputs = self.session.stepper.record_outputs
         try:
-            self.session.checkpointing._load_into_job(start)
+            self.session.checkpointing.load_into_job(start)
             self.session.stepper.record_outputs = outputs
             with self.session.stepper.tracing(replayed):
                 self.session.stepper.run(to_step - start.step, None, record=True)
@@ -182,14 +177,14 @@ class Replays:
     def _return_from_replay(self, back: CheckpointInfo) -> None:
         """Put the job back where the replay found it; if that fails, say where it is."""
         try:
-            self.session.checkpointing._load_into_job(back)
+            self.session.checkpointing.load_into_job(back)
         except Exception as e:
             raise DtlabError(f"the replay could not put the job back ({e}); it is at the "
                              f"replay's last step; {back.path} holds where it was: "
                              f"dt.load_checkpoint('{back.path}')") from e  # fmt: skip
         finally:
             self.session.run(api.stash_records, False)
-            self.session.checkpointing._autosave(True)
+            self.session.checkpointing.apply_autosave(True)
         self.session.checkpointing.remove_checkpoint(back)
 
     def _checkpoint_before(self, step: int) -> CheckpointInfo:

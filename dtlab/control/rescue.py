@@ -176,11 +176,7 @@ class Recovery:
             and self.session.connected_stepper.active is not None
         ):
             raise DtlabError("a dashboard run is in progress: pause it before restarting")
-        if (
-            self.session.checkpointing.job_setup is None
-            and self.session.scripts is not None
-            and self.session.scripts.is_current()
-        ):
+        if self.session.checkpointing.job_setup is None and self.session.scripts.is_current():
             return self.session.scripts.restart(reason=reason, progress=progress)  # run again
         self.session.checkpointing.refuse_unbuildable_job()
         chosen = (
@@ -201,8 +197,8 @@ class Recovery:
         ):  # else no job to rebuild: the fresh ranks are all
             self.session.checkpointing.set_up_job()
             self.session.stepper.record_outputs, self.session.stepper.watch_modules = kept
-            loaded = self.session.checkpointing._load_into_job(chosen) if chosen is not None else {}
-            self.session.checkpointing._autosave(True)
+            loaded = self.session.checkpointing.load_into_job(chosen) if chosen is not None else {}
+            self.session.checkpointing.apply_autosave(True)
         event = {"time": time.time(), "reason": reason, "seconds": time.monotonic() - t0,
                  "checkpoint": str(chosen.path) if chosen else None,
                  "step": chosen.step if chosen else 0}  # fmt: skip

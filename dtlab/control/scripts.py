@@ -130,10 +130,10 @@ class Scripts:
         session, t0 = self.session, time.monotonic()
         k = session.recovery.current_step()
         session.stepper.run(steps, None, record=True)
-        reference = session.replays._full_records(k + 1, k + steps)
+        reference = session.replays.full_records(k + 1, k + steps)
         self._run_to(k, fresh=fresh, progress=progress)
         session.stepper.run(steps, None, record=True)
-        again = session.replays._full_records(k + 1, k + steps)
+        again = session.replays.full_records(k + 1, k + steps)
         span = range(k + 1, k + steps + 1)
         comparison = compare_runs(_without_rng(reference), _without_rng(again), steps=span)
         if not comparison.identical:  # then a generator that differs may be why: name it
