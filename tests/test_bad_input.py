@@ -132,3 +132,15 @@ def test_a_failed_launch_does_not_advise_restarting_what_it_stopped():
     text = str(failed.value)
     assert "--restart" not in text and "the failed launch stops them" in text
     assert "larger --timeout" in text
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_launching_another_n_says_which_session_it_stopped(live2):
+    import dtlab
+    from tests.conftest import quiet
+
+    live2.execute("x = 1")
+    with pytest.warns(UserWarning, match="stopped the live 2-rank session and the job attached"):
+        session = dtlab.launch(3, progress=quiet)
+    assert session.world_size == 3 and live2.closed
