@@ -176,8 +176,9 @@ def worker(rank: int, world: int, port: int, root: str, args: dict) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     import torch.distributed.checkpoint  # noqa: F401  imported here, not in a timed save
 
     from dtlab.agent import restore  # noqa: F401
@@ -197,8 +198,12 @@ def worker(rank: int, world: int, port: int, root: str, args: dict) -> None:
             if rank == 0:
                 shutil.rmtree(folder, ignore_errors=True)
                 runs[method].append(out)
-                print(f"  run {repeat + 1}/{args['repeats']} {method}: save {out['save_s']:.2f} s,"
-                      f" load {out['load_s']:.2f} s", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"  run {repeat + 1}/{args['repeats']} {method}: save {out['save_s']:.2f} s,"
+                    f" load {out['load_s']:.2f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             dist.barrier()
     if rank == 0:
         state_bytes = sum(t.numel() * t.element_size() for t in _flat(job))
@@ -219,8 +224,13 @@ def free_port() -> int:
 def spawn(ranks: int, root: str, args: dict, timeout_s: float) -> dict:
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(worker, args=(ranks, free_port(), root, args), nprocs=ranks,
-                                 join=False, start_method="spawn")  # fmt: skip
+    context = mp.start_processes(
+        worker,
+        args=(ranks, free_port(), root, args),
+        nprocs=ranks,
+        join=False,
+        start_method="spawn",
+    )
     deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=1):  # raises, ending the others, if a rank fails
@@ -240,8 +250,13 @@ def summarize(result: dict) -> dict:
     for method, runs in result["runs"].items():
         save, load = (statistics.median(r[k] for r in runs) for k in ("save_s", "load_s"))
         restored = all(r["restored"] for r in runs)
-        summary[method] = {"save_s": save, "load_s": load, "save_mb_s": mb / save,
-                           "load_mb_s": mb / load, "restored": restored}  # fmt: skip
+        summary[method] = {
+            "save_s": save,
+            "load_s": load,
+            "save_mb_s": mb / save,
+            "load_mb_s": mb / load,
+            "restored": restored,
+        }
     ours = summary["dtlab"]
     for row in summary.values():
         row["dtlab_over_save"] = ours["save_s"] / row["save_s"]

@@ -114,21 +114,44 @@ def _run(cmd: list[str], timeout: float = 300, tries: int = 2) -> tuple[float, d
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
             return start, json.loads(lines[-1]), end
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
-        print(f"  run failed ({proc.returncode}, try {attempt}/{tries}): {cmd[:4]}... {tail[0]}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"  run failed ({proc.returncode}, try {attempt}/{tries}): {cmd[:4]}... {tail[0]}",
+            file=sys.stderr,
+            flush=True,
+        )
     raise RuntimeError(f"{cmd} failed {tries} times:\n{proc.stderr[-3000:]}")
 
 
 def measure_torchrun(n: int, work: str, steps: int) -> dict:
-    cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={n}", str(HERE),
-           "--role", "torchrun-worker", "--work", work, "--steps", str(steps)]  # fmt: skip
+    cmd = [
+        *TORCHRUN,
+        "--standalone",
+        f"--nproc_per_node={n}",
+        str(HERE),
+        "--role",
+        "torchrun-worker",
+        "--work",
+        work,
+        "--steps",
+        str(steps),
+    ]
     start, out, end = _run(cmd)
     return {"ready_s": out["ready"] - start, "teardown_s": end - out["ready"], **out}
 
 
 def measure_dtlab(n: int, work: str, steps: int) -> dict:
-    cmd = [sys.executable, str(HERE), "--role", "dtlab-child", "-n", str(n),
-           "--work", work, "--steps", str(steps)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(HERE),
+        "--role",
+        "dtlab-child",
+        "-n",
+        str(n),
+        "--work",
+        work,
+        "--steps",
+        str(steps),
+    ]
     start, out, _ = _run(cmd)
     return {"ready_s": out["ready"] - start, **out}
 
@@ -167,10 +190,16 @@ def report(results: dict) -> str:
         label = "ready: torch + group + all_reduce" if work == "bare" else "ready: + DDP + 1 step"
         row(n, label, median_of(t, "ready_s"), median_of(d, "ready_s"), "s")
         if work == "bare":
-            row(n, "stop (torchrun: own teardown)", median_of(t, "teardown_s"),
-                median_of(d, "shutdown_s"), "s")  # fmt: skip
-            lines.append(f"| {n} | relaunch on live ranks | - | "
-                         f"{median_of(d, 'relaunch_s'):.3f} s | - |")  # fmt: skip
+            row(
+                n,
+                "stop (torchrun: own teardown)",
+                median_of(t, "teardown_s"),
+                median_of(d, "shutdown_s"),
+                "s",
+            )
+            lines.append(
+                f"| {n} | relaunch on live ranks | - | {median_of(d, 'relaunch_s'):.3f} s | - |"
+            )
     return "\n".join(lines)
 
 

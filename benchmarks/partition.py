@@ -66,8 +66,9 @@ def move_times(session, args, plans) -> tuple[list[float], list[float]]:
         start = time.perf_counter()
         session.shutdown()
         session = dtlab.launch(args.ranks, progress=quiet)
-        demo.attach_pipeline(session, plan=list(target.bounds), microbatches=args.microbatches,
-                             **CONFIG)  # fmt: skip
+        demo.attach_pipeline(
+            session, plan=list(target.bounds), microbatches=args.microbatches, **CONFIG
+        )
         session.step(1)
         relaunch.append(time.perf_counter() - start)
     session.shutdown()
@@ -86,10 +87,15 @@ def measure(args: argparse.Namespace) -> dict:
         session.shutdown()
         raise
     live, relaunch = move_times(session, args, plans)
-    return {"ranks": args.ranks, "config": CONFIG, "microbatches": args.microbatches,
-            "plans": {n: p.describe().replace(" | ", "; ") for n, p in plans.items()},
-            "step_s": times,
-            "live_move_s": live, "relaunch_s": relaunch}  # fmt: skip
+    return {
+        "ranks": args.ranks,
+        "config": CONFIG,
+        "microbatches": args.microbatches,
+        "plans": {n: p.describe().replace(" | ", "; ") for n, p in plans.items()},
+        "step_s": times,
+        "live_move_s": live,
+        "relaunch_s": relaunch,
+    }
 
 
 def report(result: dict) -> str:
@@ -101,8 +107,10 @@ def report(result: dict) -> str:
     )
     lines = ["| plan | stages | median step (ms) | vs measured |", "|---|---|---|---|"]
     for name in PLANS:
-        lines.append(f"| {name} | {result['plans'][name]} | {med[name] * 1e3:.1f} "
-                     f"| {med[name] / med['measured']:.2f}x |")  # fmt: skip
+        lines.append(
+            f"| {name} | {result['plans'][name]} | {med[name] * 1e3:.1f} "
+            f"| {med[name] / med['measured']:.2f}x |"
+        )
     lines += [
         "",
         f"- measured vs the best of the others: {med['measured'] / best_other:.2f}x "

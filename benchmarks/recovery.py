@@ -31,10 +31,16 @@ FAULTS = {
     "rank sleeps forever in its step": ([1], "dtlab.inject.hang_at(step=4)", "step"),
     "rank skips a DDP all-reduce": ([3], "dtlab.inject.hang_at(step=4, how='skip_sync')", "step"),
     "rank skips an all_reduce in a cell": (
-        [], "", "t = torch.ones(3)\nif rank != 3:\n    dist.all_reduce(t)"),
+        [],
+        "",
+        "t = torch.ones(3)\nif rank != 3:\n    dist.all_reduce(t)",
+    ),
     "mismatched all_reduce shapes in a cell": (
-        [], "", "dist.all_reduce(torch.ones(5 if rank == 1 else 3))"),
-}  # fmt: skip
+        [],
+        "",
+        "dist.all_reduce(torch.ones(5 if rank == 1 else 3))",
+    ),
+}
 
 
 def measure(session, name: str, timeout: float) -> dict:
@@ -57,8 +63,12 @@ def measure(session, name: str, timeout: float) -> dict:
     start = time.perf_counter()
     session.restart("latest")
     session.step(1)
-    return {"fault": name, "detect_s": detect, "report": said,
-            "recover_s": time.perf_counter() - start}  # fmt: skip
+    return {
+        "fault": name,
+        "detect_s": detect,
+        "report": said,
+        "recover_s": time.perf_counter() - start,
+    }
 
 
 def main() -> None:
@@ -73,8 +83,12 @@ def main() -> None:
         session.checkpoint_root = Path(tempfile.mkdtemp(prefix="dtlab-recovery-bench-"))
         for name in FAULTS:
             rows.append(measure(session, name, args.timeout))
-            print(f"{name}: detected in {rows[-1]['detect_s']:.1f} s, recovered in "
-                  f"{rows[-1]['recover_s']:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"{name}: detected in {rows[-1]['detect_s']:.1f} s, recovered in "
+                f"{rows[-1]['recover_s']:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         session.shutdown()
     print("| fault | time to detect | what the report said | time to recover |")

@@ -42,9 +42,14 @@ def measure(args: argparse.Namespace) -> dict:
             start = time.perf_counter()
             result = session.replay(first, last)
             wall = time.perf_counter() - start
-            runs.append({"wall_s": wall, "original_step_s": result.original_step_s,
-                         "replay_step_s": result.replay_step_s,
-                         "identical": result.identical})  # fmt: skip
+            runs.append(
+                {
+                    "wall_s": wall,
+                    "original_step_s": result.original_step_s,
+                    "replay_step_s": result.replay_step_s,
+                    "identical": result.identical,
+                }
+            )
         return {"ranks": args.ranks, "steps": args.steps, "runs": runs}
     finally:
         session.shutdown()
@@ -56,18 +61,21 @@ def report(result: dict) -> str:
     replay = statistics.median(r["replay_step_s"] for r in runs)
     wall = statistics.median(r["wall_s"] for r in runs)
     fixed = wall - result["steps"] * replay
-    return "\n".join([
-        "| | original | replay | ratio |",
-        "|---|---|---|---|",
-        f"| median step (ms) | {original * 1e3:.1f} | {replay * 1e3:.1f} "
-        f"| {replay / original:.2f}x |",
-        f"| {result['steps']} steps, whole replay (s) | {result['steps'] * original:.2f} "
-        f"| {wall:.2f} | {wall / (result['steps'] * original):.2f}x |",
-        "",
-        f"- {result['ranks']} ranks, demo job with dropout; medians of {len(runs)} replays; "
-        f"every replay identical to the original: {all(r['identical'] for r in runs)}.",
-        f"- fixed cost of one replay (save where the job is, two loads, control): {fixed:.2f} s.",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "| | original | replay | ratio |",
+            "|---|---|---|---|",
+            f"| median step (ms) | {original * 1e3:.1f} | {replay * 1e3:.1f} "
+            f"| {replay / original:.2f}x |",
+            f"| {result['steps']} steps, whole replay (s) | {result['steps'] * original:.2f} "
+            f"| {wall:.2f} | {wall / (result['steps'] * original):.2f}x |",
+            "",
+            f"- {result['ranks']} ranks, demo job with dropout; medians of {len(runs)} replays; "
+            f"every replay identical to the original: {all(r['identical'] for r in runs)}.",
+            f"- fixed cost of one replay (save where the job is, two loads, control): "
+            f"{fixed:.2f} s.",
+        ]
+    )
 
 
 def main() -> None:

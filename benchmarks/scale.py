@@ -56,21 +56,33 @@ def launcher_round(launcher: str, n: int, trips: int) -> dict:
         t0 = time.perf_counter()
         dt.shutdown()
         stopped = time.perf_counter() - t0
-    return {"launcher": launcher, "ranks": n, "launch_s": launched, "stop_s": stopped,
-            "overhead_ms": statistics.median(overheads) * 1e3}  # fmt: skip
+    return {
+        "launcher": launcher,
+        "ranks": n,
+        "launch_s": launched,
+        "stop_s": stopped,
+        "overhead_ms": statistics.median(overheads) * 1e3,
+    }
 
 
 def memory_per_rank(n: int) -> dict:
     dt = dtlab.launch(n, progress=quiet, restart=True)
     out = {}
     try:
-        for name, options in (("DDP", {}), ("ZeRO", {"sharding": "zero"}),
-                              ("FSDP2", {"sharding": "fsdp2"})):  # fmt: skip
+        for name, options in (
+            ("DDP", {}),
+            ("ZeRO", {"sharding": "zero"}),
+            ("FSDP2", {"sharding": "fsdp2"}),
+        ):
             demo.attach(dt, num_samples=1024, **options)
             dt.step(3)
             mem = dt.trace.at(3)[0].memory
-            out[name] = {"param": mem.param_bytes, "grad": mem.grad_bytes,
-                         "optimizer": mem.optimizer_bytes, "rss": mem.rss}  # fmt: skip
+            out[name] = {
+                "param": mem.param_bytes,
+                "grad": mem.grad_bytes,
+                "optimizer": mem.optimizer_bytes,
+                "rss": mem.rss,
+            }
     finally:
         dt.shutdown()
     return out
@@ -123,24 +135,34 @@ def measure(args) -> dict:
 
 
 def report(result: dict) -> str:
-    lines = ["| launcher | N | launch (s) | step overhead (ms) | stop (s) |",
-             "|---|---|---|---|---|"]  # fmt: skip
-    keys = sorted({(r["launcher"], r["ranks"]) for r in result["rounds"]},
-                  key=lambda k: (k[1], k[0]))  # fmt: skip
+    lines = [
+        "| launcher | N | launch (s) | step overhead (ms) | stop (s) |",
+        "|---|---|---|---|---|",
+    ]
+    keys = sorted(
+        {(r["launcher"], r["ranks"]) for r in result["rounds"]}, key=lambda k: (k[1], k[0])
+    )
     for launcher, n in keys:
         runs = [r for r in result["rounds"] if (r["launcher"], r["ranks"]) == (launcher, n)]
 
         def med(key, runs=runs):
             return statistics.median(r[key] for r in runs)
 
-        lines.append(f"| {launcher} | {n} | {med('launch_s'):.2f} | {med('overhead_ms'):.2f} "
-                     f"| {med('stop_s'):.2f} |")  # fmt: skip
-    lines += ["", "| 4 ranks | params / rank | grads / rank | optimizer / rank | RSS / rank |",
-              "|---|---|---|---|---|"]  # fmt: skip
+        lines.append(
+            f"| {launcher} | {n} | {med('launch_s'):.2f} | {med('overhead_ms'):.2f} "
+            f"| {med('stop_s'):.2f} |"
+        )
+    lines += [
+        "",
+        "| 4 ranks | params / rank | grads / rank | optimizer / rank | RSS / rank |",
+        "|---|---|---|---|---|",
+    ]
     for name, mem in result["memory"].items():
         mib = {k: v / 2**20 for k, v in mem.items()}
-        lines.append(f"| {name} | {mib['param']:.2f} MiB | {mib['grad']:.2f} MiB "
-                     f"| {mib['optimizer']:.2f} MiB | {mib['rss']:.0f} MiB |")  # fmt: skip
+        lines.append(
+            f"| {name} | {mib['param']:.2f} MiB | {mib['grad']:.2f} MiB "
+            f"| {mib['optimizer']:.2f} MiB | {mib['rss']:.0f} MiB |"
+        )
     lines += ["", "| model | parameters | step summary per rank and step |", "|---|---|---|"]
     for name, s in result["summary"].items():
         lines.append(f"| {name} | {s['params']:,} | {s['bytes']:,} B |")

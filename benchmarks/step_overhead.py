@@ -71,8 +71,16 @@ def torchrun_worker(steps: int) -> None:
 
 
 def measure_torchrun(n: int, steps: int) -> float:
-    cmd = [*TORCHRUN, "--standalone", f"--nproc_per_node={n}", str(HERE),
-           "--role", "torchrun-worker", "--steps", str(steps)]  # fmt: skip
+    cmd = [
+        *TORCHRUN,
+        "--standalone",
+        f"--nproc_per_node={n}",
+        str(HERE),
+        "--role",
+        "torchrun-worker",
+        "--steps",
+        str(steps),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun failed:\n{proc.stderr[-3000:]}")

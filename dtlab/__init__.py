@@ -90,8 +90,7 @@ def launch(
         force=force,
     )
     if note := oversubscription(config):
-        warnings.warn(f"{note}; the doctor says when timings are too noisy to judge",
-                      stacklevel=2)  # fmt: skip
+        warnings.warn(f"{note}; the doctor says when timings are too noisy to judge", stacklevel=2)
     return lifecycle.launch(
         config, progress or auto_progress(), restart=restart, session_class=NotebookSession
     )

@@ -134,8 +134,7 @@ def read_manifest(folder: Path) -> dict:
     path = folder / MANIFEST
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):
-            raise CheckpointError(f"{path} is not a regular file (a link, device or FIFO): "
-                                  "refused")  # fmt: skip
+            raise CheckpointError(f"{path} is not a regular file (a link, device or FIFO): refused")
         with open(path, "rb") as f:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
         if len(raw) > MAX_MANIFEST_BYTES:
@@ -196,8 +195,10 @@ def _entry_problem(entry, world_size: int) -> str | None:
         return f"a file entry is {entry!r}, not a file"
     name = entry.get("name")
     if not isinstance(name, str) or not _FILE_NAME.match(name):
-        return (f"file name {name!r} is not a plain name inside the checkpoint folder "
-                "(a path, '..' or an odd character): refused")  # fmt: skip
+        return (
+            f"file name {name!r} is not a plain name inside the checkpoint folder "
+            "(a path, '..' or an odd character): refused"
+        )
     if not _is_int(entry.get("size")):
         return f"file {name}: size {entry.get('size')!r} is not a byte count"
     if not isinstance(entry.get("xxh3"), str) or not _HEX16.match(entry["xxh3"]):
@@ -263,21 +264,31 @@ def describe(folder: Path, *, verify: bool = False) -> CheckpointInfo | None:
     if partial:
         held = (p.lstat() for p in folder.iterdir())  # links are not followed
         size = sum(st.st_size for st in held if stat.S_ISREG(st.st_mode))
-        return CheckpointInfo(folder, int(partial.group(1)), "partial",
-                              folder.stat().st_mtime, size_bytes=size,
-                              problem="the save never finished (a rank died?)")  # fmt: skip
+        return CheckpointInfo(
+            folder,
+            int(partial.group(1)),
+            "partial",
+            folder.stat().st_mtime,
+            size_bytes=size,
+            problem="the save never finished (a rank died?)",
+        )
     final = _FINAL.match(folder.name)
     if not final:
         return None
     if folder.is_symlink():
-        return CheckpointInfo(folder, int(final.group(1)), "corrupt", 0.0,
-                              problem=f"{folder} is a link, not a folder dtlab wrote: "
-                                      "refused")  # fmt: skip
+        return CheckpointInfo(
+            folder,
+            int(final.group(1)),
+            "corrupt",
+            0.0,
+            problem=f"{folder} is a link, not a folder dtlab wrote: refused",
+        )
     try:
         manifest = read_manifest(folder)
     except CheckpointError as e:
-        return CheckpointInfo(folder, int(final.group(1)), "corrupt", folder.stat().st_mtime,
-                              problem=str(e))  # fmt: skip
+        return CheckpointInfo(
+            folder, int(final.group(1)), "corrupt", folder.stat().st_mtime, problem=str(e)
+        )
     files = manifest["files"]
     problems = [p for p in (file_problem(folder, e, checksum=verify) for e in files) if p]
     return CheckpointInfo(

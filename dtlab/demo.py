@@ -26,9 +26,16 @@ def attach(
     return infos
 
 
-def attach_pipeline(session=None, *, plan: Any = "uniform", microbatches: int = 4,
-                    schedule: str = "gpipe", record: bool = True, lr: float = 3e-3,
-                    **config) -> dict[int, JobInfo]:  # fmt: skip
+def attach_pipeline(
+    session=None,
+    *,
+    plan: Any = "uniform",
+    microbatches: int = 4,
+    schedule: str = "gpipe",
+    record: bool = True,
+    lr: float = 3e-3,
+    **config,
+) -> dict[int, JobInfo]:
     """Attach the demo as a pipeline, one stage per rank split by ``plan`` (a form
     :func:`dtlab.analysis.partition.parse_plan` reads; not ``measured``, which needs a
     running job). A bad plan raises PlanError (read alike on every rank)."""

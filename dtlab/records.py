@@ -211,8 +211,15 @@ class StepRecord:
 
     def summary(self) -> StepRecord:
         """This record without the per-parameter tuples (what travels every step)."""
-        return replace(self, grad_norms=(), grad_fingerprints=(), param_fingerprints=(),
-                       nonfinite=(), buffer_fingerprints=(), module_outputs=())  # fmt: skip
+        return replace(
+            self,
+            grad_norms=(),
+            grad_fingerprints=(),
+            param_fingerprints=(),
+            nonfinite=(),
+            buffer_fingerprints=(),
+            module_outputs=(),
+        )
 
 
 def combine_fingerprints(fingerprints: tuple[int, ...]) -> int:
@@ -330,7 +337,7 @@ class RankReport:
                     tuple(str(d) for d in c.get("dtypes", ())),
                 )
                 for c in data.get("collectives", ())
-            ),  # fmt: skip
+            ),
             data.get("step"),
         )
 
@@ -358,15 +365,19 @@ class ScriptStatus:
         first = states[min(states)]
         notes = tuple(dict.fromkeys(n for s in states.values() for n in s["notes"]))
         return cls(
-            path=first.get("path", path), argv=tuple(argv),
+            path=first.get("path", path),
+            argv=tuple(argv),
             states={r: s["state"] for r, s in states.items()},
             steps={r: s["step"] for r, s in states.items()},
             outcomes={r: s["outcome"] for r, s in states.items()},
-            notes=notes, seconds=seconds, setup_s=first.get("setup_s"),
-            model=first.get("model"), wrapper=first.get("wrapper"),
+            notes=notes,
+            seconds=seconds,
+            setup_s=first.get("setup_s"),
+            model=first.get("model"),
+            wrapper=first.get("wrapper"),
             optimizers=tuple(first.get("optimizers") or ()),
             backward_calls={r: s.get("backward_calls", 0) for r, s in states.items()},
-        )  # fmt: skip
+        )
 
     @property
     def paused(self) -> bool:

@@ -15,10 +15,22 @@ from dtlab.records import (
 from dtlab.trace import Trace
 
 _BASE = RankInfo(
-    rank=0, world_size=4, local_rank=0, local_world_size=4, host="h", pid=100, device="cpu",
-    backend="gloo", num_threads=1, python_version="3.11.7", torch_version="2.13.0+cpu",
-    cuda_version=None, nccl_version=None, allreduce_sum=6, env={"OMP_NUM_THREADS": "1"},
-)  # fmt: skip
+    rank=0,
+    world_size=4,
+    local_rank=0,
+    local_world_size=4,
+    host="h",
+    pid=100,
+    device="cpu",
+    backend="gloo",
+    num_threads=1,
+    python_version="3.11.7",
+    torch_version="2.13.0+cpu",
+    cuda_version=None,
+    nccl_version=None,
+    allreduce_sum=6,
+    env={"OMP_NUM_THREADS": "1"},
+)
 
 PARAMS = (
     ParamInfo("embed.weight", (16, 4), "torch.float32", 64),
@@ -35,24 +47,37 @@ def rank_info(rank: int, **changes) -> RankInfo:
 
 def job_info(rank: int, params=PARAMS, **changes) -> JobInfo:
     base = JobInfo(
-        rank=rank, model="Toy", wrapper="DistributedDataParallel", optimizer="AdamW",
-        scheduler=None, scaler=False, params=params, record=True, capacity=1000,
-    )  # fmt: skip
+        rank=rank,
+        model="Toy",
+        wrapper="DistributedDataParallel",
+        optimizer="AdamW",
+        scheduler=None,
+        scaler=False,
+        params=params,
+        record=True,
+        capacity=1000,
+    )
     return replace(base, **changes)
 
 
 def step_record(step: int, rank: int = 0, num_params: int = len(PARAMS), **changes) -> StepRecord:
     """A healthy data-parallel step: every rank has the same fingerprints at a step."""
     base = StepRecord(
-        step=step, time=1000.0 + step, loss=2.0 / step, lr=1e-3, scale=None, skipped=False,
+        step=step,
+        time=1000.0 + step,
+        loss=2.0 / step,
+        lr=1e-3,
+        scale=None,
+        skipped=False,
         times=StepTimes(data=0.001, forward=0.01, backward=0.02, optimizer=0.005),
         memory=StepMemory(rss=500_000_000, param_bytes=592, grad_bytes=592, optimizer_bytes=1184),
         indices=tuple(range(rank * 4 + step * 100, rank * 4 + step * 100 + 4)),
         grad_norms=tuple(1.0 / (step + i) for i in range(num_params)),
         grad_fingerprints=tuple(step * 1000 + i for i in range(num_params)),
         param_fingerprints=tuple(step * 2000 + i for i in range(num_params)),
-        nonfinite=(0,) * num_params, missing_grads=(),
-    )  # fmt: skip
+        nonfinite=(0,) * num_params,
+        missing_grads=(),
+    )
     rec = replace(base, **changes)
     return with_totals(rec, **changes)
 

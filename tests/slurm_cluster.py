@@ -87,24 +87,36 @@ class SlurmCluster:
         (f / "slurm.conf").write_text(
             CONFIG.format(node=self.node, folder=f, cpus=CPUS, partition=PARTITION, **ports)
         )
-        munge = [_binary("munged"), "--foreground", "--force", f"--key-file={key}",
-                 f"--socket={f}/munge.socket", f"--pid-file={f}/munged.pid",
-                 f"--log-file={f}/munged.log", f"--seed-file={f}/munge.seed"]  # fmt: skip
+        munge = [
+            _binary("munged"),
+            "--foreground",
+            "--force",
+            f"--key-file={key}",
+            f"--socket={f}/munge.socket",
+            f"--pid-file={f}/munged.pid",
+            f"--log-file={f}/munged.log",
+            f"--seed-file={f}/munge.seed",
+        ]
         self._spawn(munge, "munged")
         self._wait(lambda: (f / "munge.socket").exists(), 10, "munged did not start")
         self._spawn([_binary("slurmctld"), "-D", "-i", "-f", str(f / "slurm.conf")], "slurmctld")
-        self._spawn([_binary("slurmd"), "-D", "-N", self.node, "-f", str(f / "slurm.conf")],
-                    "slurmd")  # fmt: skip
+        self._spawn(
+            [_binary("slurmd"), "-D", "-N", self.node, "-f", str(f / "slurm.conf")], "slurmd"
+        )
         self._wait(self._idle, timeout_s, "the Slurm node did not become idle")
 
     def _spawn(self, command: list[str], name: str) -> None:
         log = open(self.folder / f"{name}.out", "w")  # noqa: SIM115 - the process keeps it
-        self.procs.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                           env=self.env, start_new_session=True))  # fmt: skip
+        self.procs.append(
+            subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        )
 
     def _idle(self) -> bool:
-        out = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
-                             env=self.env, timeout=10)  # fmt: skip
+        out = subprocess.run(
+            ["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, env=self.env, timeout=10
+        )
         return out.stdout.strip() in ("idle", "mix", "alloc")
 
     def _wait(self, probe, timeout_s: float, message: str) -> None:
@@ -122,8 +134,13 @@ class SlurmCluster:
         raise TimeoutError(f"{message} within {timeout_s:g} s; logs in {self.folder}")
 
     def jobs(self) -> list[str]:
-        out = subprocess.run(["squeue", "-h", "-o", "%i %T"], capture_output=True, text=True,
-                             env=self.env, timeout=10)  # fmt: skip
+        out = subprocess.run(
+            ["squeue", "-h", "-o", "%i %T"],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=10,
+        )
         return [line for line in out.stdout.splitlines() if line.strip()]
 
     def stop(self) -> list[int]:
@@ -131,8 +148,12 @@ class SlurmCluster:
         stop the daemons; job-step processes left after that (slurmstepd detaches from
         slurmd) are found by what they hold of this cluster, killed by pid, and returned."""
         if self.procs and self.procs[-1].poll() is None:
-            subprocess.run(["scancel", "--full", f"--partition={PARTITION}"], env=self.env,
-                           capture_output=True, timeout=30)  # fmt: skip
+            subprocess.run(
+                ["scancel", "--full", f"--partition={PARTITION}"],
+                env=self.env,
+                capture_output=True,
+                timeout=30,
+            )
             try:
                 self._wait(lambda: not self.jobs(), 30, "jobs did not end")
             except (TimeoutError, RuntimeError):

@@ -64,8 +64,9 @@ def test_a_whole_step_function_is_watched_and_matches_the_plain_loop():
     assert all(r.grad_norm <= 0.05 * (1 + 1e-5) for r in records)  # after its own clipping
     assert all(r.micro_batches == 1 and not r.skipped for r in records)
     assert records[0].indices == tuple(range(8))
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters(),
-                                                  strict=True))  # fmt: skip
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters(), strict=True)
+    )
 
 
 def test_a_step_function_whose_step_a_scaler_skips_is_recorded_as_skipped():

@@ -70,17 +70,32 @@ def test_schedule_respects_its_dependencies(schedule):
 def test_gpipe_runs_all_forwards_then_backwards_in_order():
     events = simulate_schedule([1.0] * 3, [1.0] * 3, 3)
     assert [(e.phase, e.microbatch) for e in events if e.stage == 1] == [
-        ("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2),
-    ]  # fmt: skip
+        ("F", 0),
+        ("F", 1),
+        ("F", 2),
+        ("B", 0),
+        ("B", 1),
+        ("B", 2),
+    ]
 
 
 def test_1f1b_warms_up_then_alternates():
     events = simulate_schedule([1.0] * 4, [1.0] * 4, 6, "1f1b")
     order = [(e.phase, e.microbatch) for e in events if e.stage == 1]
     assert order == [
-        ("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("F", 4), ("B", 2),
-        ("F", 5), ("B", 3), ("B", 4), ("B", 5),
-    ]  # fmt: skip
+        ("F", 0),
+        ("F", 1),
+        ("F", 2),
+        ("B", 0),
+        ("F", 3),
+        ("B", 1),
+        ("F", 4),
+        ("B", 2),
+        ("F", 5),
+        ("B", 3),
+        ("B", 4),
+        ("B", 5),
+    ]
     last = [(e.phase, e.microbatch) for e in events if e.stage == 3]
     assert last[:4] == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
 
@@ -175,7 +190,7 @@ def reports(plan=PLAN, fwd=(1.0, 2.0, 1.0, 1.0), bwd=(2.0, 4.0, 2.0, 2.0), m=4):
             step=3,
             step_s=step_s - 0.1 * s,
             events=tuple(e for e in events if e.stage == s),
-        )  # fmt: skip
+        )
         for s in range(plan.num_stages)
     }
 
@@ -196,8 +211,13 @@ def test_measured_balance_reads_the_reports():
 
 def test_measured_times_are_means_of_the_stage_s_own_events():
     ev = ScheduleEvent
-    events = (ev(0, 0, "F", 0.0, 1.0), ev(0, 1, "F", 1.0, 2.2), ev(1, 0, "F", 1.0, 9.0),
-              ev(0, 0, "B", 5.0, 7.0), ev(0, 1, "B", 7.0, 10.0))  # fmt: skip
+    events = (
+        ev(0, 0, "F", 0.0, 1.0),
+        ev(0, 1, "F", 1.0, 2.2),
+        ev(1, 0, "F", 1.0, 9.0),
+        ev(0, 0, "B", 5.0, 7.0),
+        ev(0, 1, "B", 7.0, 10.0),
+    )
     plan = Plan(("a", "b"), (0, 1, 2))
     rep = reports(plan, fwd=(1.0, 1.0), bwd=(1.0, 1.0), m=2)
     stage = measured_balance(plan, {**rep, 0: dataclasses.replace(rep[0], events=events)}).stages[0]

@@ -10,21 +10,33 @@ from dtlab.views.comm_magics import parse_size
 
 
 def test_the_slowest_rank_sets_the_time_and_busbw_follows_nccl_tests():
-    times = {0: [(1024, 1e-4), (2**20, 1e-3)], 1: [(1024, 2e-4), (2**20, 5e-4)],
-             2: [(1024, 1e-4), (2**20, 5e-4)], 3: [(1024, 1e-4), (2**20, 5e-4)]}  # fmt: skip
+    times = {
+        0: [(1024, 1e-4), (2**20, 1e-3)],
+        1: [(1024, 2e-4), (2**20, 5e-4)],
+        2: [(1024, 1e-4), (2**20, 5e-4)],
+        3: [(1024, 1e-4), (2**20, 5e-4)],
+    }
     sweep = combine(times, label="A", backend="gloo", dtype="float32")
     small, large = sweep.points
     assert small.time_s == 2e-4 and large.time_s == 1e-3
     assert large.algbw == pytest.approx(2**20 / 1e-3)
     assert large.busbw == pytest.approx(large.algbw * 2 * 3 / 4)  # 2(n-1)/n for n = 4
     assert sweep.peak_busbw == large.busbw
-    faster = combine({r: [(s, t / 2) for s, t in rows] for r, rows in times.items()},
-                     label="B", backend="gloo", dtype="float32")  # fmt: skip
+    faster = combine(
+        {r: [(s, t / 2) for s, t in rows] for r, rows in times.items()},
+        label="B",
+        backend="gloo",
+        dtype="float32",
+    )
     line = compare_sweeps(sweep, faster)
     assert line.startswith("B vs A") and "(2.00x)" in line
     table = bandwidth_table(sweep)
-    assert table.rows[1] == ("1 MiB", "1000.0", f"{2**20 / 1e-3 / 1e9:.3f}",
-                             f"{2**20 / 1e-3 * 1.5 / 1e9:.3f}")  # fmt: skip
+    assert table.rows[1] == (
+        "1 MiB",
+        "1000.0",
+        f"{2**20 / 1e-3 / 1e9:.3f}",
+        f"{2**20 / 1e-3 * 1.5 / 1e9:.3f}",
+    )
     figure = bandwidth_figure([sweep, faster])
     assert [t.name for t in figure.data] == ["A", "B"] and figure.layout.xaxis.type == "log"
 

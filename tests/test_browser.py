@@ -30,8 +30,15 @@ from dtlab.control.cluster import running
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 SCREENSHOTS = Path(os.environ.get("DTLAB_SCREENSHOTS", ROOT / "runs" / "screenshots"))
-BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+BROWSER_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 PIPELINE_CELL = """%dt_demo --pipeline --microbatches 2 --set num_layers=6
 %dt_step 2
 editor = dt.partition_editor()
@@ -76,21 +83,35 @@ def lab(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}",
-               "--ServerApp.ip=127.0.0.1", "--ServerApp.token=", "--ServerApp.password=",
-               "--ServerApp.disable_check_xsrf=True", "--LabApp.expose_app_in_browser=True",
-               f"--LabApp.user_settings_dir={home / 'settings'}",
-               f"--LabApp.workspaces_dir={home / 'workspaces'}",
-               f"--ServerApp.root_dir={work}"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "jupyter",
+        "lab",
+        "--no-browser",
+        f"--port={port}",
+        "--ServerApp.ip=127.0.0.1",
+        "--ServerApp.token=",
+        "--ServerApp.password=",
+        "--ServerApp.disable_check_xsrf=True",
+        "--LabApp.expose_app_in_browser=True",
+        f"--LabApp.user_settings_dir={home / 'settings'}",
+        f"--LabApp.workspaces_dir={home / 'workspaces'}",
+        f"--ServerApp.root_dir={work}",
+    ]
     if os.geteuid() == 0:
         command.append("--allow-root")
     log = open(home / "server.log", "w")  # noqa: SIM115 - closed below
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=work,
-                              start_new_session=True)  # fmt: skip
+    server = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, cwd=work, start_new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_for(lambda: urllib.request.urlopen(f"{url}/api/status", timeout=2).status == 200,
-                  60, f"JupyterLab did not start; see {home / 'server.log'}")  # fmt: skip
+        _wait_for(
+            lambda: urllib.request.urlopen(f"{url}/api/status", timeout=2).status == 200,
+            60,
+            f"JupyterLab did not start; see {home / 'server.log'}",
+        )
         yield url, work
     finally:
         started = [p.pid for p in psutil.Process(server.pid).children(recursive=True)]
@@ -126,12 +147,14 @@ class Lab:
         self.page = page
 
     def wait_for_kernel(self) -> None:
-        self.page.wait_for_function("""() => {
+        self.page.wait_for_function(
+            """() => {
             const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
             const k = w && w.sessionContext && w.sessionContext.session
                       && w.sessionContext.session.kernel;
             return k && k.connectionStatus === 'connected' && k.status === 'idle'; }""",
-                                    timeout=120_000)  # fmt: skip
+            timeout=120_000,
+        )
 
     def run(self, command: str, index: int) -> None:
         """Make cell ``index`` active and run a notebook command from there."""
@@ -151,11 +174,13 @@ class Lab:
         self.wait_until_ran(index + 1)
 
     def wait_until_ran(self, index: int, timeout_s: float = 600) -> None:
-        self.page.wait_for_function(f"""() => {{
+        self.page.wait_for_function(
+            f"""() => {{
             const w = window.jupyterapp.shell.currentWidget, cell = w.content.widgets[{index}];
             return cell.model.executionCount !== null && !cell.node.classList.contains(
                 'jp-mod-pending') && w.sessionContext.session.kernel.status === 'idle'; }}""",
-                                    timeout=timeout_s * 1000)  # fmt: skip
+            timeout=timeout_s * 1000,
+        )
 
     def cell_text(self, index: int) -> str:
         """The text of a cell's outputs, from the notebook model (what the kernel sent)."""
@@ -229,9 +254,12 @@ def _step_from_the_dashboard(nb: Lab, page) -> None:
     last = int(text.split("-")[1].split(" ")[0]) if text.startswith("steps") else 0
     page.get_by_role("button", name="Step", exact=True).first.click()
     page.locator(".widget-label", has_text=f"step {last + 1} in ").wait_for(timeout=60_000)
-    page.wait_for_function(f"""() => Math.max(...[...document.querySelectorAll(
+    page.wait_for_function(
+        f"""() => Math.max(...[...document.querySelectorAll(
         '.js-plotly-plot')].map(gd => gd.data.reduce((n, t) => n + (t.x || []).length, 0)))
-        > {before}""", timeout=30_000)  # fmt: skip
+        > {before}""",
+        timeout=30_000,
+    )
     nb.shot("02-dashboard-after-step.png")
 
 
@@ -249,9 +277,11 @@ def _move_a_boundary_in_the_editor(nb: Lab, page) -> None:
     nb.shot("03-editor-draft.png")
     page.get_by_role("button", name="Apply", exact=True).click()
     page.locator(".widget-html", has_text="moved 1 block(s)").wait_for(timeout=120_000)
-    page.wait_for_function("""() => [...document.querySelectorAll('.js-plotly-plot')]
+    page.wait_for_function(
+        """() => [...document.querySelectorAll('.js-plotly-plot')]
         .some(gd => ((gd.layout.title || {}).text || '').startsWith('Measured'))""",
-                           timeout=30_000)  # fmt: skip
+        timeout=30_000,
+    )
     page.locator(".widget-html", has_text="moved 1 block(s)").scroll_into_view_if_needed()
     nb.shot("04-editor-applied.png")
 

@@ -37,8 +37,13 @@ def attach(shuffle=True, batch_size=4, lr=1e-2, optimizer=torch.optim.AdamW):
         noise = random.random() + float(np.random.rand())  # Python and numpy RNGs matter too
         return torch.nn.functional.mse_loss(model(x), y) * (1 + 1e-3 * noise)
 
-    attach_job(model, optimizer(model.parameters(), lr=lr), data, loss_fn,
-               indices=lambda batch: batch[2].tolist())  # fmt: skip
+    attach_job(
+        model,
+        optimizer(model.parameters(), lr=lr),
+        data,
+        loss_fn,
+        indices=lambda batch: batch[2].tolist(),
+    )
     return jobs.current()
 
 

@@ -67,8 +67,17 @@ def test_checkpoint_browser_selects_replays_and_checks_resume(dt):
     markers = browser.figure.data[-1]
     assert markers.name == "checkpoints" and list(markers.x) == [2]
     assert browser.replay_button.disabled  # nothing selected yet
-    browser._clicked(markers, Points(point_inds=[0], xs=[2], ys=[0], trace_name="checkpoints",
-                                     trace_index=len(browser.figure.data) - 1), None)  # fmt: skip
+    browser._clicked(
+        markers,
+        Points(
+            point_inds=[0],
+            xs=[2],
+            ys=[0],
+            trace_name="checkpoints",
+            trace_index=len(browser.figure.data) - 1,
+        ),
+        None,
+    )
     assert browser.selected.step == 2 and not browser.replay_button.disabled
     browser.replay_button.click()
     assert browser.last_result.identical, browser.output.outputs

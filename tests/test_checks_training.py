@@ -85,10 +85,12 @@ def test_overlapping_shards_name_the_ranks_and_step():
     # from step 7 rank 3 reads what rank 1 reads
     stolen = {rec.step: rec.indices for rec in records[1]}
     records = {
-        r: [replace(rec, indices=stolen[rec.step]) if r == 3 and rec.step >= 7 else rec
-            for rec in recs]
+        r: [
+            replace(rec, indices=stolen[rec.step]) if r == 3 and rec.step >= 7 else rec
+            for rec in recs
+        ]
         for r, recs in records.items()
-    }  # fmt: skip
+    }
     finding = only(check_data_order(evidence(records)), "error")
     assert finding.ranks == (1, 3)
     assert finding.step == 7
@@ -100,8 +102,10 @@ def test_overlapping_shards_name_the_ranks_and_step():
 
 def test_every_rank_reading_everything_is_an_error():
     records = ddp_job()  # as if every rank had rank 0's sampler
-    records = {r: [replace(rec, indices=records[0][i].indices) for i, rec in enumerate(recs)]
-               for r, recs in records.items()}  # fmt: skip
+    records = {
+        r: [replace(rec, indices=records[0][i].indices) for i, rec in enumerate(recs)]
+        for r, recs in records.items()
+    }
     finding = only(check_data_order(evidence(records)), "error")
     assert finding.ranks == (0, 1, 2, 3)
     assert finding.step == 1
@@ -150,8 +154,9 @@ def test_same_order_on_one_rank_only_names_it():
 def test_one_repeated_step_is_not_enough_for_set_epoch():
     records = ddp_job()
     records = {r: recs[: STEPS_PER_EPOCH + 1] for r, recs in records.items()}
-    records = {r: recs[:-1] + [replace(recs[-1], indices=recs[0].indices)]
-               for r, recs in records.items()}  # fmt: skip
+    records = {
+        r: recs[:-1] + [replace(recs[-1], indices=recs[0].indices)] for r, recs in records.items()
+    }
     assert check_data_order(evidence(records)).findings == ()
 
 
@@ -215,10 +220,14 @@ def with_scaler(records, skipped, scales):
     out = {}
     for rank, recs in records.items():
         out[rank] = [
-            replace(rec, scale=scales[rec.step - 1], skipped=rec.step in skipped,
-                    num_nonfinite=7 if rec.step in skipped else 0)
+            replace(
+                rec,
+                scale=scales[rec.step - 1],
+                skipped=rec.step in skipped,
+                num_nonfinite=7 if rec.step in skipped else 0,
+            )
             for rec in recs
-        ]  # fmt: skip
+        ]
     return out
 
 
@@ -302,10 +311,14 @@ def test_accumulation_across_the_end_of_an_epoch_is_not_an_overlap():
     for rank, recs in ddp_job().items():
         for first, second in zip(recs[::2], recs[1::2], strict=False):
             crossing = second.epoch != first.epoch
-            records[rank].append(replace(
-                first, step=len(records[rank]) + 1, indices=first.indices + second.indices,
-                epoch_starts=(len(first.indices),) if crossing else (),
-            ))  # fmt: skip
+            records[rank].append(
+                replace(
+                    first,
+                    step=len(records[rank]) + 1,
+                    indices=first.indices + second.indices,
+                    epoch_starts=(len(first.indices),) if crossing else (),
+                )
+            )
     assert any(rec.epoch_starts for rec in records[0])
     assert check_data_order(evidence(records)).findings == ()
 

@@ -135,8 +135,11 @@ def test_every_rank_agrees_at_the_same_iterations_and_a_failed_rank_finds_the_ne
     # a first run knows no step time (every step): twice as far each time, up to ~1 s apart
     assert agreements(run_state(100, agree_every=1), step_s=0.03) == [0, 2, 6, 14, 30, 62, 95]
     assert [i for i in range(4) if run_state(4, until=Condition("nonfinite")).must_agree(i)] == [
-        0, 1, 2, 3
-    ]  # fmt: skip
+        0,
+        1,
+        2,
+        3,
+    ]
     assert run_state(10, 3, index=0).next_agreement() == 2
     assert run_state(10, 3, index=2).next_agreement() == 2  # failed before agreeing at 2
     after = run_state(10, 3, index=2, agreed_at=2)

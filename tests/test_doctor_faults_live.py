@@ -176,5 +176,7 @@ def test_the_doctor_finds_each_fault_where_it_was_made(live4, fault):
         assert hits[0].step == step
     assert named in hits[0].summary
     assert took < 30
-    print(f"\nFOUND | {fault} | {kind} | {ranks} | {hits[0].step} | {dt.trace.last_step} "
-          f"steps | {took:.2f} s")  # fmt: skip
+    print(
+        f"\nFOUND | {fault} | {kind} | {ranks} | {hits[0].step} | {dt.trace.last_step} "
+        f"steps | {took:.2f} s"
+    )

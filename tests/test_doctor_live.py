@@ -33,9 +33,18 @@ def test_the_healthy_demo_job_comes_out_clean_and_the_results_stay_with_the_trac
     dt.step(30)
     results = dt.checks()
     assert [r.check for r in results] == [
-        "environment", "learning", "initial_state", "gradient_sync", "buffers", "accumulation",
-        "numerics", "data_order", "learning_rate", "memory", "stragglers",
-    ]  # fmt: skip
+        "environment",
+        "learning",
+        "initial_state",
+        "gradient_sync",
+        "buffers",
+        "accumulation",
+        "numerics",
+        "data_order",
+        "learning_rate",
+        "memory",
+        "stragglers",
+    ]
     assert [f.summary for r in results for f in r.findings] == []
     assert all(r.passed_because and r.looked_at for r in results)
     assert Trace.load(dt.trace.folder).checks == results

@@ -20,14 +20,19 @@ NAMES = tuple(p.name for p in PARAMS)
 
 
 def job(num_ranks=4, num_steps=12, **changes):
-    return {r: [step_record(s, r, **changes) for s in range(1, num_steps + 1)]
-            for r in range(num_ranks)}  # fmt: skip
+    return {
+        r: [step_record(s, r, **changes) for s in range(1, num_steps + 1)] for r in range(num_ranks)
+    }
 
 
 def evidence(records):
     start = InitialState(param_fingerprints=tuple(range(len(PARAMS))))
-    return Evidence(records=records, names=NAMES, jobs={r: job_info(r) for r in records},
-                    initial={r: start for r in records})  # fmt: skip
+    return Evidence(
+        records=records,
+        names=NAMES,
+        jobs={r: job_info(r) for r in records},
+        initial={r: start for r in records},
+    )
 
 
 # --- three outcomes ------------------------------------------------------------------------
@@ -105,10 +110,14 @@ def zero_grads(num_steps=8, loss=0.0):
     """The DDP tutorial's one-output classifier under cross-entropy: loss 0, no gradient."""
     zeros = (0.0,) * len(PARAMS)
     return {
-        r: [step_record(s, r, loss=loss, grad_norms=zeros, param_fingerprints=tuple(
-            range(len(PARAMS)))) for s in range(1, num_steps + 1)]
+        r: [
+            step_record(
+                s, r, loss=loss, grad_norms=zeros, param_fingerprints=tuple(range(len(PARAMS)))
+            )
+            for s in range(1, num_steps + 1)
+        ]
         for r in range(4)
-    }  # fmt: skip
+    }
 
 
 def test_all_zero_gradients_on_every_rank_are_named():
@@ -150,8 +159,10 @@ def test_a_constant_loss_with_moving_parameters_is_a_warning():
 def test_a_job_that_learns_is_not_flagged(healthy):
     records = job(num_steps=8)
     if healthy == "warm-up from an LR of 0":
-        records = {r: [replace(rec, lr=0.0) if rec.step == 1 else rec for rec in recs]
-                   for r, recs in records.items()}  # fmt: skip
+        records = {
+            r: [replace(rec, lr=0.0) if rec.step == 1 else rec for rec in recs]
+            for r, recs in records.items()
+        }
     elif healthy == "one step with zero gradients":
         records = zero_grads()
         records[1][4] = step_record(5, 1)
@@ -159,8 +170,10 @@ def test_a_job_that_learns_is_not_flagged(healthy):
         records = zero_grads()
         records[3] = [step_record(s, 3) for s in range(1, 9)]
     else:  # a GradScaler's skipped steps change nothing, and do not count
-        records = {r: [replace(rec, skipped=rec.step % 2 == 0) for rec in recs]
-                   for r, recs in records.items()}  # fmt: skip
+        records = {
+            r: [replace(rec, skipped=rec.step % 2 == 0) for rec in recs]
+            for r, recs in records.items()
+        }
     assert check_learning(evidence(records)).findings == ()
 
 

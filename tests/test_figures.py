@@ -142,9 +142,12 @@ def test_memory_figure_in_mib_and_cuda_none_skipped():
     def memory(rank, step):
         cuda = None if rank == 1 or step == 2 else (rank + 1) * MIB * step
         return StepMemory(
-            rss=(100 + rank) * MIB, param_bytes=0, grad_bytes=0, optimizer_bytes=0,
+            rss=(100 + rank) * MIB,
+            param_bytes=0,
+            grad_bytes=0,
+            optimizer_bytes=0,
             cuda_allocated=cuda,
-        )  # fmt: skip
+        )
 
     trace = trace_of(3, 3, memory=memory)
     rss = memory_figure(trace)

@@ -37,8 +37,11 @@ def _torch_has_cuda() -> bool:
 
 
 NUM_GPUS = _gpus()
-WHY = ("no GPU here (nvidia-smi lists none)" if NUM_GPUS == 0 else
-       "this torch is a CPU build: install a CUDA torch to run the GPU tests")  # fmt: skip
+WHY = (
+    "no GPU here (nvidia-smi lists none)"
+    if NUM_GPUS == 0
+    else "this torch is a CPU build: install a CUDA torch to run the GPU tests"
+)
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.timeout(600),

@@ -4,11 +4,14 @@ collective, mismatched shapes, a dead rank, and ranks outside any collective."""
 from dtlab.analysis.hangs import diagnose, where
 from dtlab.records import CollectiveCall, RankReport
 
-IDLE = (("/x/site-packages/ipykernel/kernelbase.py", 10, "dispatch_queue", ""),
-        ("/usr/lib/python3.11/asyncio/base_events.py", 5, "run_forever", ""))  # fmt: skip
-IN_ALL_REDUCE = (("/tmp/ipykernel_1/123.py", 2, "<module>", "dist.all_reduce(t)"),
-                 ("/x/site-packages/torch/distributed/distributed_c10d.py", 9, "all_reduce",
-                  "work.wait()"))  # fmt: skip
+IDLE = (
+    ("/x/site-packages/ipykernel/kernelbase.py", 10, "dispatch_queue", ""),
+    ("/usr/lib/python3.11/asyncio/base_events.py", 5, "run_forever", ""),
+)
+IN_ALL_REDUCE = (
+    ("/tmp/ipykernel_1/123.py", 2, "<module>", "dist.all_reduce(t)"),
+    ("/x/site-packages/torch/distributed/distributed_c10d.py", 9, "all_reduce", "work.wait()"),
+)
 
 
 def call(seq, done, sizes=((3,),), op="all_reduce", group="default_pg"):
@@ -64,8 +67,12 @@ def test_ranks_outside_a_subgroup_are_not_said_to_be_missing_from_it():
     def sub(seq, done):
         return CollectiveCall("tp", seq, "all_reduce", ((3,),), done, group_id="7", members=(0, 1))
 
-    reports = {0: report(0, IN_ALL_REDUCE, sub(2, False)), 1: report(1, IDLE, sub(1, True)),
-               2: report(2, IDLE), 3: report(3, IDLE)}  # fmt: skip
+    reports = {
+        0: report(0, IN_ALL_REDUCE, sub(2, False)),
+        1: report(1, IDLE, sub(1, True)),
+        2: report(2, IDLE),
+        3: report(3, IDLE),
+    }
     verdict = diagnose(reports)
     assert verdict.waiting == (0,) and verdict.missing == (1,), verdict.summary
 
@@ -76,8 +83,10 @@ def test_a_dtype_mismatch_is_named_and_an_old_group_with_the_same_name_is_apart(
             "default_pg", seq, "all_reduce", ((3,),), done, group_id, (), (dtype,)
         )
 
-    reports = {0: report(0, IN_ALL_REDUCE, f32(3, False)),
-               1: report(1, IN_ALL_REDUCE, f32(3, True, "Double"))}  # fmt: skip
+    reports = {
+        0: report(0, IN_ALL_REDUCE, f32(3, False)),
+        1: report(1, IN_ALL_REDUCE, f32(3, True, "Double")),
+    }
     verdict = diagnose(reports)
     assert verdict.mismatch and "(Double)" in verdict.summary and "(Float)" in verdict.summary
     # an abandoned control group's pending agreement (another group id) is not this one's

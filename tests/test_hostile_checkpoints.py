@@ -43,8 +43,12 @@ def saved(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(8)]
-    attach(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
-           lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))  # fmt: skip
+    attach(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data,
+        lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+    )
     root = tmp_path / "checkpoints"
     paths = []
     for _ in range(2):
@@ -238,8 +242,9 @@ def test_a_hostile_dcp_metadata_is_refused_before_anything_is_loaded(saved):
     def relist(manifest):
         for entry in manifest["files"]:
             if entry["name"] == ".metadata":
-                entry.update(size=(bad / ".metadata").stat().st_size,
-                             xxh3=checksum(bad / ".metadata"))  # fmt: skip
+                entry.update(
+                    size=(bad / ".metadata").stat().st_size, xxh3=checksum(bad / ".metadata")
+                )
 
     rewrite(bad, relist)
     job = jobs.current()

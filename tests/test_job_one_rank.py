@@ -26,8 +26,10 @@ def test_fingerprints_tell_equal_bits_from_any_change():
     assert recorder.fingerprint(a) != recorder.fingerprint(b)
     assert recorder.fingerprint(torch.tensor([0.0])) != recorder.fingerprint(torch.tensor([-0.0]))
     assert recorder.fingerprints([a, None, b]) == [
-        recorder.fingerprint(a), 0, recorder.fingerprint(b)
-    ]  # fmt: skip
+        recorder.fingerprint(a),
+        0,
+        recorder.fingerprint(b),
+    ]
     # what an xor of the elements would miss: constants, swaps, transposes
     ones, twos = torch.ones(4, 4), torch.full((4, 4), 2.0)
     assert recorder.fingerprint(ones) != recorder.fingerprint(twos)
@@ -52,10 +54,13 @@ def test_grad_stats_count_missing_and_non_finite_gradients():
 def batches(num_batches=4, size=8):
     gen = torch.Generator().manual_seed(0)
     return [
-        {"x": torch.randn(size, 6, generator=gen), "y": torch.randn(size, 1, generator=gen),
-         "index": torch.arange(i * size, (i + 1) * size)}
+        {
+            "x": torch.randn(size, 6, generator=gen),
+            "y": torch.randn(size, 1, generator=gen),
+            "index": torch.arange(i * size, (i + 1) * size),
+        }
         for i in range(num_batches)
-    ]  # fmt: skip
+    ]
 
 
 def mse(model, batch):

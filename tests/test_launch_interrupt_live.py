@@ -63,8 +63,9 @@ CHILD = textwrap.dedent(
 def test_a_second_ctrl_c_during_launch_still_stops_everything_it_started(delay, tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD.replace("DELAY", str(delay)))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=180, cwd=tmp_path)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert lines, done.stderr[-3000:]
     report = json.loads(lines[-1])

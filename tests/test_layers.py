@@ -36,8 +36,11 @@ def layer(name: str) -> str:
     if name in RECORDS:
         return "records"
     parts = name.split(".")
-    return parts[1] if len(parts) > 2 or name.endswith(("agent", "analysis", "control", "views")) \
-        else name  # fmt: skip
+    return (
+        parts[1]
+        if len(parts) > 2 or name.endswith(("agent", "analysis", "control", "views"))
+        else name
+    )
 
 
 def imports_of(name: str, path: Path) -> set[str]:

@@ -18,9 +18,12 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 # what a rank may hold besides the package itself: rank code, the records it sends, and
 # pure analysis both sides share (torch-free, notebook-library-free: plans, rank labels)
 RANK_SIDE = (
-    "dtlab.agent", "dtlab.records", "dtlab.stage_records", "dtlab.checkpoint_format",
+    "dtlab.agent",
+    "dtlab.records",
+    "dtlab.stage_records",
+    "dtlab.checkpoint_format",
     "dtlab.analysis",
-)  # fmt: skip
+)
 # the engines are forked from dtlab.control.forkserver (run as __main__): its empty
 # package comes with them, nothing of its modules
 FORKED_WITH = {"dtlab", "dtlab.control"}

@@ -32,9 +32,11 @@ def test_listen_takes_an_interface_an_address_or_everywhere():
     assert listen_address("") == "127.0.0.1"
     assert listen_address("*") == "0.0.0.0"
     assert listen_address("10.1.2.3") == "10.1.2.3"
-    loopback = next(name for name, addrs in psutil.net_if_addrs().items()
-                    if any(a.family == socket.AF_INET and a.address == "127.0.0.1"
-                           for a in addrs))  # fmt: skip
+    loopback = next(
+        name
+        for name, addrs in psutil.net_if_addrs().items()
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs)
+    )
     assert listen_address(loopback) == "127.0.0.1"
     with pytest.raises(ValueError, match="neither an IPv4 address nor an interface"):
         listen_address("no-such-nic0")
@@ -43,23 +45,28 @@ def test_listen_takes_an_interface_an_address_or_everywhere():
 def test_what_the_ssh_launcher_is_given_for_two_hosts():
     hosts = {"alice@node1": 4, "node2": 4}
     launcher_config = ssh_config(hosts, python="/opt/env/bin/python")
-    config = LaunchConfig(num_ranks=8, launcher="ssh", listen="*",
-                          launcher_config=launcher_config)  # fmt: skip
+    config = LaunchConfig(num_ranks=8, launcher="ssh", listen="*", launcher_config=launcher_config)
     cluster = make_cluster(config)
     assert cluster.config.SSHEngineSetLauncher.engines == hosts
     assert cluster.controller_ip == "0.0.0.0"  # reachable from node1 and node2
     assert cluster.engine_launcher_class is SSHEngineSetLauncher  # ipyparallel's own
     # the set launcher makes one SSHEngineLauncher per engine from this config
-    engines = SSHEngineSetLauncher(config=cluster.config, profile_dir=cluster.profile_dir,
-                                   cluster_id=cluster.cluster_id)  # fmt: skip
+    engines = SSHEngineSetLauncher(
+        config=cluster.config, profile_dir=cluster.profile_dir, cluster_id=cluster.cluster_id
+    )
     assert engines.engines == hosts
-    one = SSHEngineLauncher(config=cluster.config, profile_dir=cluster.profile_dir,
-                            cluster_id=cluster.cluster_id, hostname="node1",
-                            user="alice")  # fmt: skip
+    one = SSHEngineLauncher(
+        config=cluster.config,
+        profile_dir=cluster.profile_dir,
+        cluster_id=cluster.cluster_id,
+        hostname="node1",
+        user="alice",
+    )
     assert one.location == "alice@node1"
     assert one.program == ["/opt/env/bin/python", "-m", "ipyparallel.engine"]
-    assert any(local.endswith(f"ipcontroller-{cluster.cluster_id}-engine.json")
-               for local, _ in one.to_send)  # the connection file travels by scp  # fmt: skip
+    assert any(
+        local.endswith(f"ipcontroller-{cluster.cluster_id}-engine.json") for local, _ in one.to_send
+    )  # the connection file travels by scp
 
 
 def test_ssh_launches_without_hosts_or_with_loopback_only_are_refused():
@@ -88,6 +95,9 @@ def test_a_live_cluster_signs_messages_and_keeps_its_files_private(live2):
         )
     exits = Path(live2.engines.cluster.profile_dir) / "security"
     assert all(stat.S_IMODE(f.stat().st_mode) & 0o077 == 0 for f in exits.glob("*-exits.jsonl"))
-    listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN"
-                 and c.pid in set(live2.pids())}  # fmt: skip
+    listening = {
+        c.laddr.ip
+        for c in psutil.net_connections("tcp")
+        if c.status == "LISTEN" and c.pid in set(live2.pids())
+    }
     assert listening and listening <= {"127.0.0.1"}, listening

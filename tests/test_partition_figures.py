@@ -181,8 +181,11 @@ def test_schedule_figure_refuses_an_unknown_phase():
 def test_plan_strip_without_costs_is_a_row_of_equal_boxes_by_stage():
     fig = plan_strip_figure(PLAN)
     assert [t.name for t in fig.data] == ["stage 0", "stage 1", "stage 2"]
-    assert [list(t.x) for t in fig.data] == [["embed", "blocks.0"], ["blocks.1", "blocks.2"],
-                                             ["head"]]  # fmt: skip
+    assert [list(t.x) for t in fig.data] == [
+        ["embed", "blocks.0"],
+        ["blocks.1", "blocks.2"],
+        ["head"],
+    ]
     assert all(set(t.y) == {1.0} for t in fig.data)
     assert [t.marker.color for t in fig.data] == [stage_colour(s) for s in range(3)]
     assert list(fig.layout.xaxis.categoryarray) == list(PLAN.blocks)
@@ -191,8 +194,10 @@ def test_plan_strip_without_costs_is_a_row_of_equal_boxes_by_stage():
 
 
 def test_plan_strip_uses_measured_ms_when_every_block_is_profiled():
-    costs = {b: BlockCost(b, 100 * i, 400 * i, 0.001 * i, 0.002 * i)
-             for i, b in enumerate(PLAN.blocks, 1)}  # fmt: skip
+    costs = {
+        b: BlockCost(b, 100 * i, 400 * i, 0.001 * i, 0.002 * i)
+        for i, b in enumerate(PLAN.blocks, 1)
+    }
     fig = plan_strip_figure(PLAN, costs=costs)
     assert [y for t in fig.data for y in t.y] == pytest.approx([3, 6, 9, 12, 15])
     assert fig.layout.yaxis.title.text == "forward + backward (ms)"
@@ -208,8 +213,7 @@ def test_plan_strip_falls_back_to_parameter_counts():
 
 
 def test_balance_comparison_groups_before_and_after_per_stage():
-    after = balance([stage(0, 0.012, 0.024), stage(1, 0.012, 0.024)], measured=False,
-                    step_s=0.100)  # fmt: skip
+    after = balance([stage(0, 0.012, 0.024), stage(1, 0.012, 0.024)], measured=False, step_s=0.100)
     fig = balance_comparison_figure(profiled(), after)
     before_bars, after_bars = fig.data
     assert (before_bars.name, after_bars.name) == ("before", "after")

@@ -42,8 +42,12 @@ def test_the_editor_previews_applies_and_shows_the_new_balance(live4):
     editor.apply_button.click()
     assert "moved" in editor.status.value, editor.status.value
     on_ranks = dt.run(_stage_blocks)
-    assert on_ranks == {0: ("embed",), 1: ("blocks.0", "blocks.1"), 2: ("blocks.2", "blocks.3"),
-                        3: ("norm", "head")}  # fmt: skip
+    assert on_ranks == {
+        0: ("embed",),
+        1: ("blocks.0", "blocks.1"),
+        2: ("blocks.2", "blocks.3"),
+        3: ("norm", "head"),
+    }
     assert editor.after.measured and editor.after.stages[3].blocks == ("norm", "head")
     assert editor.plan.bounds == (0, 1, 3, 5, 7) and editor.apply_button.disabled
 

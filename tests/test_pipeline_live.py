@@ -43,8 +43,9 @@ def _one_process(steps: int, microbatches: int, c: DemoConfig):
         inputs, target = split_tokens(next(batches))
         optimizer.zero_grad(set_to_none=True)
         parts = []
-        for x, y in zip(inputs.tensor_split(microbatches), target.tensor_split(microbatches),
-                        strict=True):  # fmt: skip
+        for x, y in zip(
+            inputs.tensor_split(microbatches), target.tensor_split(microbatches), strict=True
+        ):
             loss = next_token_loss(model(x), y)
             loss.backward()
             parts.append(loss.item())
@@ -96,8 +97,9 @@ def test_a_live_move_keeps_training_as_if_nothing_moved(live4):
     dt.step(3)
     dt.profile_blocks()  # measuring the blocks must leave the job as it was
     before = dt.partition()
-    moved = dt.repartition([[ "embed"], ["blocks.0", "blocks.1"], ["blocks.2"],
-                            ["blocks.3", "norm", "head"]])  # fmt: skip
+    moved = dt.repartition(
+        [["embed"], ["blocks.0", "blocks.1"], ["blocks.2"], ["blocks.3", "norm", "head"]]
+    )
     after = dt.partition()
     assert after != before and after.stage_blocks(3) == ("blocks.3", "norm", "head")
     assert set(moved["moved"]) == {"blocks.0", "blocks.2", "blocks.3", "norm"}
@@ -164,7 +166,7 @@ def test_a_block_that_cannot_move_is_refused_before_anything_moves(live4):
     with pytest.raises(RepartitionFailed, match=r"(?s)called off.*blocks\.1.*cannot move"):
         dt.repartition(
             [["embed"], ["blocks.0"], ["blocks.1", "blocks.2", "blocks.3"], ["norm", "head"]]
-        )  # fmt: skip  (blocks.1 would leave rank 1)
+        )  # blocks.1 would leave rank 1
     assert dt.partition().bounds == (0, 2, 4, 6, 7)
     dt.step(2)
     assert losses(dt, 3, 4) == one_process(dt, 4, microbatches=MICRO)[0][2:]

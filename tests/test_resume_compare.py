@@ -15,14 +15,21 @@ def rec(step: int, rank: int = 0, **changes) -> StepRecord:
     """A deterministic step of a 4-rank job: rank r reads its own 8 consecutive samples."""
     start = ((step - 1) * 4 + rank) * BATCH
     base = StepRecord(
-        step=step, time=0.0, loss=1.0 / step, lr=0.1, scale=None, skipped=False,
-        times=StepTimes(0, 0, 0, 0, 0), memory=StepMemory(0, 0, 0, 0),
+        step=step,
+        time=0.0,
+        loss=1.0 / step,
+        lr=0.1,
+        scale=None,
+        skipped=False,
+        times=StepTimes(0, 0, 0, 0, 0),
+        memory=StepMemory(0, 0, 0, 0),
         indices=tuple(range(start, start + BATCH)),
         rng=(("python", 100 + step), ("numpy", 200 + step), ("torch", 300 + step)),
-        grad_fingerprint=1000 + step, param_fingerprint=2000 + step,
+        grad_fingerprint=1000 + step,
+        param_fingerprint=2000 + step,
         buffer_fingerprint=3000 + step,
         module_outputs=tuple((name, step * 10 + i) for i, name in enumerate(MODULES)),
-    )  # fmt: skip
+    )
     return replace(base, **changes)
 
 
@@ -220,12 +227,19 @@ def test_no_common_step():
 
 def test_unrecorded_fields_are_skipped():
     def unrecorded(rank, record):
-        return replace(record, rng=(), indices=(), grad_fingerprint=0, buffer_fingerprint=0,
-                       module_outputs=())  # fmt: skip
+        return replace(
+            record, rng=(), indices=(), grad_fingerprint=0, buffer_fingerprint=0, module_outputs=()
+        )
 
     def other(rank, record):  # differs only where the reference did not record
-        return replace(record, rng=(("torch", 1),), indices=(1, 2), grad_fingerprint=5,
-                       buffer_fingerprint=6, module_outputs=(("x", 1),))  # fmt: skip
+        return replace(
+            record,
+            rng=(("torch", 1),),
+            indices=(1, 2),
+            grad_fingerprint=5,
+            buffer_fingerprint=6,
+            module_outputs=(("x", 1),),
+        )
 
     assert compare_runs(run(change=unrecorded), run(change=other)).identical
 

@@ -19,8 +19,12 @@ def run_clean(name: str) -> list:
     before = descendants()
     nb, seen, left = execute(name, lambda: descendants() - before)
     code = [c for c in nb.cells if c.cell_type == "code"]
-    errors = [(c.source, o["ename"], o["evalue"]) for c in code for o in c.get("outputs", [])
-              if o["output_type"] == "error"]  # fmt: skip
+    errors = [
+        (c.source, o["ename"], o["evalue"])
+        for c in code
+        for o in c.get("outputs", [])
+        if o["output_type"] == "error"
+    ]
     assert errors == []
     assert len(seen) >= 10  # controller, fork server, 4 engines, 4 nannies
     assert left == []
@@ -42,8 +46,11 @@ def figures(code: list, start: str) -> list[dict]:
 
 def rows(text: str) -> dict[int, list[str]]:
     """A printed table's rows keyed by their first column, when it is a number."""
-    return {int(line.split()[0]): line.split()[1:] for line in text.splitlines()
-            if line.split() and line.split()[0].isdigit()}  # fmt: skip
+    return {
+        int(line.split()[0]): line.split()[1:]
+        for line in text.splitlines()
+        if line.split() and line.split()[0].isdigit()
+    }
 
 
 def test_drift_runbook_names_step_rank_and_parameter_and_a_restart_ends_it():
@@ -62,8 +69,9 @@ def test_drift_runbook_names_step_rank_and_parameter_and_a_restart_ends_it():
     # 5 steps: too few to judge stragglers, and it says so instead of "every check passed"
     assert "steps 4-8 in " in after and "no problem found in what could be checked" in after
     states = texts(code, "for step in")[0].splitlines()
-    assert states == [f"step {s}: ranks [0, 1, 2, 3] hold 1 parameter state(s)"
-                      for s in range(4, 9)] + ["first divergence: None"]  # fmt: skip
+    assert states == [
+        f"step {s}: ranks [0, 1, 2, 3] hold 1 parameter state(s)" for s in range(4, 9)
+    ] + ["first divergence: None"]
     assert texts(code, "%dt_shutdown")[0].startswith("stopped 4 ranks in ")
 
 
@@ -115,8 +123,11 @@ def test_learning_rate_runbook_scales_the_lr_and_finds_the_rank_that_differs():
     assert "no problem found" in explained and "global batch 4 ranks x 16 = 64" in explained
     assert re.search(r"^learning_rate +passed", explained, re.M)
     found = texts(code, "%dt_doctor")[1]
-    lr = re.search(r"the learning rate at step 13 is ([\d.]+) on rank 1 but ([\d.]+) on the "
-                   r"others \(differs at 4 of 16 steps\)", found)  # fmt: skip
+    lr = re.search(
+        r"the learning rate at step 13 is ([\d.]+) on rank 1 but ([\d.]+) on the "
+        r"others \(differs at 4 of 16 steps\)",
+        found,
+    )
     assert lr and float(lr.group(1)) == pytest.approx(2 * float(lr.group(2)), rel=1e-5), found
     tail = rows(texts(code, "df = dt.trace.to_dataframe()\nlr = ")[0])
     assert [tail[s][1] for s in range(13, 17)] == ["0.017"] * 4
@@ -135,8 +146,9 @@ def growth(text: str) -> dict[int, float]:
 
 def test_leak_runbook_names_the_rank_and_its_growth_and_the_memory_is_flat_after():
     code = run_clean("07_memory_leak_one_rank.ipynb")
-    leak = re.search(r"rank 1 leaks memory: rss grows ([\d.]+) MiB per step",
-                     texts(code, "%dt_doctor")[0])  # fmt: skip
+    leak = re.search(
+        r"rank 1 leaks memory: rss grows ([\d.]+) MiB per step", texts(code, "%dt_doctor")[0]
+    )
     assert leak and 3.0 < float(leak.group(1)) < 5.0
     before = growth(texts(code, "def growth_per_step")[0])
     assert sorted(before) == [0, 1, 2, 3] and 3.0 < before[1] < 5.0
@@ -166,8 +178,11 @@ def data_ms(figure: dict) -> dict[str, float]:
 def test_data_runbook_finds_shared_shards_a_missing_set_epoch_and_a_slow_rank():
     code = run_clean("10_data_loading.ipynb")
     found = texts(code, "%dt_doctor")[0]
-    assert re.search(r"ranks 0,3 read the same samples: \d+ sample indices seen by more than "
-                     r"one rank in epochs 0, 1, first at step 1", found), found  # fmt: skip
+    assert re.search(
+        r"ranks 0,3 read the same samples: \d+ sample indices seen by more than "
+        r"one rank in epochs 0, 1, first at step 1",
+        found,
+    ), found
     assert "ranks 0-3 read epoch 1 in the same order as epoch 0" in found
     assert "from step 9): the sampler's set_epoch is not called" in found
     assert "waiting for data takes a large share of each step (median): rank 1 " in found

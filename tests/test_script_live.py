@@ -35,8 +35,9 @@ def torchrun(session, script: str, args: list[str], n: int = 4) -> None:
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd = [*run, f"--nproc-per-node={n}", str(SCRIPTS / script), *args]
     for _ in range(3):
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                              timeout=TORCHRUN_TIMEOUT_S)  # fmt: skip
+        done = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S
+        )
         # gloo's teardown sometimes aborts a rank as it exits after destroy_process_group
         # (std::terminate in a store thread; seen twice in about 40 runs here): torch's,
         # not the script's; the run is deterministic, so it is simply run again
@@ -306,8 +307,10 @@ def _captured(ip, magic: str, line: str) -> str:
 def _children(session) -> dict[int, list[int]]:
     import psutil
 
-    return {r: [c.pid for c in psutil.Process(i.pid).children(recursive=True)]
-            for r, i in session.infos.items()}  # fmt: skip
+    return {
+        r: [c.pid for c in psutil.Process(i.pid).children(recursive=True)]
+        for r, i in session.infos.items()
+    }
 
 
 def test_dataloader_workers_record_the_same_samples_and_end_with_the_script(live4, tmp_path):

@@ -45,8 +45,11 @@ def test_each_engine_is_the_rank_the_map_says(live2):
         assert env[rank]["MASTER_ADDR"] == "127.0.0.1"
         assert int(env[rank]["MASTER_PORT"]) > 0
         # the launcher's own order decides ranks: fork index, MPI rank, SLURM_PROCID
-        index = {"local": "DTLAB_ENGINE_INDEX", "mpi": "OMPI_COMM_WORLD_RANK",
-                 "slurm": "SLURM_PROCID"}[dt.config.launcher]  # fmt: skip
+        index = {
+            "local": "DTLAB_ENGINE_INDEX",
+            "mpi": "OMPI_COMM_WORLD_RANK",
+            "slurm": "SLURM_PROCID",
+        }[dt.config.launcher]
         assert env[rank][index] == str(rank)
         assert env[rank]["OMP_NUM_THREADS"] == str(default_threads(2))  # cores / ranks
     assert len({env[r]["MASTER_PORT"] for r in dt.ranks}) == 1

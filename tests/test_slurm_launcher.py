@@ -73,13 +73,16 @@ def live4(cluster_cleanup):
 def _slurm_env() -> tuple:
     import os
 
-    return tuple(os.environ.get(k) for k in ("SLURM_PROCID", "SLURM_LOCALID", "LOCAL_RANK",
-                                              "MASTER_ADDR", "SLURM_JOB_ID"))  # fmt: skip
+    return tuple(
+        os.environ.get(k)
+        for k in ("SLURM_PROCID", "SLURM_LOCALID", "LOCAL_RANK", "MASTER_ADDR", "SLURM_JOB_ID")
+    )
 
 
 def test_launch_step_status_and_shutdown_through_slurm(slurm, ip, capsys, cluster_cleanup):
-    ip.run_line_magic("dt_launch", "4 --launcher slurm --partition debug "
-                      "--sbatch-arg=--cpus-per-task=1 --restart")  # fmt: skip
+    ip.run_line_magic(
+        "dt_launch", "4 --launcher slurm --partition debug --sbatch-arg=--cpus-per-task=1 --restart"
+    )
     assert "4 ranks ready (gloo, slurm launcher)" in capsys.readouterr().out
     dt = ip.user_ns["dt"]
     seen = dt.run(_slurm_env)

@@ -17,8 +17,14 @@ import torch.distributed as dist
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def sweep(sizes: list[int], *, iters: int = 20, warmup: int = 5, dtype: str = "float32",
-          device: str | None = None) -> list[tuple[int, float]]:  # fmt: skip
+def sweep(
+    sizes: list[int],
+    *,
+    iters: int = 20,
+    warmup: int = 5,
+    dtype: str = "float32",
+    device: str | None = None,
+) -> list[tuple[int, float]]:
     """[(bytes, seconds per all_reduce on this rank)] for each size in ``sizes`` (bytes,
     rounded down to whole elements, at least one)."""
     if dtype not in DTYPES:

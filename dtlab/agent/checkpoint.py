@@ -60,8 +60,10 @@ def failure_text(e: BaseException, folder: Path) -> str:
     if isinstance(e, CheckpointError):
         return str(e)
     if isinstance(e, CheckpointException):
-        text = "; ".join(f"rank {r}: {type(exc).__name__}: {str(exc).strip()}"
-                         for r, (exc, _) in sorted(e.failures.items()))  # fmt: skip
+        text = "; ".join(
+            f"rank {r}: {type(exc).__name__}: {str(exc).strip()}"
+            for r, (exc, _) in sorted(e.failures.items())
+        )
     else:
         text = f"{type(e).__name__}: {e}"
     if any(sign in text for sign in _WRITE_SHORT):
@@ -99,8 +101,14 @@ def save(root: str, token: str, *, tag: str | None = None, commit: bool = True) 
     omit = set(omitted)
     folder = root_path / partial_name(job.step_count, token)
     prepared, error = attempt(lambda: _prepare(job, folder, omit, me.rank), folder)
-    said = parts.gather({"rank": me.rank, "error": error, "step": job.step_count,
-                         "hash": prepared[2] if prepared else None})  # fmt: skip
+    said = parts.gather(
+        {
+            "rank": me.rank,
+            "error": error,
+            "step": job.step_count,
+            "hash": prepared[2] if prepared else None,
+        }
+    )
     error = error or _same_step(said)
     replicated = len({r["hash"] for r in said}) == 1
     reports = [r for r in said if r["error"]]
@@ -124,11 +132,19 @@ def save(root: str, token: str, *, tag: str | None = None, commit: bool = True) 
     path, why = parts.gather(committed or (None, None))[0]
     if failed or path is None:
         said = "; ".join(_by_error(failed)) or f"rank 0 could not commit it: {why}"
-        raise CheckpointError(f"checkpoint of step {job.step_count} not written ({said}); "
-                              "earlier checkpoints are untouched and the job goes on")  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint of step {job.step_count} not written ({said}); "
+            "earlier checkpoints are untouched and the job goes on"
+        )
     mine = sum(f["size"] for f in next(r for r in reports if r["rank"] == me.rank)["files"])
-    return {"path": path, "step": job.step_count, "bytes": mine, "replicated": replicated,
-            "seconds": time.perf_counter() - t0, "committed": commit}  # fmt: skip
+    return {
+        "path": path,
+        "step": job.step_count,
+        "bytes": mine,
+        "replicated": replicated,
+        "seconds": time.perf_counter() - t0,
+        "committed": commit,
+    }
 
 
 def _prepare(job, folder: Path, omit: set[str], rank: int) -> tuple[dict, bytes, int]:
@@ -161,11 +177,19 @@ def _write(job, folder: Path, state: dict, extras: bytes, rank: int) -> dict:
         before_commit()
     data = None
     if "data" not in omitted:
-        data = {"epoch": job.stream.epoch, "offset": job.stream.offset,
-                "batch_size": parts.batch_size(job)}  # fmt: skip
-    return {"rank": rank, "error": None, "files": _describe_files(folder, rank, written.sums),
-            "loss": job.records[-1].loss if job.records else None, "data": data,
-            "params": [[n, list(p.shape)] for n, p in job.module.named_parameters()]}  # fmt: skip
+        data = {
+            "epoch": job.stream.epoch,
+            "offset": job.stream.offset,
+            "batch_size": parts.batch_size(job),
+        }
+    return {
+        "rank": rank,
+        "error": None,
+        "files": _describe_files(folder, rank, written.sums),
+        "loss": job.records[-1].loss if job.records else None,
+        "data": data,
+        "params": [[n, list(p.shape)] for n, p in job.module.named_parameters()],
+    }
 
 
 def _by_error(failed: list[dict]) -> list[str]:
@@ -197,16 +221,24 @@ def _describe_files(folder: Path, rank: int, sums: dict[str, int]) -> list[dict]
     return files
 
 
-def _commit(root: Path, folder: Path, job, reports: list[dict], tag: str | None,
-            replicated: bool, rename: bool) -> tuple[str | None, str | None]:  # fmt: skip
+def _commit(
+    root: Path,
+    folder: Path,
+    job,
+    reports: list[dict],
+    tag: str | None,
+    replicated: bool,
+    rename: bool,
+) -> tuple[str | None, str | None]:
     """(final path, or with ``rename`` False the finished partial folder's, None), or
     (None, why) with the partial folder removed."""
     try:
         files = [f for r in reports for f in r["files"]]
         for f in files:  # every rank wrote into this very folder
             if (folder / f["name"]).stat().st_size != f["size"]:
-                raise CheckpointError(f"{folder / f['name']} changed size since rank "
-                                      f"{f['rank']} wrote it")  # fmt: skip
+                raise CheckpointError(
+                    f"{folder / f['name']} changed size since rank {f['rank']} wrote it"
+                )
         manifest = _manifest(job, reports, tag, replicated, files)
         write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
         fsync_dir(folder)
@@ -231,7 +263,7 @@ def _manifest(job, reports: list[dict], tag, replicated: bool, files: list[dict]
         "model": _model_entry(job, reports),
         "files": files,
         "ranks": {str(r["rank"]): {"data": r["data"]} for r in reports},
-    }  # fmt: skip
+    }
 
 
 def _model_entry(job, reports: list[dict]) -> dict:

@@ -101,8 +101,11 @@ def extras(job, omit: set[str]) -> dict:
     found: dict = {"step": job.step_count, "parts": [p for p in PARTS if p not in omit]}
     if "data" not in omit:
         stream = job.stream
-        found["data"] = {"epoch": stream.epoch, "offset": stream.offset,
-                         "batch_size": batch_size(job)}  # fmt: skip
+        found["data"] = {
+            "epoch": stream.epoch,
+            "offset": stream.offset,
+            "batch_size": batch_size(job),
+        }
         # the RNGs as the epoch's data iterator was made (it draws from torch's)
         found["epoch_rng"] = {k: v for k, v in stream.epoch_rng.items() if k not in omit}
     found["rng"] = {k: v for k, v in rng.capture().items() if k not in omit}

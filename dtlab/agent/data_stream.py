@@ -52,8 +52,10 @@ class DataStream:
         except TypeError:  # an iterable without a length: found out while seeking
             return None
         if offset > batches:
-            return (f"the data position is batch {offset} of an epoch, but this rank's data "
-                    f"has {batches} batches an epoch: not the data it was saved with")  # fmt: skip
+            return (
+                f"the data position is batch {offset} of an epoch, but this rank's data "
+                f"has {batches} batches an epoch: not the data it was saved with"
+            )
         return None
 
     def seek(self, epoch: int, offset: int, rngs: dict | None = None) -> None:

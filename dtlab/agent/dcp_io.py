@@ -38,7 +38,7 @@ _ALLOWED = {
             "StorageMeta",
             "_MEM_FORMAT_ENCODING",
         )
-    ),  # fmt: skip
+    ),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.serialization", "_get_layout"),  # looks up torch.strided and the like only
     ("torch", "Size"),
@@ -68,8 +68,10 @@ def check_metadata(metadata) -> None:
         raise pickle.UnpicklingError(f"DCP metadata is a {type(metadata).__name__}")
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
-            raise pickle.UnpicklingError(f"{key!r} is stored as {type(entry).__name__}, "
-                                         "not a tensor: dtlab writes tensors only")  # fmt: skip
+            raise pickle.UnpicklingError(
+                f"{key!r} is stored as {type(entry).__name__}, "
+                "not a tensor: dtlab writes tensors only"
+            )
     for info in (metadata.storage_data or {}).values():
         path = getattr(info, "relative_path", "")
         if not isinstance(path, str) or os.path.basename(path) != path or path in ("", ".", ".."):

@@ -21,18 +21,32 @@ from dtlab.records import JobInfo
 last: DemoJob | None = None  # this rank's demo job, for a closer look from a %%dt cell
 
 
-def attach_demo(*, ddp: bool = True, record: bool = True, lr: float = 3e-3, accumulate: int = 1,
-                no_sync: bool = True, scaler: bool = False, sharding: str | None = None,
-                **config) -> JobInfo:  # fmt: skip
+def attach_demo(
+    *,
+    ddp: bool = True,
+    record: bool = True,
+    lr: float = 3e-3,
+    accumulate: int = 1,
+    no_sync: bool = True,
+    scaler: bool = False,
+    sharding: str | None = None,
+    **config,
+) -> JobInfo:
     """Build the demo (same weights on every rank, data sharded by DistributedSampler) and
     attach it. ``ddp`` wraps it in DistributedDataParallel when there is more than one rank;
     ``scaler`` adds a GradScaler; ``accumulate``/``no_sync`` as for dtlab.attach;
     ``sharding``: ``"fsdp2"`` or ``"zero"`` (see build_demo)."""
     global last
     me = identity()
-    last = build_demo(DemoConfig(**config), rank=me.rank, world_size=me.world_size,
-                      ddp=ddp and me.world_size > 1, lr=lr, device=me.device,
-                      sharding=sharding)  # fmt: skip
+    last = build_demo(
+        DemoConfig(**config),
+        rank=me.rank,
+        world_size=me.world_size,
+        ddp=ddp and me.world_size > 1,
+        lr=lr,
+        device=me.device,
+        sharding=sharding,
+    )
     # a GradScaler as mixed-precision jobs use it (it scales the loss on CPU too)
     grad_scaler = torch.amp.GradScaler(me.device.split(":")[0], init_scale=2.0**10)
     return attach(
@@ -49,8 +63,15 @@ def attach_demo(*, ddp: bool = True, record: bool = True, lr: float = 3e-3, accu
     )
 
 
-def attach_demo_pipeline(*, plan="uniform", microbatches: int = 4, schedule: str = "gpipe",
-                         record: bool = True, lr: float = 3e-3, **config) -> JobInfo:  # fmt: skip
+def attach_demo_pipeline(
+    *,
+    plan="uniform",
+    microbatches: int = 4,
+    schedule: str = "gpipe",
+    record: bool = True,
+    lr: float = 3e-3,
+    **config,
+) -> JobInfo:
     """The demo model as a pipeline: its blocks (embed, blocks.0.., norm, head) split into
     one stage per rank by ``plan``; every rank reads the same batches."""
     from dtlab.agent.pipeline_job import attach_pipeline

@@ -31,8 +31,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-_POSITIVE_FIELDS = ("vocab_size", "seq_len", "dim", "num_layers", "num_heads", "num_experts",
-                   "expert_dim", "batch_size", "num_samples")  # fmt: skip
+_POSITIVE_FIELDS = (
+    "vocab_size",
+    "seq_len",
+    "dim",
+    "num_layers",
+    "num_heads",
+    "num_experts",
+    "expert_dim",
+    "batch_size",
+    "num_samples",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,8 +238,9 @@ def pipeline_data(config: DemoConfig) -> DataLoader:
     """The demo data as every stage of one pipeline reads it: the same batches on all
     (one replica of the data, shuffled per epoch by the sampler)."""
     dataset = SyntheticTokens(config)
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True,
-                                 seed=config.seed, drop_last=True)  # fmt: skip
+    sampler = DistributedSampler(
+        dataset, num_replicas=1, rank=0, shuffle=True, seed=config.seed, drop_last=True
+    )
     return DataLoader(dataset, batch_size=config.batch_size, sampler=sampler, num_workers=0)
 
 

@@ -138,8 +138,11 @@ class ReachedParams:
         if self.sharded:
             return
         if not self.handles:
-            self.handles = [p.register_post_accumulate_grad_hook(self._hook(i))
-                            for i, p in enumerate(self.params) if p.requires_grad]  # fmt: skip
+            self.handles = [
+                p.register_post_accumulate_grad_hook(self._hook(i))
+                for i, p in enumerate(self.params)
+                if p.requires_grad
+            ]
         self.watching = True
 
     def _hook(self, index: int):

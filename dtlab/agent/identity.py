@@ -68,8 +68,11 @@ def relevant_env(environ=None) -> dict[str, str]:
     looks secret never leaves the rank: it is sent as a hash, which still tells ranks
     that differ apart."""
     environ = os.environ if environ is None else environ
-    return {k: redacted(v) if SECRET_NAME.search(k) else v
-            for k, v in sorted(environ.items()) if k.startswith(ENV_PREFIXES)}  # fmt: skip
+    return {
+        k: redacted(v) if SECRET_NAME.search(k) else v
+        for k, v in sorted(environ.items())
+        if k.startswith(ENV_PREFIXES)
+    }
 
 
 def redacted(value: str) -> str:

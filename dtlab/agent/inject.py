@@ -43,8 +43,9 @@ def scale_lr(factor: float) -> None:
         group["lr"] *= factor
 
 
-def nan_at(module: str, step: int, *, until: int | None = None, value: float = float("nan")
-           ) -> None:  # fmt: skip
+def nan_at(
+    module: str, step: int, *, until: int | None = None, value: float = float("nan")
+) -> None:
     """Make ``module``'s forward output NaN (or ``value``, e.g. inf) at ``step`` (counted
     from 1), or at every step from ``step`` to ``until``."""
     job = current()
@@ -261,8 +262,9 @@ def die_in_repartition() -> None:
 def _named(found: dict, name: str, what: str):
     if name not in found:
         close = [n for n in found if name.split(".")[-1] in n][:5]
-        raise KeyError(f"no {what} {name!r} in the attached model; some that exist: "
-                       f"{close or list(found)[:5]}")  # fmt: skip
+        raise KeyError(
+            f"no {what} {name!r} in the attached model; some that exist: {close or list(found)[:5]}"
+        )
     return found[name]
 
 

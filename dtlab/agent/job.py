@@ -70,9 +70,24 @@ class JobEnded(Exception):
 class Job:
     """One rank's attached training job; ``step()`` runs and records one optimizer step."""
 
-    def __init__(self, model, optimizer, data, loss_fn, *, scheduler=None, scaler=None,
-                 record=True, capacity=DEFAULT_CAPACITY, indices=None, on_epoch=None,
-                 accumulate=1, no_sync=True, before_step=None, lr=None):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        optimizer,
+        data,
+        loss_fn,
+        *,
+        scheduler=None,
+        scaler=None,
+        record=True,
+        capacity=DEFAULT_CAPACITY,
+        indices=None,
+        on_epoch=None,
+        accumulate=1,
+        no_sync=True,
+        before_step=None,
+        lr=None,
+    ):
         self.model = model
         self.before_step = before_step
         self.lr_at = lr

@@ -76,9 +76,20 @@ def attach_pipeline(
     mine = dict(blocks)
     stage = StageModule([(n, mine[n]) for n in chosen.stage_blocks(rank)])
     del blocks, mine  # the other stages' blocks are freed unless the caller keeps them
-    job = PipelineJob(stage, chosen, make_optimizer, make_scheduler, data, loss_fn,
-                      split_batch=split_batch, microbatches=microbatches, schedule=schedule,
-                      record=record, indices=indices, on_epoch=on_epoch)  # fmt: skip
+    job = PipelineJob(
+        stage,
+        chosen,
+        make_optimizer,
+        make_scheduler,
+        data,
+        loss_fn,
+        split_batch=split_batch,
+        microbatches=microbatches,
+        schedule=schedule,
+        record=record,
+        indices=indices,
+        on_epoch=on_epoch,
+    )
     jobs.install(job)
     return job.info
 
@@ -96,9 +107,22 @@ def current() -> PipelineJob:
 class PipelineJob(jobs.Job):
     """One rank's stage of a pipeline job; ``step()`` runs one schedule and records it."""
 
-    def __init__(self, stage: StageModule, plan: Plan, make_optimizer, make_scheduler, data,
-                 loss_fn, *, split_batch, microbatches, schedule, record=True, indices=None,
-                 on_epoch=None):  # fmt: skip
+    def __init__(
+        self,
+        stage: StageModule,
+        plan: Plan,
+        make_optimizer,
+        make_scheduler,
+        data,
+        loss_fn,
+        *,
+        split_batch,
+        microbatches,
+        schedule,
+        record=True,
+        indices=None,
+        on_epoch=None,
+    ):
         self.plan = plan
         self.make_optimizer = make_optimizer
         self.make_scheduler = make_scheduler
@@ -113,8 +137,16 @@ class PipelineJob(jobs.Job):
         self.last_target: torch.Tensor | None = None
         optimizer = make_optimizer(stage.parameters())
         scheduler = make_scheduler(optimizer) if make_scheduler else None
-        super().__init__(stage, optimizer, data, _unused_loss, scheduler=scheduler,
-                         record=record, indices=indices, on_epoch=on_epoch)  # fmt: skip
+        super().__init__(
+            stage,
+            optimizer,
+            data,
+            _unused_loss,
+            scheduler=scheduler,
+            record=record,
+            indices=indices,
+            on_epoch=on_epoch,
+        )
         self._build_schedule()
 
     def _build_schedule(self) -> None:
@@ -183,7 +215,7 @@ class PipelineJob(jobs.Job):
                 repeats=repeats,
                 clock=self._now,
                 loss=self._profile_loss(n),
-            )  # fmt: skip
+            )
             for n in self.module.order
         ]
         self.costs.update({c.name: c for c in costs})
@@ -200,8 +232,12 @@ class PipelineJob(jobs.Job):
         params = list(self.module.parameters())
         param_bytes = sum(p.numel() * p.element_size() for p in params)
         grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-        optim = sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
-                    for t in state.values() if isinstance(t, torch.Tensor))  # fmt: skip
+        optim = sum(
+            t.numel() * t.element_size()
+            for state in self.optimizer.state.values()
+            for t in state.values()
+            if isinstance(t, torch.Tensor)
+        )
         costs = tuple(self.costs.get(c.name, c) for c in block_sizes(self.module))
         activations = [c.activation_bytes for c in costs]
         return StageReport(

@@ -102,8 +102,11 @@ class TimedStage(PipelineStage):
 
     def _event(self, microbatch: int, phase: str, start: float) -> None:
         end = self.clock()
-        self.events.append(ScheduleEvent(self.stage_index, microbatch, phase,
-                                         start - self.started, end - self.started))  # fmt: skip
+        self.events.append(
+            ScheduleEvent(
+                self.stage_index, microbatch, phase, start - self.started, end - self.started
+            )
+        )
 
 
 def block_sizes(stage: StageModule) -> list[BlockCost]:
@@ -111,13 +114,25 @@ def block_sizes(stage: StageModule) -> list[BlockCost]:
     costs = []
     for name in stage.order:
         params = list(stage.block(name).parameters())
-        costs.append(BlockCost(name, sum(p.numel() for p in params),
-                               sum(p.numel() * p.element_size() for p in params)))  # fmt: skip
+        costs.append(
+            BlockCost(
+                name,
+                sum(p.numel() for p in params),
+                sum(p.numel() * p.element_size() for p in params),
+            )
+        )
     return costs
 
 
-def profile_block(name: str, block: nn.Module, sample: torch.Tensor, *, repeats: int = 3,
-                  clock=time.perf_counter, loss=None) -> BlockCost:  # fmt: skip
+def profile_block(
+    name: str,
+    block: nn.Module,
+    sample: torch.Tensor,
+    *,
+    repeats: int = 3,
+    clock=time.perf_counter,
+    loss=None,
+) -> BlockCost:
     """Time one micro-batch's forward and backward through ``block`` from the input it saw
     in training, and count what autograd keeps for the backward (parameters excluded).
     ``loss(output)``, for the model's last block: its cost belongs to that block's stage.
@@ -154,8 +169,9 @@ def profile_block(name: str, block: nn.Module, sample: torch.Tensor, *, repeats:
                 backward.append(t2 - t1)
     size = sum(p.numel() for p in block.parameters())
     nbytes = sum(p.numel() * p.element_size() for p in block.parameters())
-    return BlockCost(name, size, nbytes, statistics.median(forward),
-                     statistics.median(backward), saved[0])  # fmt: skip
+    return BlockCost(
+        name, size, nbytes, statistics.median(forward), statistics.median(backward), saved[0]
+    )
 
 
 @contextlib.contextmanager
@@ -176,8 +192,9 @@ class InputCapture:
     def __init__(self, stage: StageModule, timed: TimedStage | None = None) -> None:
         self.inputs: dict[str, torch.Tensor] = {}
         self.timed = timed
-        self.handles = [stage.block(name).register_forward_pre_hook(self._hook(name))
-                        for name in stage.order]  # fmt: skip
+        self.handles = [
+            stage.block(name).register_forward_pre_hook(self._hook(name)) for name in stage.order
+        ]
 
     def _hook(self, name: str):
         def keep(module, args):

@@ -154,8 +154,9 @@ def object_bytes(record) -> int:
     return total
 
 
-def memory(params: Sequence[torch.Tensor], optimizer, device: torch.device,
-           dtlab_bytes: int = 0) -> StepMemory:  # fmt: skip
+def memory(
+    params: Sequence[torch.Tensor], optimizer, device: torch.device, dtlab_bytes: int = 0
+) -> StepMemory:
     cuda = {}
     if device.type == "cuda":
         cuda = {

@@ -34,8 +34,10 @@ from dtlab.analysis.partition import Plan
 MOVE_TIMEOUT_S = 120.0
 POLL_S = 0.0005
 
-STALLED = ("a rank died or hangs; nothing moved on this rank. Restart from the last "
-           "checkpoint (%dt_restart --from-checkpoint)")  # fmt: skip
+STALLED = (
+    "a rank died or hangs; nothing moved on this rank. Restart from the last "
+    "checkpoint (%dt_restart --from-checkpoint)"
+)
 _inject: dict = {}  # faults made on purpose (dtlab.inject): {"fail_build", "die"}: True
 
 
@@ -43,8 +45,12 @@ class MoveFailed(RuntimeError):
     """The move was abandoned before any rank changed; the job is as it was."""
 
 
-def repartition(blocks: tuple[str, ...], bounds: tuple[int, ...], timeout_s: float = MOVE_TIMEOUT_S,
-                move_id: str = "") -> dict:  # fmt: skip
+def repartition(
+    blocks: tuple[str, ...],
+    bounds: tuple[int, ...],
+    timeout_s: float = MOVE_TIMEOUT_S,
+    move_id: str = "",
+) -> dict:
     """Take the stage that ``Plan(blocks, bounds)`` gives this rank; returns what moved.
 
     One deadline covers every phase. Raises :class:`MoveFailed` (nothing changed here)
@@ -75,8 +81,12 @@ def repartition(blocks: tuple[str, ...], bounds: tuple[int, ...], timeout_s: flo
     with _no_interrupt():
         job.rebind(*built)
     sent = sum(len(b) for b in outgoing.values())
-    return {"moved": {n: list(m) for n, m in moves.items()}, "bytes_sent": sent,
-            "seconds": time.perf_counter() - started, "blocks": list(job.module.order)}  # fmt: skip
+    return {
+        "moved": {n: list(m) for n, m in moves.items()},
+        "bytes_sent": sent,
+        "seconds": time.perf_counter() - started,
+        "blocks": list(job.module.order),
+    }
 
 
 class Decision:
@@ -179,8 +189,9 @@ def _finish(work, deadline: float, phase: str) -> None:
     work.wait()  # raises the collective's own error, if it had one
 
 
-def _exchange(outgoing: dict[int, bytes], moves: dict, rank: int, world: int, group,
-              deadline: float) -> dict[int, bytes]:  # fmt: skip
+def _exchange(
+    outgoing: dict[int, bytes], moves: dict, rank: int, world: int, group, deadline: float
+) -> dict[int, bytes]:
     sizes = torch.zeros(world, dtype=torch.int64)
     for dest, data in outgoing.items():
         sizes[dest] = len(data)
@@ -215,8 +226,7 @@ def _build(job: PipelineJob, new: Plan, incoming: dict[int, bytes], rank: int):
     received = {}
     for data in incoming.values():
         # from this job's own ranks over its process group: the same trust as the job
-        received.update(torch.load(io.BytesIO(data), weights_only=False,
-                                   map_location=job.device))  # fmt: skip
+        received.update(torch.load(io.BytesIO(data), weights_only=False, map_location=job.device))
     if _inject.pop("fail_build", False):
         raise RuntimeError("injected failure while building the new stage")
     blocks = []
@@ -237,8 +247,11 @@ def _build(job: PipelineJob, new: Plan, incoming: dict[int, bytes], rank: int):
 
 
 def _carry_optimizer(job: PipelineJob, stage: StageModule, optimizer, received: dict) -> None:
-    old = {n: job.optimizer.state[p] for n, p in job.module.named_parameters()
-           if p in job.optimizer.state}  # fmt: skip
+    old = {
+        n: job.optimizer.state[p]
+        for n, p in job.module.named_parameters()
+        if p in job.optimizer.state
+    }
     for block in received.values():
         old.update(block["optimizer"])
     names = [n for n, _ in stage.named_parameters()]

@@ -49,24 +49,38 @@ def load(path: str) -> dict:
     tensors, error = attempt(lambda: _targets(job, manifest, extras, source), folder)
     _agree(error, folder)
     group = control_group()  # None: one process, no collective to make
-    read = dict(storage_reader=SafeFileSystemReader(str(folder)), planner=tensors_only_planner(),
-                process_group=group, no_dist=group is None)  # fmt: skip
+    read = dict(
+        storage_reader=SafeFileSystemReader(str(folder)),
+        planner=tensors_only_planner(),
+        process_group=group,
+        no_dist=group is None,
+    )
     _, error = attempt(lambda: dcp.load(tensors, **read), folder)  # every rank: collective
-    _agree(error, folder, after="its files checked out, but reading them failed; the model "
-           "and optimizer may be partly overwritten: load another checkpoint")  # fmt: skip
+    _agree(
+        error,
+        folder,
+        after="its files checked out, but reading them failed; the model "
+        "and optimizer may be partly overwritten: load another checkpoint",
+    )
     same_world = manifest["world_size"] == me.world_size
     if not manifest.get("replicated", True):
         tensors = {key: value[str(source)] for key, value in tensors.items()}
     try:
         restored = _apply(job, tensors, extras, position, same_world)
     except Exception as e:
-        raise CheckpointError(f"checkpoint {folder}: rank {me.rank} could not apply its "
-                              f"state ({type(e).__name__}: {e}); the job is partly loaded: "
-                              "load another checkpoint") from None  # fmt: skip
-    notes = [] if same_world else [
-        f"world size {manifest['world_size']} -> {me.world_size}: RNG streams are per rank "
-        "and were not restored; the data position was converted"
-    ]  # fmt: skip
+        raise CheckpointError(
+            f"checkpoint {folder}: rank {me.rank} could not apply its "
+            f"state ({type(e).__name__}: {e}); the job is partly loaded: "
+            "load another checkpoint"
+        ) from None
+    notes = (
+        []
+        if same_world
+        else [
+            f"world size {manifest['world_size']} -> {me.world_size}: RNG streams are per rank "
+            "and were not restored; the data position was converted"
+        ]
+    )
     missing = [p for p in parts.PARTS if p not in extras["parts"]]
     return {"step": job.step_count, "restored": restored, "missing": missing, "notes": notes}
 
@@ -119,8 +133,9 @@ def _check_metadata(folder: Path) -> None:
     try:
         SafeFileSystemReader(str(folder)).read_metadata()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{folder}/.metadata was refused ({e}); nothing was loaded, "
-                              "the job is as it was") from None  # fmt: skip
+        raise CheckpointError(
+            f"{folder}/.metadata was refused ({e}); nothing was loaded, the job is as it was"
+        ) from None
 
 
 def _check_model(manifest: dict, job, folder: Path, source: int) -> None:
@@ -132,8 +147,11 @@ def _check_model(manifest: dict, job, folder: Path, source: int) -> None:
         return
     only_saved = sorted(set(saved) - set(here))[:3]
     only_here = sorted(set(here) - set(saved))[:3]
-    shapes = [f"{n} is {saved[n]} there, {here[n]} here"
-              for n in sorted(set(saved) & set(here)) if saved[n] != here[n]][:3]  # fmt: skip
+    shapes = [
+        f"{n} is {saved[n]} there, {here[n]} here"
+        for n in sorted(set(saved) & set(here))
+        if saved[n] != here[n]
+    ][:3]
     detail = "; ".join(
         ([f"only in the checkpoint: {only_saved}"] if only_saved else [])
         + ([f"only in the job: {only_here}"] if only_here else [])
@@ -156,8 +174,10 @@ def _check_optimizer(saved: dict, job, folder: Path) -> None:
     kinds = {k for state in live.values() for k in state}
     if kinds and keys and kinds != keys:
         kind = type(parts.local_optimizer(job)).__name__
-        raise CheckpointError(f"{folder}: the optimizer state holds {sorted(keys)}, this "
-                              f"job's {kind} {sorted(kinds)}: another optimizer")  # fmt: skip
+        raise CheckpointError(
+            f"{folder}: the optimizer state holds {sorted(keys)}, this "
+            f"job's {kind} {sorted(kinds)}: another optimizer"
+        )
 
 
 def _groups_by_name(job) -> list[list[str]]:
@@ -186,8 +206,11 @@ def _position(manifest: dict, job, world_size: int) -> tuple[int, int] | None:
     samples = data["offset"] * batch * saved_world
     if samples % (new_batch * world_size):
         per_step = batch * saved_world
-        hint = (f"; a per-rank batch of {per_step // world_size} keeps the steps equal"
-                if per_step % world_size == 0 else "")  # fmt: skip
+        hint = (
+            f"; a per-rank batch of {per_step // world_size} keeps the steps equal"
+            if per_step % world_size == 0
+            else ""
+        )
         raise CheckpointError(
             f"cannot carry the data position from {saved_world} ranks x {batch} samples to "
             f"{world_size} x {new_batch}: {samples} samples is not a whole number of steps{hint}"
@@ -207,10 +230,12 @@ def _targets(job, manifest: dict, extras: dict, source: int) -> dict:
         live, _ = parts.optimizer_split(job)
         params = dict(job.module.named_parameters())
         tensors["optim"] = {
-            name: {k: _reuse(live.get(name, {}).get(k), shape, dtype, params.get(name))
-                   for k, (shape, dtype) in s.items()}
+            name: {
+                k: _reuse(live.get(name, {}).get(k), shape, dtype, params.get(name))
+                for k, (shape, dtype) in s.items()
+            }
             for name, s in extras["optimizer"]["shapes"].items()
-        }  # fmt: skip
+        }
     if manifest.get("replicated", True):
         return tensors
     return {key: {str(source): value} for key, value in tensors.items()}

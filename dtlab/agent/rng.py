@@ -43,15 +43,19 @@ def capture() -> dict[str, Any]:
             "version": version,
             "state": torch.tensor(internal, dtype=torch.int64),
             "gauss": gauss,
-        },  # fmt: skip
+        },
         "torch": torch.get_rng_state(),
     }
     np = _numpy()
     if np is not None:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
-        states["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")),
-                           "pos": int(pos), "has_gauss": int(has_gauss),
-                           "cached": float(cached)}  # fmt: skip
+        states["numpy"] = {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        }
     if _cuda_ready():
         states["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
     return states

@@ -82,8 +82,10 @@ def run_exit_handlers() -> list[str]:
         try:
             func(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - reported, as Python reports them
-            said.append(f"the script's atexit function {getattr(func, '__name__', func)} "
-                        f"raised {type(e).__name__}: {e}")  # fmt: skip
+            said.append(
+                f"the script's atexit function {getattr(func, '__name__', func)} "
+                f"raised {type(e).__name__}: {e}"
+            )
     return said
 
 

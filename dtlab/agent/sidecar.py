@@ -80,8 +80,9 @@ class Sidecar(threading.Thread):
         import zmq
 
         try:
-            socket.send(json.dumps({"key": self.key, "rank": self.rank, **fields}).encode(),
-                        zmq.NOBLOCK)  # fmt: skip
+            socket.send(
+                json.dumps({"key": self.key, "rank": self.rank, **fields}).encode(), zmq.NOBLOCK
+            )
         except zmq.Again:
             pass
 
@@ -129,8 +130,11 @@ def _live_groups() -> dict[str, list[int]]:
         return {}
     from dtlab.agent.groups import retired_groups
 
-    return {name: dist.get_process_group_ranks(pg) for pg, name in _world.pg_names.items()
-            if name not in retired_groups()}  # fmt: skip
+    return {
+        name: dist.get_process_group_ranks(pg)
+        for pg, name in _world.pg_names.items()
+        if name not in retired_groups()
+    }
 
 
 def collectives(watermark: int = -1) -> list[dict]:
@@ -146,14 +150,16 @@ def collectives(watermark: int = -1) -> list[dict]:
         name, desc = (list(e.get("process_group", ["?", "?"])) + ["?"])[:2]
         if e.get("is_p2p") or name not in groups or int(e.get("record_id", 0)) <= watermark:
             continue
-        by_group.setdefault(name, []).append({
-            "group": desc if desc not in ("", "undefined") else f"group {name}",
-            "group_id": name,
-            "members": groups[name],
-            "seq": int(e.get("collective_seq_id", 0)),
-            "op": str(e.get("profiling_name", "?")).split(":")[-1],
-            "sizes": e.get("input_sizes", []),
-            "dtypes": e.get("input_dtypes", []),
-            "done": bool(e.get("retired")),
-        })  # fmt: skip
+        by_group.setdefault(name, []).append(
+            {
+                "group": desc if desc not in ("", "undefined") else f"group {name}",
+                "group_id": name,
+                "members": groups[name],
+                "seq": int(e.get("collective_seq_id", 0)),
+                "op": str(e.get("profiling_name", "?")).split(":")[-1],
+                "sizes": e.get("input_sizes", []),
+                "dtypes": e.get("input_dtypes", []),
+                "done": bool(e.get("retired")),
+            }
+        )
     return [call for calls in by_group.values() for call in calls[-KEEP_PER_GROUP:]]

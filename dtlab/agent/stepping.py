@@ -97,8 +97,16 @@ class Agreement:
     step_s: float = 0.0  # the slowest rank's seconds per step since the last agreement
 
 
-def agree(pause: bool, hit: bool, fp: int, *, failed: bool = False, seq: int = 0,
-          timeout_s: float | None = None, step_s: float = 0.0) -> Agreement:  # fmt: skip
+def agree(
+    pause: bool,
+    hit: bool,
+    fp: int,
+    *,
+    failed: bool = False,
+    seq: int = 0,
+    timeout_s: float | None = None,
+    step_s: float = 0.0,
+) -> Agreement:
     """What all ranks say together (one all-reduce). ``seq`` numbers the agreement: ranks
     that disagree on it are out of step (RuntimeError). The wait polls, so SIGINT can break
     it; with ``timeout_s`` a rank stops waiting for peers (TimeoutError). ``step_s``: this
@@ -108,8 +116,10 @@ def agree(pause: bool, hit: bool, fp: int, *, failed: bool = False, seq: int = 0
     group = control_group()
     if group is None:
         return Agreement(pause, hit, failed)
-    flags = torch.tensor([int(pause), int(hit), int(failed), fp, -fp, seq, -seq,
-                          int(step_s * 1e6)], dtype=torch.int64)  # fmt: skip
+    flags = torch.tensor(
+        [int(pause), int(hit), int(failed), fp, -fp, seq, -seq, int(step_s * 1e6)],
+        dtype=torch.int64,
+    )
     work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while not work.is_completed():
@@ -123,8 +133,9 @@ def agree(pause: bool, hit: bool, fp: int, *, failed: bool = False, seq: int = 0
             "ranks are out of step in their agreements (a leftover of a failed run); the "
             "notebook rebuilds their control group before the next run"
         )
-    return Agreement(bool(some_pause), bool(some_hit), bool(some_failed), top != -neg_bottom,
-                     us / 1e6)  # fmt: skip
+    return Agreement(
+        bool(some_pause), bool(some_hit), bool(some_failed), top != -neg_bottom, us / 1e6
+    )
 
 
 @contextmanager
@@ -305,8 +316,13 @@ class StepServer:
                 now = time.monotonic()
                 step_s = (now - last_agreed) / (index - state.agreed_at)
                 state.agreed_at = index
-                said = agree(pause, state.hit, _combined_fingerprint(rec), seq=state.seq(index),
-                             step_s=step_s)  # fmt: skip
+                said = agree(
+                    pause,
+                    state.hit,
+                    _combined_fingerprint(rec),
+                    seq=state.seq(index),
+                    step_s=step_s,
+                )
                 state.agreed(index, said.step_s)
                 last_agreed = now
                 met = said.hit
@@ -345,8 +361,9 @@ class StepServer:
             return  # no peer will wait for this rank in an agreement
         try:
             with _interruptible():
-                agree(False, False, 0, failed=True, seq=state.seq(at),
-                      timeout_s=AGREE_AFTER_ERROR_S)  # fmt: skip
+                agree(
+                    False, False, 0, failed=True, seq=state.seq(at), timeout_s=AGREE_AFTER_ERROR_S
+                )
         except BaseException:
             pass  # peers are elsewhere (e.g. in DDP's all-reduce); the notebook regroups
 

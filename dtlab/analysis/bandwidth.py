@@ -34,8 +34,9 @@ class Sweep:
         return max((p.busbw for p in self.points), default=0.0)
 
 
-def combine(times: Mapping[int, Sequence[tuple[int, float]]], *, label: str, backend: str,
-            dtype: str) -> Sweep:  # fmt: skip
+def combine(
+    times: Mapping[int, Sequence[tuple[int, float]]], *, label: str, backend: str, dtype: str
+) -> Sweep:
     """{rank: [(bytes, seconds)]} from every rank -> one Sweep (slowest rank per size)."""
     if not times:
         raise ValueError("no rank reported a sweep")
@@ -71,7 +72,9 @@ def compare_sweeps(a: Sweep, b: Sweep) -> str:
         raise ValueError("the two sweeps measured different message sizes")
     small, large = a.points[0], a.points[-1]
     small_b, large_b = b.points[0], b.points[-1]
-    return (f"{b.label} vs {a.label}: latency at {small.size} B {small_b.time_s * 1e6:.0f} vs "
-            f"{small.time_s * 1e6:.0f} us ({small.time_s / small_b.time_s:.2f}x); bus bandwidth "
-            f"at {large.size / 2**20:g} MiB {large_b.busbw / 1e9:.2f} vs {large.busbw / 1e9:.2f}"
-            f" GB/s ({large_b.busbw / large.busbw:.2f}x)")  # fmt: skip
+    return (
+        f"{b.label} vs {a.label}: latency at {small.size} B {small_b.time_s * 1e6:.0f} vs "
+        f"{small.time_s * 1e6:.0f} us ({small.time_s / small_b.time_s:.2f}x); bus bandwidth "
+        f"at {large.size / 2**20:g} MiB {large_b.busbw / 1e9:.2f} vs {large.busbw / 1e9:.2f}"
+        f" GB/s ({large_b.busbw / large.busbw:.2f}x)"
+    )

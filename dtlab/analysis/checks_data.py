@@ -61,9 +61,13 @@ def check_data_order(evidence: Evidence) -> CheckResult:
     elif has_inputs:
         findings += _same_inputs_findings(records)
     findings += _data_wait_findings(records)
-    what = ("sample indices by epoch and" if has_indices else
-            "model input fingerprints (no sample indices) and" if has_inputs else
-            "(sample indices not recorded)")  # fmt: skip
+    what = (
+        "sample indices by epoch and"
+        if has_indices
+        else "model input fingerprints (no sample indices) and"
+        if has_inputs
+        else "(sample indices not recorded)"
+    )
     why = "no rank waited for data over 30% of a step" + (
         "; no two ranks read a sample in one epoch; each epoch came in a new order"
         if has_indices
@@ -75,14 +79,23 @@ def check_data_order(evidence: Evidence) -> CheckResult:
     looked = f"{shape_of(records)} of {what} data time per step"
     if not (has_indices or has_inputs or findings):
         return CheckResult(
-            "data_order", "Data sharding and input pipeline", (), looked,
+            "data_order",
+            "Data sharding and input pipeline",
+            (),
+            looked,
             "not checked: sample identity unknown (no sample indices and no input "
             "fingerprints were recorded), so ranks reading the same samples cannot be "
-            "seen; no rank waited for data over 30% of a step", checked=False,
+            "seen; no rank waited for data over 30% of a step",
+            checked=False,
             needs="pass indices= to dtlab.attach, or draw batches from a DataLoader",
-        )  # fmt: skip
-    return CheckResult("data_order", "Data sharding and input pipeline", tuple(findings),
-                       looked, "" if findings else why)  # fmt: skip
+        )
+    return CheckResult(
+        "data_order",
+        "Data sharding and input pipeline",
+        tuple(findings),
+        looked,
+        "" if findings else why,
+    )
 
 
 SAME_INPUTS_FIX = (
@@ -96,8 +109,11 @@ def _same_inputs_findings(records: Records) -> list[Finding]:
     """Ranks whose model got bit-identical inputs at the same step, in at least half of the
     steps (and two): without sample indices, the fingerprints of the model's input tensors
     tell that the ranks train on the same data."""
-    steps = [(s, at) for s, at in aligned_steps(records)
-             if all(rec.input_fingerprints for rec in at.values())]  # fmt: skip
+    steps = [
+        (s, at)
+        for s, at in aligned_steps(records)
+        if all(rec.input_fingerprints for rec in at.values())
+    ]
     shared: dict[tuple[int, ...], list[int]] = {}
     for step, at in steps:
         groups: dict[tuple, list[int]] = {}
@@ -116,8 +132,11 @@ def _same_inputs_findings(records: Records) -> list[Finding]:
                 f"{len(ranks)} ranks do the work of one"
             )
             evidence = {"steps": at_steps[:20], "num_steps": len(steps)}
-            found.append(Finding("data_order", ranks, summary, at_steps[0], evidence,
-                                 SAME_INPUTS_FIX, "error"))  # fmt: skip
+            found.append(
+                Finding(
+                    "data_order", ranks, summary, at_steps[0], evidence, SAME_INPUTS_FIX, "error"
+                )
+            )
     return found
 
 
@@ -247,8 +266,11 @@ def _same_order_findings(records: Records) -> list[Finding]:
         f"{label_ranks(ranks)} read epoch {epoch} in the same order as epoch {epoch - 1} "
         f"(the first {n} batches match, from step {step}): the sampler's set_epoch is not called"
     )
-    evidence = {"repeated": {r: {"epoch": e, "step": s, "num_steps": k}
-                             for r, (e, s, k) in repeated.items()}}  # fmt: skip
+    evidence = {
+        "repeated": {
+            r: {"epoch": e, "step": s, "num_steps": k} for r, (e, s, k) in repeated.items()
+        }
+    }
     return [Finding("data_order", ranks, summary, step, evidence, SET_EPOCH_FIX, "warning")]
 
 
@@ -279,8 +301,19 @@ def _data_wait_findings(records: Records) -> list[Finding]:
     what = f"waiting for data takes a large share of each step (median): {shares}"
     if len(slow) == len(records):
         what += ": the input pipeline is the bottleneck"
-    evidence = {"data_fraction": {r: v[0] for r, v in slow.items()},
-                "data_seconds": {r: v[1] for r, v in slow.items()}}  # fmt: skip
+    evidence = {
+        "data_fraction": {r: v[0] for r, v in slow.items()},
+        "data_seconds": {r: v[1] for r, v in slow.items()},
+    }
     step = min(v[2] for v in slow.values())
-    return [Finding("data_order", ranks, f"{what}, from step {step}", step, evidence,
-                    DATA_WAIT_FIX, "warning")]  # fmt: skip
+    return [
+        Finding(
+            "data_order",
+            ranks,
+            f"{what}, from step {step}",
+            step,
+            evidence,
+            DATA_WAIT_FIX,
+            "warning",
+        )
+    ]

@@ -56,19 +56,35 @@ def _nccl_debug_verbose(value: str, info: RankInfo) -> bool:
 
 ENV_RULES: tuple[EnvRule, ...] = (
     # (no GLOO_* rule for NCCL jobs: CPU tensors, and dtlab's own agreement, use gloo there)
-    EnvRule("NCCL_*", _on_gloo_not_informational, "advice",
-            "has no effect on a gloo group",
-            "unset it, or launch with --backend nccl if NCCL was meant"),
-    EnvRule("CUDA_LAUNCH_BLOCKING", "1", "warning",
-            "serialises CUDA kernels, so every timing is distorted and steps run slower",
-            "unset it once the failing kernel is found"),
-    EnvRule("TORCH_DISTRIBUTED_DEBUG", "DETAIL", "warning",
-            "adds consistency checks to every collective call, so steps run slower",
-            "set it to INFO or OFF unless you are hunting a mismatched collective"),
-    EnvRule("NCCL_DEBUG", _nccl_debug_verbose, "advice",
-            "makes NCCL log every communicator and, at TRACE, every call (log volume)",
-            "set NCCL_DEBUG=WARN once the communicator setup is understood"),
-)  # fmt: skip
+    EnvRule(
+        "NCCL_*",
+        _on_gloo_not_informational,
+        "advice",
+        "has no effect on a gloo group",
+        "unset it, or launch with --backend nccl if NCCL was meant",
+    ),
+    EnvRule(
+        "CUDA_LAUNCH_BLOCKING",
+        "1",
+        "warning",
+        "serialises CUDA kernels, so every timing is distorted and steps run slower",
+        "unset it once the failing kernel is found",
+    ),
+    EnvRule(
+        "TORCH_DISTRIBUTED_DEBUG",
+        "DETAIL",
+        "warning",
+        "adds consistency checks to every collective call, so steps run slower",
+        "set it to INFO or OFF unless you are hunting a mismatched collective",
+    ),
+    EnvRule(
+        "NCCL_DEBUG",
+        _nccl_debug_verbose,
+        "advice",
+        "makes NCCL log every communicator and, at TRACE, every call (log volume)",
+        "set NCCL_DEBUG=WARN once the communicator setup is understood",
+    ),
+)
 
 # Measured on 2 cores, gloo DDP (docs/design.md, "Threads").
 OVERSUBSCRIPTION_COST = (
@@ -148,8 +164,14 @@ def _values(groups) -> dict[str, object]:
 def _env_rule_findings(infos: Mapping[int, RankInfo]) -> list[Finding]:
     findings = []
     for rule in ENV_RULES:
-        names = sorted({n for info in infos.values() for n in info.env
-                        if _names(rule, n) and n not in INFORMATIONAL})  # fmt: skip
+        names = sorted(
+            {
+                n
+                for info in infos.values()
+                for n in info.env
+                if _names(rule, n) and n not in INFORMATIONAL
+            }
+        )
         for name in names:
             hits = {
                 r: info.env[name]
@@ -237,7 +259,7 @@ def _oversubscription_finding(
             "total_threads": total,
             "cores": cores,
             "passive_wait": passive,
-        },  # fmt: skip
+        },
         fix=fix,
         severity="advice" if passive else "warning",
     )

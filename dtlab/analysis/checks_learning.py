@@ -47,17 +47,23 @@ def check_learning(evidence: Evidence) -> CheckResult:
     looked = f"{shape_of(evidence.records)} of losses, LRs, gradient norms and parameter prints"
     if steps < MIN_STEPS:
         return CheckResult(
-            "learning", "The job learns something", (), looked,
+            "learning",
+            "The job learns something",
+            (),
+            looked,
             f"not checked: needs {MIN_STEPS} steps that were not skipped on every rank, "
-            f"has {steps}", checked=False, needs=f"run at least {MIN_STEPS} steps",
-        )  # fmt: skip
+            f"has {steps}",
+            checked=False,
+            needs=f"run at least {MIN_STEPS} steps",
+        )
     findings = _findings(records)
     why = (
         "on some rank at some step the LR was above 0, the gradients were not all zero, "
         "the parameters changed and the loss moved"
     )
-    return CheckResult("learning", "The job learns something", tuple(findings), looked,
-                       "" if findings else why)  # fmt: skip
+    return CheckResult(
+        "learning", "The job learns something", tuple(findings), looked, "" if findings else why
+    )
 
 
 def _findings(records: Records) -> list[Finding]:
@@ -67,34 +73,63 @@ def _findings(records: Records) -> list[Finding]:
     span = f"steps {first}-{last}"
     found = []
     if _everywhere(records, lambda rec: rec.lr is not None and rec.lr == 0.0):
-        found.append(Finding(
-            "not_learning", ranks, f"the LR is 0 at every step ({span}) on every rank: "
-            "no step changes the parameters", first, {"lr": 0.0}, LR_ZERO_FIX, "error",
-        ))  # fmt: skip
+        found.append(
+            Finding(
+                "not_learning",
+                ranks,
+                f"the LR is 0 at every step ({span}) on every rank: no step changes the parameters",
+                first,
+                {"lr": 0.0},
+                LR_ZERO_FIX,
+                "error",
+            )
+        )
     zero = _everywhere(records, _zero_gradients)
     if zero:
         loss = _constant_loss(records)
         said = f"; the loss is {loss:.6g} throughout" if loss is not None else ""
-        found.append(Finding(
-            "not_learning", ranks, f"every gradient is zero (or vanishing, norm <= "
-            f"{VANISHING_NORM:g}) at every step ({span}) on every rank{said}: the job "
-            "learns nothing", first, {"loss": loss}, ZERO_GRAD_FIX, "error",
-        ))  # fmt: skip
+        found.append(
+            Finding(
+                "not_learning",
+                ranks,
+                f"every gradient is zero (or vanishing, norm <= "
+                f"{VANISHING_NORM:g}) at every step ({span}) on every rank{said}: the job "
+                "learns nothing",
+                first,
+                {"loss": loss},
+                ZERO_GRAD_FIX,
+                "error",
+            )
+        )
     elif not found and _parameters_frozen(records):
-        found.append(Finding(
-            "not_learning", ranks, f"the parameters did not change in {span} on any rank, "
-            "although the optimizer stepped", first, {}, FROZEN_FIX, "error",
-        ))  # fmt: skip
+        found.append(
+            Finding(
+                "not_learning",
+                ranks,
+                f"the parameters did not change in {span} on any rank, "
+                "although the optimizer stepped",
+                first,
+                {},
+                FROZEN_FIX,
+                "error",
+            )
+        )
     elif not found:
         losses = _losses_frozen(records)
         if losses is not None:
             values = sorted(set(losses.values()))
             said = f"is {values[0]:.6g}" if len(values) == 1 else "stays the same number"
-            found.append(Finding(
-                "not_learning", ranks, f"the loss {said} at every step ({span}) on every "
-                "rank, whatever the batch", first, {"loss": losses}, CONSTANT_LOSS_FIX,
-                "warning",
-            ))  # fmt: skip
+            found.append(
+                Finding(
+                    "not_learning",
+                    ranks,
+                    f"the loss {said} at every step ({span}) on every rank, whatever the batch",
+                    first,
+                    {"loss": losses},
+                    CONSTANT_LOSS_FIX,
+                    "warning",
+                )
+            )
     return found
 
 

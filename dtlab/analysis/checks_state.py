@@ -45,8 +45,7 @@ def _finding(what: str, found, total: int, fix: str) -> Finding:
     head = f"{what} differ across ranks before the first step: {name}"
     if 2 * len(groups[0][0]) > sum(len(ranks) for ranks, _ in groups):  # a majority
         outliers = tuple(sorted(r for ranks, _ in groups[1:] for r in ranks))
-        where = (f"differs on {label_ranks(outliers)} from the copy "
-                 f"{label_ranks(groups[0][0])} hold")  # fmt: skip
+        where = f"differs on {label_ranks(outliers)} from the copy {label_ranks(groups[0][0])} hold"
     else:  # none is right by number: every rank is named, every group listed
         outliers = tuple(sorted(r for ranks, _ in groups for r in ranks))
         split = " | ".join(label_ranks(ranks) for ranks, _ in groups)
@@ -79,8 +78,13 @@ def check_initial_state(evidence: Evidence) -> CheckResult:
         # (a forward before step 1 changes buffers per rank; DDP's broadcast then evens them)
         findings.append(_finding("buffers", found, len(names), BUFFER_FIX))
     why = "" if findings else "every rank started from bitwise-identical parameters and buffers"
-    return CheckResult("initial_state", "Same weights and buffers on every rank at start",
-                       tuple(findings), looked, why)  # fmt: skip
+    return CheckResult(
+        "initial_state",
+        "Same weights and buffers on every rank at start",
+        tuple(findings),
+        looked,
+        why,
+    )
 
 
 def _buffers_agree_at_step_1(evidence: Evidence) -> bool:

@@ -59,8 +59,13 @@ def check_numerics(evidence: Evidence) -> CheckResult:
         "skipped no more steps than calibration does"
     )
     looked = f"{shape_of(records)} of losses, non-finite gradient counts and GradScaler scale"
-    return CheckResult("numerics", "Non-finite losses and gradients", tuple(findings), looked,
-                       "" if findings else why)  # fmt: skip
+    return CheckResult(
+        "numerics",
+        "Non-finite losses and gradients",
+        tuple(findings),
+        looked,
+        "" if findings else why,
+    )
 
 
 def _bad(rec: StepRecord) -> bool:
@@ -86,15 +91,18 @@ def _nonfinite_findings(records: Records) -> list[Finding]:
     summary = f"{label_ranks(ranks)} went non-finite at step {step}: {' and '.join(parts)}"
     received = tuple(r for r in bad if r not in ranks)
     if received:
-        summary += (f"; {label_ranks(received)} only received inf/nan gradients "
-                    "(through the all-reduce)")  # fmt: skip
+        summary += (
+            f"; {label_ranks(received)} only received inf/nan gradients (through the all-reduce)"
+        )
     modules = {r: at[r].nonfinite_module for r in ranks if at[r].nonfinite_module}
     if modules:  # modules were watched: where the first inf/nan came from, per rank
         first = ", ".join(f"{m} on rank {r}" for r, m in modules.items())
         summary += f"; first non-finite output: {first}"
-    evidence = {"loss": {r: rec.loss for r, rec in at.items()},
-                "num_nonfinite": {r: rec.num_nonfinite for r, rec in at.items()},
-                "module": modules}  # fmt: skip
+    evidence = {
+        "loss": {r: rec.loss for r, rec in at.items()},
+        "num_nonfinite": {r: rec.num_nonfinite for r, rec in at.items()},
+        "module": modules,
+    }
     return [Finding("numerics", ranks, summary, step, evidence, NONFINITE_FIX, "error")]
 
 
@@ -129,10 +137,14 @@ def _scaler_findings(records: Records) -> list[Finding]:
     ranks = tuple(trouble)
     step = min(t["first_step"] for t in trouble.values())
     t = trouble[ranks[0]]
-    scale = "" if t["first_scale"] is None else (
-        f"; scale {t['first_scale']:g} at first, {t['min_scale']:g} at least, "
-        f"{t['last_scale']:g} now"
-    )  # fmt: skip
+    scale = (
+        ""
+        if t["first_scale"] is None
+        else (
+            f"; scale {t['first_scale']:g} at first, {t['min_scale']:g} at least, "
+            f"{t['last_scale']:g} now"
+        )
+    )
     summary = (
         f"{label_ranks(ranks)}: GradScaler skipped {t['num_skipped']} steps, up to "
         f"{t['longest_run']} in a row, from step {step}{scale}"
@@ -153,10 +165,14 @@ def check_learning_rate(evidence: Evidence) -> CheckResult:
     steps = aligned_steps(records)
     if not any(rec.lr is not None for _, at in steps for rec in at.values()):
         return CheckResult(
-            "learning_rate", "Learning rate across ranks", (), f"{len(steps)} steps",
+            "learning_rate",
+            "Learning rate across ranks",
+            (),
+            f"{len(steps)} steps",
             "not checked: no rank recorded a learning rate (no param_groups 'lr')",
-            checked=False, needs="an optimizer whose param groups carry 'lr'",
-        )  # fmt: skip
+            checked=False,
+            needs="an optimizer whose param groups carry 'lr'",
+        )
     differing = [(step, *_lr_outliers(at)) for step, at in steps]
     differing = [d for d in differing if d[1]]
     findings = []
@@ -172,8 +188,13 @@ def check_learning_rate(evidence: Evidence) -> CheckResult:
     last_lr = _lr_outliers(steps[-1][1])[1] if steps else None
     looked = f"LR per rank at {len(steps)} steps; {_batch_table(records, last_lr)}"
     why = "every rank used the same learning rate at every step"
-    return CheckResult("learning_rate", "Learning rate across ranks", tuple(findings), looked,
-                       "" if findings else why)  # fmt: skip
+    return CheckResult(
+        "learning_rate",
+        "Learning rate across ranks",
+        tuple(findings),
+        looked,
+        "" if findings else why,
+    )
 
 
 def _lr_outliers(at: Mapping[int, StepRecord]) -> tuple[tuple[int, ...], float | None, dict]:

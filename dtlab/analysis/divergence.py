@@ -101,8 +101,10 @@ class Divergence:
         )
         norm = ""
         if math.isfinite(self.rel_norm_diff) and self.rel_norm_diff > 0:
-            norm = (f"; its gradient norm there differs by {self.rel_norm_diff:.3g}x from "
-                    f"{label_ranks(self.majority)}'s")  # fmt: skip
+            norm = (
+                f"; its gradient norm there differs by {self.rel_norm_diff:.3g}x from "
+                f"{label_ranks(self.majority)}'s"
+            )
         return f"{where}; {count}{norm}"
 
     def _norms_by_group(self) -> str:
@@ -148,8 +150,9 @@ SUMMARY_FIELDS = {
 }
 
 
-def first_divergent_step(records: Mapping[int, Sequence[StepRecord]], *, kind: str = "grad"
-                         ) -> int | None:  # fmt: skip
+def first_divergent_step(
+    records: Mapping[int, Sequence[StepRecord]], *, kind: str = "grad"
+) -> int | None:
     """The first step where the ranks' whole-step fingerprints differ, from summaries.
 
     Summaries carry one fingerprint per step; the per-parameter record of that step (kept

@@ -36,16 +36,22 @@ def check_gradient_sync(evidence: Evidence) -> CheckResult:
     on data-parallel ranks; a parameter must not lack a gradient on some ranks only."""
     findings = list(divergence_findings(evidence.details, evidence.names))
     findings += _missing_gradients(evidence)
-    printed = any(rec.grad_fingerprint or rec.param_fingerprint
-                  for recs in evidence.records.values() for rec in recs)  # fmt: skip
+    printed = any(
+        rec.grad_fingerprint or rec.param_fingerprint
+        for recs in evidence.records.values()
+        for rec in recs
+    )
     if not findings and not printed:
         return CheckResult(
-            "gradient_sync", "gradients and parameters identical across ranks", (),
+            "gradient_sync",
+            "gradients and parameters identical across ranks",
+            (),
             f"{shape_of(evidence.records)}: no gradient or parameter fingerprints",
             "not checked: the steps were run with recording off, so there are no "
-            "fingerprints to compare", checked=False,
+            "fingerprints to compare",
+            checked=False,
             needs="run some steps with recording on (%dt_step without --no-record)",
-        )  # fmt: skip
+        )
     return CheckResult(
         "gradient_sync",
         "gradients and parameters identical across ranks",
@@ -83,24 +89,34 @@ def _missing_gradients(evidence: Evidence) -> list[Finding]:
 def _missing_finding(evidence, index, ranks, num_steps, step, watched) -> Finding:
     name = evidence.names[index] if index < len(evidence.names) else f"#{index}"
     if watched:
-        summary = (f"{name} was never reached by the backward of {label_ranks(ranks)} in "
-                   f"{num_steps} steps, but was on the other ranks: a rank-dependent branch "
-                   "(its gradient there is only the other ranks' average)")  # fmt: skip
+        summary = (
+            f"{name} was never reached by the backward of {label_ranks(ranks)} in "
+            f"{num_steps} steps, but was on the other ranks: a rank-dependent branch "
+            "(its gradient there is only the other ranks' average)"
+        )
         fix = (
             "the forward takes another path on these ranks (an `if rank ...`, a "
             "rank-dependent config): make every rank run the same code; DDP's "
             "find_unused_parameters=True hides this by averaging in the other ranks'"
         )
     else:
-        summary = (f"{name} never got a gradient on {label_ranks(ranks)} in {num_steps} "
-                   "steps, but did on the other ranks")  # fmt: skip
+        summary = (
+            f"{name} never got a gradient on {label_ranks(ranks)} in {num_steps} "
+            "steps, but did on the other ranks"
+        )
         fix = (
             "the forward differs across ranks (a branch, unused experts): with DDP use "
             "find_unused_parameters=True, or make every rank use the parameter"
         )
-    return Finding(kind="gradient_sync", ranks=tuple(sorted(ranks)), step=step, summary=summary,
-                   evidence={"param": name, "steps": num_steps, "local": watched}, fix=fix,
-                   severity="error")  # fmt: skip
+    return Finding(
+        kind="gradient_sync",
+        ranks=tuple(sorted(ranks)),
+        step=step,
+        summary=summary,
+        evidence={"param": name, "steps": num_steps, "local": watched},
+        fix=fix,
+        severity="error",
+    )
 
 
 def check_accumulation(evidence: Evidence) -> CheckResult:
@@ -126,8 +142,9 @@ def check_accumulation(evidence: Evidence) -> CheckResult:
             if accumulates
             else "the job does not accumulate"
         )
-        return CheckResult("accumulation", "One gradient sync per step", (), looked, why,
-                           checked=not accumulates)  # fmt: skip
+        return CheckResult(
+            "accumulation", "One gradient sync per step", (), looked, why, checked=not accumulates
+        )
     median = {rank: statistics.median(values) for rank, values in ratios.items()}
     chatty = tuple(sorted(r for r, x in median.items() if x > ACCUMULATION_RATIO))
     findings = ()
@@ -136,40 +153,52 @@ def check_accumulation(evidence: Evidence) -> CheckResult:
             rec.step for r in chatty for rec in evidence.records[r] if rec.micro_batches > 1
         )
         x = max(median[r] for r in chatty)
-        findings = (Finding(
-            "accumulation", chatty,
-            f"{label_ranks(chatty)} all-reduce gradients on every micro-batch: {x:.1f}x the "
-            f"communication of one sync per step ({micro} micro-batches per step)",
-            first, {"bytes_per_gradient_byte": {r: round(median[r], 2) for r in chatty}},
-            "run all but the last micro-batch inside `with model.no_sync():` "
-            "(dtlab.attach(..., accumulate=k) does this unless no_sync=False)",
-            "warning",
-        ),)  # fmt: skip
+        findings = (
+            Finding(
+                "accumulation",
+                chatty,
+                f"{label_ranks(chatty)} all-reduce gradients on every micro-batch: {x:.1f}x the "
+                f"communication of one sync per step ({micro} micro-batches per step)",
+                first,
+                {"bytes_per_gradient_byte": {r: round(median[r], 2) for r in chatty}},
+                "run all but the last micro-batch inside `with model.no_sync():` "
+                "(dtlab.attach(..., accumulate=k) does this unless no_sync=False)",
+                "warning",
+            ),
+        )
     why = "" if findings else "DDP sent about one copy of the gradients per step"
     return CheckResult("accumulation", "One gradient sync per step", findings, looked, why)
 
 
 def check_memory(evidence: Evidence) -> CheckResult:
-    cuda = any(r.memory.cuda_allocated is not None for recs in evidence.records.values()
-               for r in recs)  # fmt: skip
+    cuda = any(
+        r.memory.cuda_allocated is not None for recs in evidence.records.values() for r in recs
+    )
     leaks = find_leaks(evidence.records, field="cuda_allocated" if cuda else "rss")
     findings = (*leaks, *_imbalance(evidence))
     counter = "CUDA allocated" if cuda else "process RSS (less dtlab's own record buffer)"
-    looked = (f"{shape_of(evidence.records)} of {counter}, and the bytes of parameters, gradients "
-              "and optimizer state")  # fmt: skip
+    looked = (
+        f"{shape_of(evidence.records)} of {counter}, and the bytes of parameters, gradients "
+        "and optimizer state"
+    )
     enough = _num_steps(evidence) >= LEAK_MIN_RECORDS
     if findings:
         why = ""
     elif enough:
-        why = ("no rank's memory grows steadily faster than the others', and none holds "
-               "much more than its model state explains")  # fmt: skip
+        why = (
+            "no rank's memory grows steadily faster than the others', and none holds "
+            "much more than its model state explains"
+        )
     else:
-        why = (f"leaks not checked: {LEAK_MIN_RECORDS} steps are needed to tell a trend from "
-               "noise; no rank holds much more than its model state explains")  # fmt: skip
+        why = (
+            f"leaks not checked: {LEAK_MIN_RECORDS} steps are needed to tell a trend from "
+            "noise; no rank holds much more than its model state explains"
+        )
     title = "no memory that keeps growing on some ranks, or stands out"
     needs = "" if enough else f"run at least {LEAK_MIN_RECORDS} steps"
-    return CheckResult("memory", title, findings, looked, why, checked=enough or bool(findings),
-                       needs=needs)  # fmt: skip
+    return CheckResult(
+        "memory", title, findings, looked, why, checked=enough or bool(findings), needs=needs
+    )
 
 
 def _num_steps(evidence: Evidence) -> int:
@@ -179,9 +208,13 @@ def _num_steps(evidence: Evidence) -> int:
 def _first_heavy_step(steps, heavy, cuda: bool, margin: float) -> int:
     """The first step at which the heavy ranks already stood out."""
     for step, at in steps:
-        unexplained = {r: (rec.memory.cuda_allocated if cuda else rec.memory.rss)
-                       - rec.memory.param_bytes - rec.memory.grad_bytes
-                       - rec.memory.optimizer_bytes for r, rec in at.items()}  # fmt: skip
+        unexplained = {
+            r: (rec.memory.cuda_allocated if cuda else rec.memory.rss)
+            - rec.memory.param_bytes
+            - rec.memory.grad_bytes
+            - rec.memory.optimizer_bytes
+            for r, rec in at.items()
+        }
         typical = statistics.median(unexplained.values())
         if all(unexplained[r] - typical > margin for r in heavy):
             return step
@@ -197,8 +230,10 @@ def _imbalance(evidence: Evidence) -> list[Finding]:
     step, at = steps[-1]
     cuda = all(rec.memory.cuda_allocated is not None for rec in at.values())
     held = {r: rec.memory.cuda_allocated if cuda else rec.memory.rss for r, rec in at.items()}
-    state = {r: rec.memory.param_bytes + rec.memory.grad_bytes + rec.memory.optimizer_bytes
-             for r, rec in at.items()}  # fmt: skip
+    state = {
+        r: rec.memory.param_bytes + rec.memory.grad_bytes + rec.memory.optimizer_bytes
+        for r, rec in at.items()
+    }
     unexplained = {r: held[r] - state[r] for r in at}
     typical = statistics.median(unexplained.values())
     margin = max(IMBALANCE_SHARE * typical, IMBALANCE_MIN_BYTES)
@@ -208,17 +243,21 @@ def _imbalance(evidence: Evidence) -> list[Finding]:
     step = _first_heavy_step(steps, heavy, cuda, margin)
     mib = {r: round(held[r] / 2**20) for r in heavy}
     what = "CUDA allocated" if cuda else "RSS"
-    return [Finding(
-        "memory", heavy,
-        f"{label_ranks(heavy)} hold{'s' if len(heavy) == 1 else ''} much more memory ({what} "
-        f"{', '.join(f'{m} MiB' for m in mib.values())}) than the others "
-        f"(median {round((typical + statistics.median(state.values())) / 2**20)} MiB) "
-        f"from step {step}, beyond what their model state explains",
-        step, {"held_mib": mib, "field": what},
-        "look for what only these ranks keep: rank-0-only logging or evaluation, cached "
-        "batches, a larger shard; %dt_plot memory shows when it began",
-        "warning",
-    )]  # fmt: skip
+    return [
+        Finding(
+            "memory",
+            heavy,
+            f"{label_ranks(heavy)} hold{'s' if len(heavy) == 1 else ''} much more memory ({what} "
+            f"{', '.join(f'{m} MiB' for m in mib.values())}) than the others "
+            f"(median {round((typical + statistics.median(state.values())) / 2**20)} MiB) "
+            f"from step {step}, beyond what their model state explains",
+            step,
+            {"held_mib": mib, "field": what},
+            "look for what only these ranks keep: rank-0-only logging or evaluation, cached "
+            "batches, a larger shard; %dt_plot memory shows when it began",
+            "warning",
+        )
+    ]
 
 
 def check_stragglers(evidence: Evidence) -> CheckResult:
@@ -231,9 +270,11 @@ def check_stragglers(evidence: Evidence) -> CheckResult:
         why = ""
     elif enough and doubtful and noise > NOISY_TIMINGS:  # slower, or noise? cannot tell
         enough = False
-        why = (f"not checked: timings too noisy to judge: {label_ranks(doubtful)} slower by "
-               f"the median but not steadily, while a rank's compute time varies by "
-               f"{noise:.0%} of its median from step to step (busy cores?)")  # fmt: skip
+        why = (
+            f"not checked: timings too noisy to judge: {label_ranks(doubtful)} slower by "
+            f"the median but not steadily, while a rank's compute time varies by "
+            f"{noise:.0%} of its median from step to step (busy cores?)"
+        )
         needs = "run more steps, or on a quieter machine"
     elif enough:
         why = "no rank's compute time is 1.3x the median in most steps"
@@ -268,13 +309,20 @@ CHECKS: tuple[Check, ...] = (
 
 
 # Checks that compare ranks as data-parallel replicas (same parameters, different samples)
-REPLICA_CHECKS = (check_initial_state, check_gradient_sync, check_buffers, check_data_order,
-                  check_stragglers)  # fmt: skip
+REPLICA_CHECKS = (
+    check_initial_state,
+    check_gradient_sync,
+    check_buffers,
+    check_data_order,
+    check_stragglers,
+)
 # Checks that compare ranks with each other: with one rank there is nothing to compare
 CROSS_RANK_CHECKS = (*REPLICA_CHECKS, check_learning_rate)
-PIPELINE_WHY = ("a pipeline with one stage per rank: each parameter lives on one rank, every "
-                "stage reads the same batches and waits for its neighbours, so there is no "
-                "replica to compare; %dt_partition shows the stages' balance")  # fmt: skip
+PIPELINE_WHY = (
+    "a pipeline with one stage per rank: each parameter lives on one rank, every "
+    "stage reads the same batches and waits for its neighbours, so there is no "
+    "replica to compare; %dt_partition shows the stages' balance"
+)
 
 
 def run_checks(evidence: Evidence, checks: Sequence[Check] = CHECKS) -> list[CheckResult]:
@@ -283,19 +331,31 @@ def run_checks(evidence: Evidence, checks: Sequence[Check] = CHECKS) -> list[Che
     for check in checks:
         name = check.__name__.removeprefix("check_")
         if evidence.is_pipeline and check in REPLICA_CHECKS:
-            results.append(CheckResult(name, name, (), "", f"not checked: {PIPELINE_WHY}",
-                                       checked=False))  # fmt: skip
+            results.append(
+                CheckResult(name, name, (), "", f"not checked: {PIPELINE_WHY}", checked=False)
+            )
             continue
         if len(evidence.records) < 2 and check in CROSS_RANK_CHECKS:
-            results.append(CheckResult(name, name, (), "", "not checked: one rank, nothing "
-                                       "to compare it with", checked=False,
-                                       needs="launch two or more ranks"))  # fmt: skip
+            results.append(
+                CheckResult(
+                    name,
+                    name,
+                    (),
+                    "",
+                    "not checked: one rank, nothing to compare it with",
+                    checked=False,
+                    needs="launch two or more ranks",
+                )
+            )
             continue
         try:
             results.append(check(evidence))
         except Exception as e:  # a bug or odd input in one check must not hide the rest
-            results.append(CheckResult(name, name, (), "", f"not checked: {type(e).__name__}: {e}",
-                                       checked=False))  # fmt: skip
+            results.append(
+                CheckResult(
+                    name, name, (), "", f"not checked: {type(e).__name__}: {e}", checked=False
+                )
+            )
     return results
 
 

@@ -19,16 +19,40 @@ from dtlab.analysis.ranks import label_ranks
 from dtlab.records import CollectiveCall, RankReport
 
 # frames of these are the machinery a rank waits in, not what it is doing
-_MACHINERY = ("/asyncio/", "/selectors.py", "/zmq/", "/tornado/", "/ipykernel/", "/IPython/",
-              "/ipyparallel/", "/threading.py", "/traitlets/", "/concurrent/",
-              "/dtlab/control/forkserver.py", "<frozen")  # fmt: skip
+_MACHINERY = (
+    "/asyncio/",
+    "/selectors.py",
+    "/zmq/",
+    "/tornado/",
+    "/ipykernel/",
+    "/IPython/",
+    "/ipyparallel/",
+    "/threading.py",
+    "/traitlets/",
+    "/concurrent/",
+    "/dtlab/control/forkserver.py",
+    "<frozen",
+)
 _LIBRARY = ("/site-packages/", "/lib/python3")
 # ops whose every rank passes the same shapes (scatter, gather, all_to_all legitimately differ)
-SAME_SHAPES = {"all_reduce", "allreduce", "broadcast", "reduce", "all_gather", "allgather",
-               "_allgather_base", "allgather_into_tensor_coalesced", "reduce_scatter",
-               "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "barrier"}  # fmt: skip
-GROUP_ROLES = {"default_pg": "the default group: DDP gradients and your collectives",
-               "dtlab_control": "dtlab's step agreement"}  # fmt: skip
+SAME_SHAPES = {
+    "all_reduce",
+    "allreduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "allgather",
+    "_allgather_base",
+    "allgather_into_tensor_coalesced",
+    "reduce_scatter",
+    "_reduce_scatter_base",
+    "reduce_scatter_tensor_coalesced",
+    "barrier",
+}
+GROUP_ROLES = {
+    "default_pg": "the default group: DDP gradients and your collectives",
+    "dtlab_control": "dtlab's step agreement",
+}
 
 
 @dataclass(frozen=True)
@@ -64,8 +88,9 @@ def describe_call(call: CollectiveCall) -> str:
     return f"{call.op} #{call.seq} on {call.group}" + (f" ({role})" if role else "")
 
 
-def diagnose(reports: Mapping[int, RankReport | None],
-             dead: Mapping[int, str] | None = None) -> HangVerdict:  # fmt: skip
+def diagnose(
+    reports: Mapping[int, RankReport | None], dead: Mapping[int, str] | None = None
+) -> HangVerdict:
     dead = dict(dead or {})
     places = {r: where(reports.get(r), dead.get(r)) for r in sorted(set(reports) | set(dead))}
     found = _mismatch(reports) or _blocked(reports, dead)
@@ -100,13 +125,17 @@ def _mismatch(reports):
             continue
         dtypes_differ = len({dtypes for _, _, dtypes in shapes}) > 1
         ordered = sorted(shapes.items(), key=lambda kv: len(kv[1]))
-        parts = [f"{label_ranks(ranks)} passed {op} {_sizes(sizes)}"
-                 + (f" ({', '.join(dtypes)})" if dtypes_differ else "")
-                 for (op, sizes, dtypes), ranks in ordered]  # fmt: skip
+        parts = [
+            f"{label_ranks(ranks)} passed {op} {_sizes(sizes)}"
+            + (f" ({', '.join(dtypes)})" if dtypes_differ else "")
+            for (op, sizes, dtypes), ranks in ordered
+        ]
         first = next(iter(calls.values()))
-        text = (f"mismatched collective #{key[1]} on {first.group}: {'; '.join(parts)}; the "
-                "ranks must pass the same op, shapes and dtypes (gloo then returns garbage to "
-                "some ranks and blocks others)")  # fmt: skip
+        text = (
+            f"mismatched collective #{key[1]} on {first.group}: {'; '.join(parts)}; the "
+            "ranks must pass the same op, shapes and dtypes (gloo then returns garbage to "
+            "some ranks and blocks others)"
+        )
         blocked = tuple(sorted(r for r, c in calls.items() if not c.done))
         odd = tuple(sorted(min(shapes.values(), key=len)))
         return text, first, blocked, odd, True
@@ -122,13 +151,18 @@ def _blocked(reports, dead):
     if not pending:
         return None
     # the job's own group first, then the group with the most ranks waiting
-    group = max(pending, key=lambda g: (next(iter(pending[g].values())).group == "default_pg",
-                                        len(pending[g])))  # fmt: skip
+    group = max(
+        pending,
+        key=lambda g: (next(iter(pending[g].values())).group == "default_pg", len(pending[g])),
+    )
     target = max(pending[group].values(), key=lambda c: c.seq)
     waiting = tuple(sorted(r for r, c in pending[group].items() if c.seq == target.seq))
     members = set(target.members) or set(reports) | set(dead)  # only ranks of that group
-    missing = tuple(sorted(r for r in members if r not in waiting
-                           and _last_seq(reports.get(r), group) < target.seq))  # fmt: skip
+    missing = tuple(
+        sorted(
+            r for r in members if r not in waiting and _last_seq(reports.get(r), group) < target.seq
+        )
+    )
     text = (
         f"{label_ranks(waiting)} {'is' if len(waiting) == 1 else 'are'} in {describe_call(target)}"
     )

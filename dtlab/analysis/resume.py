@@ -23,8 +23,12 @@ from dataclasses import dataclass
 from dtlab.analysis.ranks import format_ranks, label_ranks
 from dtlab.records import StepRecord
 
-RNG_LABELS = {"python": "Python random RNG", "numpy": "numpy RNG",
-              "torch": "torch CPU RNG", "cuda": "CUDA RNG"}  # fmt: skip
+RNG_LABELS = {
+    "python": "Python random RNG",
+    "numpy": "numpy RNG",
+    "torch": "torch CPU RNG",
+    "cuda": "CUDA RNG",
+}
 # what a step starts from: a difference here explains every difference computed from it
 CAUSES = (*(f"rng:{name}" for name in RNG_LABELS), "indices", "input_fingerprints", "lr", "scale")
 EFFECTS = ("module_outputs", "loss", "grad_fingerprint", "param_fingerprint", "buffer_fingerprint")
@@ -46,10 +50,14 @@ _UPSTREAM = {
     "buffer_fingerprint": (*_RNGS, "indices", "input_fingerprints", "module_outputs"),
 }
 _NOUNS = {f"rng:{name}": label for name, label in RNG_LABELS.items()} | {
-    "indices": "data", "input_fingerprints": "model input", "lr": "learning-rate",
+    "indices": "data",
+    "input_fingerprints": "model input",
+    "lr": "learning-rate",
     "scale": "loss-scale",
-    "module_outputs": "module output", "loss": "loss", "grad_fingerprint": "gradient",
-}  # fmt: skip
+    "module_outputs": "module output",
+    "loss": "loss",
+    "grad_fingerprint": "gradient",
+}
 _INPUTS = {
     "data": ("indices", "input_fingerprints"),
     "RNGs": _RNGS,
@@ -193,8 +201,10 @@ def _module_text(rank, index, x, y, reference_name, other_name) -> str:
             f"order) is the first to differ from {reference_name}; every module that finished "
             "before it agreed, so look at its inputs, parameters, buffers and randomness"
         )
-    ran = [f"{name} ran {e[0]!r}" if e else f"{name} had ended its forward"
-           for name, e in ((reference_name, x), (other_name, y))]  # fmt: skip
+    ran = [
+        f"{name} ran {e[0]!r}" if e else f"{name} had ended its forward"
+        for name, e in ((reference_name, x), (other_name, y))
+    ]
     return f"on rank {rank} the forward took a different path: at position {index} " + (
         " and ".join(ran)
     )
@@ -281,8 +291,9 @@ def _module_values(pairs, ranks, reference_name, other_name) -> tuple[object, ob
 
 def _same(fields, pairs, differing) -> bool:
     """Was this input recorded on both sides of every rank, and equal: may we say "same"?"""
-    recorded = all(_value(rec, fields[0]) not in (_UNRECORDED, None)
-                   for pair in pairs.values() for rec in pair)  # fmt: skip
+    recorded = all(
+        _value(rec, fields[0]) not in (_UNRECORDED, None) for pair in pairs.values() for rec in pair
+    )
     return recorded and not any(f in differing for f in fields)
 
 
@@ -304,8 +315,12 @@ def _explain_indices(step, ranks, a, b, ref_history, reference_name) -> str:
         text = f"data order lost: {rank} read the same samples in a different order at step {step}"
     else:
         # samples the reference had already consumed this epoch: the loader restarted too early
-        seen = {i for s, rec in ref_history.items() if s < step and rec.epoch == a.epoch
-                for i in rec.indices}  # fmt: skip
+        seen = {
+            i
+            for s, rec in ref_history.items()
+            if s < step and rec.epoch == a.epoch
+            for i in rec.indices
+        }
         verb = "re-read" if set(b.indices) <= seen else "read"
         text = (
             f"data position lost: {rank} {verb} samples {format_samples(b.indices)} at step "

@@ -98,15 +98,17 @@ class Checkpointing:
         if which == "latest":
             done = [c for c in found if c.ok]
             if not done:
-                raise CheckpointFailed(f"no checkpoint under {self.checkpoint_root} yet: "
-                                       "take one with %dt_checkpoint")  # fmt: skip
+                raise CheckpointFailed(
+                    f"no checkpoint under {self.checkpoint_root} yet: take one with %dt_checkpoint"
+                )
             return max(done, key=lambda c: c.created)  # the last written, whatever its step
         if isinstance(which, int):
             same = [c for c in found if c.step == which and c.status != "partial"]
             if not same:
                 steps = sorted({c.step for c in found if c.ok})
-                raise CheckpointFailed(f"no checkpoint of step {which}; complete ones: "
-                                       f"steps {steps or 'none'}")  # fmt: skip
+                raise CheckpointFailed(
+                    f"no checkpoint of step {which}; complete ones: steps {steps or 'none'}"
+                )
             return max(same, key=lambda c: c.created)
         info = describe(Path(which))
         if info is None:
@@ -123,8 +125,9 @@ class Checkpointing:
 
     def load_into_job(self, info: CheckpointInfo) -> dict:
         if info.status == "partial":
-            raise CheckpointFailed(f"{info.path} is partial ({info.problem}): "
-                                   f"{self._previous_good(info)}")  # fmt: skip
+            raise CheckpointFailed(
+                f"{info.path} is partial ({info.problem}): {self._previous_good(info)}"
+            )
         self.session.stepper._sync_job()
         try:
             loaded = self._on_ranks(api.load, str(info.path), what="load")
@@ -137,8 +140,11 @@ class Checkpointing:
         return loaded[0] | {"path": str(info.path), "ranks": loaded, "missing": missing}
 
     def _previous_good(self, bad: CheckpointInfo) -> str:
-        good = [c for c in self.checkpoints() if c.ok and c.path != bad.path
-                and (c.step, c.created) < (bad.step, bad.created)]  # fmt: skip
+        good = [
+            c
+            for c in self.checkpoints()
+            if c.ok and c.path != bad.path and (c.step, c.created) < (bad.step, bad.created)
+        ]
         if not good:
             return "there is no earlier complete checkpoint"
         step = good[-1].step

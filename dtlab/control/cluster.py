@@ -225,8 +225,10 @@ class EngineCluster:
     def _reach_hint(self) -> str:
         if self.config.launcher == "local" or self.config.listen:
             return ""
-        return ("; engines on other hosts cannot reach a controller on 127.0.0.1: launch "
-                "with --listen <interface or address> (e.g. --listen ib0)")  # fmt: skip
+        return (
+            "; engines on other hosts cannot reach a controller on 127.0.0.1: launch "
+            "with --listen <interface or address> (e.g. --listen ib0)"
+        )
 
     def job_ids(self) -> list[str]:
         """The batch jobs holding the engines (Slurm's job id), empty for other launchers."""

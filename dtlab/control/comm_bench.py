@@ -19,15 +19,22 @@ class Comm:
         self.session = session
         self.sweeps: list[Sweep] = []  # dt.bandwidth_sweep() results, oldest first
 
-    def bandwidth_sweep(self, *, min_bytes: int = 1024, max_bytes: int = 16 * 2**20,
-                        factor: int = 4, iters: int = 20, warmup: int = 5,
-                        dtype: str = "float32", label: str | None = None) -> Sweep:  # fmt: skip
+    def bandwidth_sweep(
+        self,
+        *,
+        min_bytes: int = 1024,
+        max_bytes: int = 16 * 2**20,
+        factor: int = 4,
+        iters: int = 20,
+        warmup: int = 5,
+        dtype: str = "float32",
+        label: str | None = None,
+    ) -> Sweep:
         """All_reduce time, algorithm and bus bandwidth per message size on the job's
         process group (nccl-tests' all_reduce_perf, on whatever backend is up). Sweeps are
         kept in ``dt.sweeps`` to compare settings (A/B)."""
         if iters < 1 or warmup < 0:  # said here, not as a traceback from every rank
-            raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters}, "
-                             f"warmup={warmup}")  # fmt: skip
+            raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
         sizes = sizes_between(min_bytes, max_bytes, factor)
         times = self.session.run(
             api.bandwidth_sweep, sizes, iters, warmup, dtype, timeout=SWEEP_TIMEOUT_S

@@ -80,8 +80,10 @@ class LaunchConfig:
         checked_timeout(self.pg_timeout_s, "the process-group timeout (--pg-timeout)")
         address = listen_address(self.listen)  # ValueError names the interfaces
         if self.launcher == "local" and not is_loopback(address):
-            raise ValueError("--listen is for ranks on other hosts; the local launcher's are "
-                             "all on this one and stay on 127.0.0.1")  # fmt: skip
+            raise ValueError(
+                "--listen is for ranks on other hosts; the local launcher's are "
+                "all on this one and stay on 127.0.0.1"
+            )
         engines = self.launcher_config.get("SSHEngineSetLauncher", {}).get("engines")
         if self.launcher == "ssh" and not engines:
             raise ValueError("the ssh launcher needs hosts: --hosts node1:4,node2:4")
@@ -92,8 +94,10 @@ class LaunchConfig:
             )
         too_many = oversubscription(self)
         if too_many and not self.force and self.num_ranks > MAX_RANKS_PER_CORE * _cores():
-            raise ValueError(f"{too_many}; dtlab refuses more than {MAX_RANKS_PER_CORE} "
-                             "ranks per core unless asked to (--force, or force=True)")  # fmt: skip
+            raise ValueError(
+                f"{too_many}; dtlab refuses more than {MAX_RANKS_PER_CORE} "
+                "ranks per core unless asked to (--force, or force=True)"
+            )
         omp = self.env.get("OMP_NUM_THREADS", "1")
         if not (omp.isdigit() and int(omp) >= 1):
             raise ValueError(f"--env OMP_NUM_THREADS must be a whole number >= 1, got {omp!r}")
@@ -101,8 +105,14 @@ class LaunchConfig:
     def engine_settings(self) -> str:
         """What the engine processes are started with; a change means new engines (the
         environment is read when torch and OpenMP start, too late to change later)."""
-        fixed = (self.num_ranks, self.launcher, self.profile, self.env, self.launcher_config,
-                 self.listen)  # fmt: skip
+        fixed = (
+            self.num_ranks,
+            self.launcher,
+            self.profile,
+            self.env,
+            self.launcher_config,
+            self.listen,
+        )
         return json.dumps(fixed, sort_keys=True, default=str)
 
     def group_settings(self) -> tuple:
@@ -128,8 +138,10 @@ def oversubscription(config: LaunchConfig) -> str | None:
     cores = _cores()
     if config.launcher != "local" or config.num_ranks <= cores:
         return None
-    return (f"{config.num_ranks} ranks on {cores} cores: {config.num_ranks / cores:g} ranks "
-            "per core, so they take turns and their timings are noisy")  # fmt: skip
+    return (
+        f"{config.num_ranks} ranks on {cores} cores: {config.num_ranks / cores:g} ranks "
+        "per core, so they take turns and their timings are noisy"
+    )
 
 
 def keeping_threads(config: LaunchConfig, threads_by_rank: Mapping[int, int]) -> LaunchConfig:

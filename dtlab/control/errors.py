@@ -99,9 +99,11 @@ class RankError(DtlabError):
         if self.stopped:
             lines.append(f"{label_ranks(self.stopped)} stopped on SIGINT")
         if self.stuck and self.launching:
-            lines.append(f"{label_ranks(self.stuck)} still busy after SIGINT; the failed "
-                         "launch stops them with every process it started: run %dt_launch "
-                         "again (a larger --timeout gives slow ranks longer)")  # fmt: skip
+            lines.append(
+                f"{label_ranks(self.stuck)} still busy after SIGINT; the failed "
+                "launch stops them with every process it started: run %dt_launch "
+                "again (a larger --timeout gives slow ranks longer)"
+            )
         elif self.stuck:
             lines.append(f"{label_ranks(self.stuck)} {STUCK_HINT}")
         if self.dead_ranks:

@@ -59,11 +59,15 @@ def launcher_problem(name: str) -> str | None:
     """What this machine lacks to use launcher ``name``, with the fix; None if nothing."""
     if name == "mpi":
         if shutil.which("mpiexec") is None:
-            return ("the mpi launcher needs mpiexec on PATH: install an MPI (Debian: apt-get "
-                    "install openmpi-bin) or load your cluster's MPI module")  # fmt: skip
+            return (
+                "the mpi launcher needs mpiexec on PATH: install an MPI (Debian: apt-get "
+                "install openmpi-bin) or load your cluster's MPI module"
+            )
         if importlib.util.find_spec("mpi4py") is None:
-            return ("the mpi launcher needs mpi4py where the engines run (ipyparallel numbers "
-                    "MPI engines by their MPI rank): pip install 'dtlab[mpi]'")  # fmt: skip
+            return (
+                "the mpi launcher needs mpi4py where the engines run (ipyparallel numbers "
+                "MPI engines by their MPI rank): pip install 'dtlab[mpi]'"
+            )
     if name == "slurm" and shutil.which("sbatch") is None:
         return "the slurm launcher needs sbatch on PATH (run on a Slurm login node)"
     if name == "ssh" and shutil.which("ssh") is None:
@@ -129,8 +133,9 @@ def slurm_config(partition: str | None = None, sbatch_args: tuple[str, ...] = ()
     lines = [f"#SBATCH --partition={partition}"] if partition else []
     for arg in sbatch_args:
         if not arg.startswith("-") or "\n" in arg:
-            raise ValueError(f"bad --sbatch-arg {arg!r}: expected an sbatch option like "
-                             "--cpus-per-task=1")  # fmt: skip
+            raise ValueError(
+                f"bad --sbatch-arg {arg!r}: expected an sbatch option like --cpus-per-task=1"
+            )
         lines.append(f"#SBATCH {arg}".replace("{", "{{").replace("}", "}}"))
     if not lines:
         return {}

@@ -54,8 +54,13 @@ def current_or_none() -> Session | None:
     return None if _current is None or _current.closed else _current
 
 
-def launch(config: LaunchConfig, progress: Progress, *, restart: bool = False,
-           session_class: type[Session] = Session) -> Session:  # fmt: skip
+def launch(
+    config: LaunchConfig,
+    progress: Progress,
+    *,
+    restart: bool = False,
+    session_class: type[Session] = Session,
+) -> Session:
     """A ready session of ``config.num_ranks`` ranks, reusing the live one when it can."""
     global _current
     old = current_or_none()
@@ -65,8 +70,11 @@ def launch(config: LaunchConfig, progress: Progress, *, restart: bool = False,
         folder = old.trace.folder if old.trace is not None else None
         old.shutdown()
         kept = f"; its records stay in {folder}" if folder else ""
-        warnings.warn(f"stopped the live {old.world_size}-rank session and the job attached to "
-                      f"it, to launch {config.num_ranks} ranks{kept}", stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"stopped the live {old.world_size}-rank session and the job attached to "
+            f"it, to launch {config.num_ranks} ranks{kept}",
+            stacklevel=3,
+        )
     _current = start(config, progress, session_class)
     return _current
 
@@ -160,22 +168,34 @@ def join(
     progress("ranks initialised", 0, session.world_size)
     port = _launch_step(
         lambda: session.run(
-            api.open_store, config.port, session.world_size, config.pg_timeout_s,
-            _store_bind(session), ranks=[0], timeout=remaining(),
+            api.open_store,
+            config.port,
+            session.world_size,
+            config.pg_timeout_s,
+            _store_bind(session),
+            ranks=[0],
+            timeout=remaining(),
         )[0]
-    )  # fmt: skip
+    )
     try:
         plans = make_plans(
-            session.rank_map, session.facts, backend=backend, port=port, threads=config.threads,
-            timeout_s=config.pg_timeout_s, env=config.env,
-        )  # fmt: skip
+            session.rank_map,
+            session.facts,
+            backend=backend,
+            port=port,
+            threads=config.threads,
+            timeout_s=config.pg_timeout_s,
+            env=config.env,
+        )
         infos = _launch_step(
             lambda: session.run_each(
-                api.join, {r: (plan,) for r, plan in plans.items()},
-                what="initialising ranks", timeout=remaining(),
+                api.join,
+                {r: (plan,) for r, plan in plans.items()},
+                what="initialising ranks",
+                timeout=remaining(),
                 progress=lambda k, n: progress("ranks initialised", k, n),
             )
-        )  # fmt: skip
+        )
         expected = _expected_sum(session.world_size)
         wrong = {r: i.allreduce_sum for r, i in infos.items() if i.allreduce_sum != expected}
         if wrong:

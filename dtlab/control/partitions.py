@@ -92,8 +92,9 @@ class Pipeline:
         reports = self.stage_reports()
         _, plan, costs = self._read(spec, reports)
         first = next(iter(reports.values()))
-        return predict_balance(plan, costs, microbatches=first.microbatches,
-                               schedule=first.schedule)  # fmt: skip
+        return predict_balance(
+            plan, costs, microbatches=first.microbatches, schedule=first.schedule
+        )
 
     def _read(self, spec: Any, reports) -> tuple[Plan, Plan, dict[str, BlockCost]]:
         """(the running plan, ``spec`` read for this job, the block costs), from one
@@ -119,17 +120,21 @@ class Pipeline:
             return {"moved": {}, "plan": new, "seconds": 0.0}
         move_id = secrets.token_hex(8)  # names the commit-or-abort decision in the store
         try:
-            done = self.session.run(api.move_blocks, new.blocks, new.bounds, timeout, move_id,
-                            timeout=timeout + 30)  # fmt: skip
+            done = self.session.run(
+                api.move_blocks, new.blocks, new.bounds, timeout, move_id, timeout=timeout + 30
+            )
         except RankError as e:
             self.session.stepper._regroup = True  # an agreement may be left pending in the group
             raise RepartitionFailed(self._move_failure(e)) from None
         self._remember_plan(new)
         self.session.stepper.new_trace(describe=True, repartitioned=new.describe())  # new stages
         first = next(iter(done.values()))
-        return {"moved": first["moved"], "plan": new,
-                "seconds": max(d["seconds"] for d in done.values()),
-                "bytes": sum(d["bytes_sent"] for d in done.values())}  # fmt: skip
+        return {
+            "moved": first["moved"],
+            "plan": new,
+            "seconds": max(d["seconds"] for d in done.values()),
+            "bytes": sum(d["bytes_sent"] for d in done.values()),
+        }
 
     def _remember_plan(self, plan: Plan) -> None:
         """Fresh engines (a restart, a resume check) rebuild the job with the plan it runs
@@ -151,9 +156,14 @@ class Pipeline:
         if not dead:
             return f"the re-partition was called off; every rank kept its stage.\n{text}"
         saved = [c for c in self.session.checkpointing.checkpoints() if c.status == "complete"]
-        offer = (f"restart from the last checkpoint (step {saved[-1].step}): "
-                 "%dt_restart --from-checkpoint") if saved else "no checkpoint to restart from: "\
-                 "%dt_restart and attach the job again"  # fmt: skip
+        offer = (
+            (
+                f"restart from the last checkpoint (step {saved[-1].step}): "
+                "%dt_restart --from-checkpoint"
+            )
+            if saved
+            else "no checkpoint to restart from: %dt_restart and attach the job again"
+        )
         return (
             f"rank(s) {dead} died during the re-partition; the survivors kept their "
             f"stages but the pipeline cannot run without them. {offer}.\n{text}"

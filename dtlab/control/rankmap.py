@@ -62,8 +62,11 @@ def cuda_device(rank: int, rank_map: RankMap, facts: Mapping[int, EngineFacts]) 
     own = facts[rank_map.engine_ids[rank]]
     if own.num_cuda_devices >= rank_map.local_world_sizes[rank]:
         return rank_map.local_ranks[rank]
-    on_host = [facts[e] for r, e in enumerate(rank_map.engine_ids)
-               if rank_map.hosts[r] == rank_map.hosts[rank]]  # fmt: skip
+    on_host = [
+        facts[e]
+        for r, e in enumerate(rank_map.engine_ids)
+        if rank_map.hosts[r] == rank_map.hosts[rank]
+    ]
     visible = [f.cuda_visible_devices for f in on_host]
     if own.num_cuda_devices >= 1 and None not in visible and len(set(visible)) == len(visible):
         return 0

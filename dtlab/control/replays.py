@@ -124,8 +124,15 @@ class Replays:
         self.session.stepper.run(steps, None, record=True)  # no automatic restart inside a check
         resumed = self.full_records(k + 1, k + steps)
         comparison = compare_runs(reference, resumed, steps=range(k + 1, k + steps + 1))
-        return ResumeReport(start, steps, fresh, comparison, _first_param(self.session, comparison,
-                            reference, resumed), loaded, time.perf_counter() - t0)  # fmt: skip
+        return ResumeReport(
+            start,
+            steps,
+            fresh,
+            comparison,
+            _first_param(self.session, comparison, reference, resumed),
+            loaded,
+            time.perf_counter() - t0,
+        )
 
     def full_records(self, first: int, last: int) -> dict:
         return {
@@ -134,8 +141,14 @@ class Replays:
         }
 
     # --- replay ------------------------------------------------------------------------
-    def replay(self, from_step: int, to_step: int | None = None, *, outputs: bool = False,
-               keep_step: int | None = None) -> ReplayResult:  # fmt: skip
+    def replay(
+        self,
+        from_step: int,
+        to_step: int | None = None,
+        *,
+        outputs: bool = False,
+        keep_step: int | None = None,
+    ) -> ReplayResult:
         """Re-run steps ``from_step..to_step`` from the newest checkpoint before them,
         record them as the original was recorded, and compare. The job then returns to
         where it was (a checkpoint taken first, loaded after). ``outputs`` records every
@@ -145,8 +158,10 @@ class Replays:
         now = trace.last_step
         to_step = now if to_step is None else to_step
         if not 1 <= from_step <= to_step <= now:
-            raise ValueError(f"replay needs 1 <= from_step <= to_step <= {now} (the last "
-                             f"step run), got {from_step}..{to_step}")  # fmt: skip
+            raise ValueError(
+                f"replay needs 1 <= from_step <= to_step <= {now} (the last "
+                f"step run), got {from_step}..{to_step}"
+            )
         start = self._checkpoint_before(from_step)
         back = self.session.checkpointing.checkpoint(tag="before-replay")
         replayed = Trace(trace.jobs, meta={"replay_of": str(trace.folder), "from": start.step})
@@ -170,18 +185,27 @@ class Replays:
         finally:
             self.session.stepper.record_outputs = saved_outputs
             self._return_from_replay(back)
-        return ReplayResult(start, start.step + 1, to_step, replayed, comparison, details,
-                            _step_s(trace.records, start.step + 1, to_step),
-                            _step_s(replayed.records, start.step + 1, to_step))  # fmt: skip
+        return ReplayResult(
+            start,
+            start.step + 1,
+            to_step,
+            replayed,
+            comparison,
+            details,
+            _step_s(trace.records, start.step + 1, to_step),
+            _step_s(replayed.records, start.step + 1, to_step),
+        )
 
     def _return_from_replay(self, back: CheckpointInfo) -> None:
         """Put the job back where the replay found it; if that fails, say where it is."""
         try:
             self.session.checkpointing.load_into_job(back)
         except Exception as e:
-            raise DtlabError(f"the replay could not put the job back ({e}); it is at the "
-                             f"replay's last step; {back.path} holds where it was: "
-                             f"dt.load_checkpoint('{back.path}')") from e  # fmt: skip
+            raise DtlabError(
+                f"the replay could not put the job back ({e}); it is at the "
+                f"replay's last step; {back.path} holds where it was: "
+                f"dt.load_checkpoint('{back.path}')"
+            ) from e
         finally:
             self.session.run(api.stash_records, False)
             self.session.checkpointing.apply_autosave(True)
@@ -192,13 +216,20 @@ class Replays:
         began, or the one it resumed from) at or before ``step - 1``."""
         trace = self.session.require_trace()
         resumed_from = trace.meta.get("resumed_from")
-        good = [c for c in self.session.checkpointing.checkpoints() if c.ok and c.step <= step - 1
-                and c.tag != "before-replay"
-                and (c.created >= trace.created or str(c.path) == resumed_from)]  # fmt: skip
+        good = [
+            c
+            for c in self.session.checkpointing.checkpoints()
+            if c.ok
+            and c.step <= step - 1
+            and c.tag != "before-replay"
+            and (c.created >= trace.created or str(c.path) == resumed_from)
+        ]
         if not good:
-            raise DtlabError(f"no complete checkpoint at or before step {step - 1} to replay "
-                             "from: take them with dt.checkpoint_every(k) before the steps "
-                             "you may want to replay")  # fmt: skip
+            raise DtlabError(
+                f"no complete checkpoint at or before step {step - 1} to replay "
+                "from: take them with dt.checkpoint_every(k) before the steps "
+                "you may want to replay"
+            )
         return max(good, key=lambda c: (c.step, c.created))
 
     # --- bisection ---------------------------------------------------------------------
@@ -225,8 +256,11 @@ class Replays:
                 other_name="the other run",
             )
             first = comparison.first
-            return BisectResult(first.step if first else None, first.ranks if first else (),
-                                verdict=comparison.summary())  # fmt: skip
+            return BisectResult(
+                first.step if first else None,
+                first.ranks if first else (),
+                verdict=comparison.summary(),
+            )
         if against != "replay":
             raise ValueError(f"against must be 'replay', 'ranks' or a Trace, got {against!r}")
         return self._bisect_replay(good_step, bad_step)
@@ -235,16 +269,19 @@ class Replays:
         found = self.session.training.divergence()
         if found is None or not good_step < found.step <= bad_step:
             return BisectResult(None, verdict=f"ranks agree over steps {good_step + 1}-{bad_step}")
-        verdict = (f"ranks {list(found.outliers)} first differ from {list(found.majority)} at "
-                   f"step {found.step}, in the {found.kind} of {found.param}")  # fmt: skip
+        verdict = (
+            f"ranks {list(found.outliers)} first differ from {list(found.majority)} at "
+            f"step {found.step}, in the {found.kind} of {found.param}"
+        )
         return BisectResult(found.step, tuple(found.outliers), verdict=verdict)
 
     def _bisect_replay(self, good_step: int, bad_step: int) -> BisectResult:
         first_replay = self.replay(good_step + 1, bad_step, outputs=True)
         first = first_replay.comparison.first
         if first is None:
-            return BisectResult(None, verdict=first_replay.comparison.summary(),
-                                replay=first_replay)  # fmt: skip
+            return BisectResult(
+                None, verdict=first_replay.comparison.summary(), replay=first_replay
+            )
         step = first.step
         second = self.replay(step, step, outputs=True, keep_step=step)
         again = {r: rec.module_outputs for r, rec in second.details.items()}
@@ -272,11 +309,16 @@ class Replays:
         except DtlabError:
             original = {}
         if not any(original.values()):
-            return BisectResult(step, first.ranks, verdict=(
-                f"{first.explanation}. The replay of step {step} is deterministic, so the run "
-                "met something the checkpoint does not hold; to name the module, record "
-                "module outputs during the run (dt.record_outputs()) and reproduce"),
-                replay=replay)  # fmt: skip
+            return BisectResult(
+                step,
+                first.ranks,
+                verdict=(
+                    f"{first.explanation}. The replay of step {step} is deterministic, so the run "
+                    "met something the checkpoint does not hold; to name the module, record "
+                    "module outputs during the run (dt.record_outputs()) and reproduce"
+                ),
+                replay=replay,
+            )
         found = first_module_difference(
             original, replayed_outputs, reference_name="the original run", other_name="the replay"
         )

@@ -95,8 +95,10 @@ class Recovery:
             raise
         if missing:
             channel.close()
-            raise DtlabError(f"{label_ranks(missing)} did not connect their sidecar to "
-                             f"{channel.address} (a firewall between the hosts?)")  # fmt: skip
+            raise DtlabError(
+                f"{label_ranks(missing)} did not connect their sidecar to "
+                f"{channel.address} (a firewall between the hosts?)"
+            )
         self.sidecars, self.sidecar_problem = channel, None
 
     def death_causes(self, ranks) -> dict[int, str]:
@@ -140,8 +142,9 @@ class Recovery:
         verdict = diagnose(reports, causes)
         if self.sidecars is None and alive:
             why = self.sidecar_problem or "not started"
-            verdict = replace(verdict, summary=f"ranks cannot be asked out of band ({why}); "
-                                               + verdict.summary)  # fmt: skip
+            verdict = replace(
+                verdict, summary=f"ranks cannot be asked out of band ({why}); " + verdict.summary
+            )
         return HangReport(verdict, reports, causes, time.time())
 
     def _ask(self, ranks: list[int], timeout: float) -> dict[int, RankReport]:
@@ -199,15 +202,20 @@ class Recovery:
             self.session.stepper.record_outputs, self.session.stepper.watch_modules = kept
             loaded = self.session.checkpointing.load_into_job(chosen) if chosen is not None else {}
             self.session.checkpointing.apply_autosave(True)
-        event = {"time": time.time(), "reason": reason, "seconds": time.monotonic() - t0,
-                 "checkpoint": str(chosen.path) if chosen else None,
-                 "step": chosen.step if chosen else 0}  # fmt: skip
+        event = {
+            "time": time.time(),
+            "reason": reason,
+            "seconds": time.monotonic() - t0,
+            "checkpoint": str(chosen.path) if chosen else None,
+            "step": chosen.step if chosen else 0,
+        }
         self.restarts.append(event)
         if (
             self.session.checkpointing.job_setup is not None
         ):  # the new timeline's trace: where it came from
-            self.session.stepper.new_trace(resumed_from=event["checkpoint"], step=event["step"],
-                                   restarts=list(self.restarts))  # fmt: skip
+            self.session.stepper.new_trace(
+                resumed_from=event["checkpoint"], step=event["step"], restarts=list(self.restarts)
+            )
         return event | {"loaded": loaded}
 
     def auto_restart(self, max_restarts: int, from_checkpoint="latest") -> None:
@@ -254,8 +262,10 @@ class Recovery:
             left = end - self.current_step()
             if left < 1:
                 now = self.current_step()
-                raise DtlabError(f"after the restart the job is at step {now}, at or past "
-                                 f"step {end} asked for: nothing left to run")  # fmt: skip
+                raise DtlabError(
+                    f"after the restart the job is at step {now}, at or past "
+                    f"step {end} asked for: nothing left to run"
+                )
 
 
 def _reason(error) -> str:

@@ -26,8 +26,15 @@ STALL_CONFIRM_S = 2.0  # a deadlock is seen twice, this far apart, before a run 
 class Run:
     """One run command in flight (made by :class:`dtlab.control.stepper.Stepper`)."""
 
-    def __init__(self, stepper, run_id: int, steps: int, until: Condition | None,
-                 timeout: float | None, failure_grace: float = FAILURE_GRACE_S):  # fmt: skip
+    def __init__(
+        self,
+        stepper,
+        run_id: int,
+        steps: int,
+        until: Condition | None,
+        timeout: float | None,
+        failure_grace: float = FAILURE_GRACE_S,
+    ):
         self.stepper = stepper
         self.session = stepper.session
         self.id = run_id
@@ -64,8 +71,9 @@ class Run:
             self.done[rank] = reply
         elif reply["kind"] == "error":
             e = reply.get("error", {})
-            self.failures[rank] = RemoteFailure(e.get("ename", "Error"), e.get("evalue", ""),
-                                                e.get("traceback", ""))  # fmt: skip
+            self.failures[rank] = RemoteFailure(
+                e.get("ename", "Error"), e.get("evalue", ""), e.get("traceback", "")
+            )
         if reply["kind"] in ("done", "error"):
             self._finish(rank)
 
@@ -190,8 +198,11 @@ class Run:
             if self.hang is None:  # before SIGINT moves anyone: what they were doing
                 self.hang = self.session.recovery.hang_report()
         stuck = self.session.interrupt_and_wait(unfinished, self._poll_late)
-        ranks = dict(finished=sorted(self.done), stopped=[r for r in unfinished if r not in stuck],
-                     stuck=stuck)  # fmt: skip
+        ranks = dict(
+            finished=sorted(self.done),
+            stopped=[r for r in unfinished if r not in stuck],
+            stuck=stuck,
+        )
         what = f"step (run {self.id})"
         reason = self.give_up_reason or (self.pause_reason if unfinished else None)
         if self.failures and not (reason and unfinished):
@@ -209,5 +220,8 @@ class Run:
 
 def _pending(report) -> dict:
     """Per rank: its step and the collectives it has not completed (progress changes it)."""
-    return {rank: (rep.step, tuple((c.group_id, c.seq) for c in rep.collectives if not c.done))
-            for rank, rep in report.reports.items() if rep is not None}  # fmt: skip
+    return {
+        rank: (rep.step, tuple((c.group_id, c.seq) for c in rep.collectives if not c.done))
+        for rank, rep in report.reports.items()
+        if rep is not None
+    }

@@ -162,13 +162,23 @@ class Scripts:
         before = session.trace.at(target) if target else {}
         self._run_to(target, fresh=True, progress=progress)
         after = session.trace.at(target) if target else {}
-        differ = sorted(r for r, rec in before.items() if rec.param_fingerprint
-                        and after.get(r) is not None
-                        and after[r].param_fingerprint != rec.param_fingerprint)  # fmt: skip
-        event = {"time": time.time(), "reason": reason, "seconds": time.monotonic() - t0,
-                 "checkpoint": None, "step": target, "rerun": True,
-                 "compared": bool(before) and all(r.param_fingerprint for r in before.values()),
-                 "differ": differ}  # fmt: skip
+        differ = sorted(
+            r
+            for r, rec in before.items()
+            if rec.param_fingerprint
+            and after.get(r) is not None
+            and after[r].param_fingerprint != rec.param_fingerprint
+        )
+        event = {
+            "time": time.time(),
+            "reason": reason,
+            "seconds": time.monotonic() - t0,
+            "checkpoint": None,
+            "step": target,
+            "rerun": True,
+            "compared": bool(before) and all(r.param_fingerprint for r in before.values()),
+            "differ": differ,
+        }
         session.recovery.restarts.append(event)
         return event | {"loaded": {}}
 
@@ -213,8 +223,7 @@ class ScriptResumeReport:
 
     def summary(self) -> str:
         where = "fresh engines" if self.fresh else "the same engines"
-        head = (f"the script run again to step {self.step} on {where}, then {self.steps} "
-                "steps: ")  # fmt: skip
+        head = f"the script run again to step {self.step} on {where}, then {self.steps} steps: "
         return head + ("identical" if self.identical else self.comparison.summary())
 
 

@@ -181,8 +181,10 @@ class Session:
         if self.trace is None or self.trace.last_step == 0:
             since = self.trace.meta.get("step") if self.trace is not None else None
             if since is not None:
-                raise DtlabError(f"no steps recorded since the job was rewound to step {since} "
-                                 "(a checkpoint was loaded): run %dt_step")  # fmt: skip
+                raise DtlabError(
+                    f"no steps recorded since the job was rewound to step {since} "
+                    "(a checkpoint was loaded): run %dt_step"
+                )
             raise DtlabError("no steps recorded yet: attach a job (%dt_demo) and run %dt_step")
         return self.trace
 

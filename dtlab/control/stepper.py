@@ -126,8 +126,9 @@ class Stepper:
         jobs = self.trace.jobs
         if describe:
             jobs = {r: info for r, (_, info) in self.session.run(api.describe_job).items()}
-        self.trace = Trace(jobs, folder=new_run_folder(),
-                           meta={"backend": self.session.backend, **meta})  # fmt: skip
+        self.trace = Trace(
+            jobs, folder=new_run_folder(), meta={"backend": self.session.backend, **meta}
+        )
 
     def close(self) -> None:
         if self.trace is not None:

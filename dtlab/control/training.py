@@ -45,8 +45,12 @@ class Training:
         Ctrl-C pauses every rank after the same step (a second Ctrl-C sends SIGINT).
         ``record`` overrides the job's per-parameter recording for these steps.
         """
-        return self.session.recovery.resilient(num_steps, lambda steps: self.session.stepper.run(
-            steps, None, record=record, timeout=timeout, progress=progress))  # fmt: skip
+        return self.session.recovery.resilient(
+            num_steps,
+            lambda steps: self.session.stepper.run(
+                steps, None, record=record, timeout=timeout, progress=progress
+            ),
+        )
 
     def run_until(
         self,
@@ -72,8 +76,12 @@ class Training:
                 "'diverged' compares replicas, and this job's ranks hold different parameters "
                 "(pipeline stages): there is nothing for them to agree on"
             )
-        return self.session.recovery.resilient(max_steps, lambda steps: self.session.stepper.run(
-            steps, cond, record=record, timeout=timeout, progress=progress))  # fmt: skip
+        return self.session.recovery.resilient(
+            max_steps,
+            lambda steps: self.session.stepper.run(
+                steps, cond, record=record, timeout=timeout, progress=progress
+            ),
+        )
 
     def pause(self) -> None:
         """Ask a run in progress (the dashboard's) to stop at the next step boundary."""
@@ -148,8 +156,11 @@ class Training:
         kinds = ("grad", "param", "buffer")
         pipeline = len({info.params for info in trace.jobs.values()}) > 1
         # stages hold different parameters: their fingerprints differ by design
-        steps = set() if pipeline else {first_divergent_step(trace.records, kind=kind)
-                                        for kind in kinds}  # fmt: skip
+        steps = (
+            set()
+            if pipeline
+            else {first_divergent_step(trace.records, kind=kind) for kind in kinds}
+        )
         details: dict[int, list] = {rank: [] for rank in trace.ranks}
         for step in sorted(steps - {None}):
             try:
@@ -163,11 +174,14 @@ class Training:
             cores[facts.host] = max(cores.get(facts.host, 0), facts.num_cpus)
         now = self.session.run(api.rank_now, timeout=EVIDENCE_TIMEOUT_S)  # env may have changed
         return Evidence(
-            records=trace.records, names=trace.param_names, jobs=trace.jobs,
-            ranks={rank: info for rank, (info, _) in now.items()}, cores_by_host=cores,
+            records=trace.records,
+            names=trace.param_names,
+            jobs=trace.jobs,
+            ranks={rank: info for rank, (info, _) in now.items()},
+            cores_by_host=cores,
             details=details,
             initial={rank: start for rank, (_, start) in now.items() if start is not None},
-        )  # fmt: skip
+        )
 
     def checks(self) -> list[CheckResult]:
         """Every doctor check on the records so far (kept with the trace)."""

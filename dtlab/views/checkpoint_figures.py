@@ -16,8 +16,11 @@ from dtlab.checkpoint_format import CheckpointInfo
 from dtlab.trace import Trace
 from dtlab.views.figures import _layout, _line, _loss, _ranks, _series
 
-MARKERS = {"complete": ("diamond", "#2a9d8f"), "partial": ("x", "#8d99ae"),
-           "corrupt": ("x", "#d62828")}  # fmt: skip
+MARKERS = {
+    "complete": ("diamond", "#2a9d8f"),
+    "partial": ("x", "#8d99ae"),
+    "corrupt": ("x", "#d62828"),
+}
 
 
 def _mean_loss(trace: Trace, step: int) -> float | None:
@@ -43,21 +46,33 @@ def checkpoint_loss_figure(
             x=[c.step for c in checkpoints],
             y=ys,
             mode="markers",
-            marker={"symbol": [MARKERS[c.status][0] for c in checkpoints], "size": 13,
-                    "color": [MARKERS[c.status][1] for c in checkpoints]},
+            marker={
+                "symbol": [MARKERS[c.status][0] for c in checkpoints],
+                "size": 13,
+                "color": [MARKERS[c.status][1] for c in checkpoints],
+            },
             customdata=[str(c.path) for c in checkpoints],
-            hovertext=[f"step {c.step}: {c.status}" + (f" ({c.problem})" if c.problem else "")
-                       for c in checkpoints],
+            hovertext=[
+                f"step {c.step}: {c.status}" + (f" ({c.problem})" if c.problem else "")
+                for c in checkpoints
+            ],
             hoverinfo="text",
         )
-    )  # fmt: skip
+    )
     # "closest": a click then lands on the marker, not on every trace at that step
-    return _layout(fig, "Loss per rank and checkpoints (click one to select it)", "step",
-                   "loss", 420, hovermode="closest")  # fmt: skip
+    return _layout(
+        fig,
+        "Loss per rank and checkpoints (click one to select it)",
+        "step",
+        "loss",
+        420,
+        hovermode="closest",
+    )
 
 
-def replay_figure(original: Trace, replayed: Trace, *, first_difference: int | None = None,
-                  max_points: int = 2000) -> go.Figure:  # fmt: skip
+def replay_figure(
+    original: Trace, replayed: Trace, *, first_difference: int | None = None, max_points: int = 2000
+) -> go.Figure:
     """Original loss per rank (solid) and the replay's (dashed) over the replayed steps;
     a vertical line at the first step where they differ."""
     steps = [r.step for recs in replayed.records.values() for r in recs]
@@ -70,8 +85,12 @@ def replay_figure(original: Trace, replayed: Trace, *, first_difference: int | N
         x, y = _series(replayed.records[rank], _loss, max_points)
         fig.add_trace(_line(x, y, rank, suffix=" (replay)", dash="dash"))
     if first_difference is not None:
-        fig.add_vline(x=first_difference, line_dash="dot", line_color="#d62828",
-                      annotation_text=f"first difference: step {first_difference}")  # fmt: skip
+        fig.add_vline(
+            x=first_difference,
+            line_dash="dot",
+            line_color="#d62828",
+            annotation_text=f"first difference: step {first_difference}",
+        )
         title = f"Original (solid) vs replay (dashed): they part at step {first_difference}"
     else:
         title = "Original (solid) vs replay (dashed): identical"

@@ -35,12 +35,21 @@ def which_checkpoint(text: str):
 class CheckpointMagics(Magics):
     @line_magic
     @magic_arguments()
-    @argument("--every", type=int, default=None, metavar="K",
-              help="also save every K steps during runs (0 stops)")  # fmt: skip
+    @argument(
+        "--every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="also save every K steps during runs (0 stops)",
+    )
     @argument("--list", action="store_true", help="list the checkpoints instead of saving")
     @argument("--verify", action="store_true", help="with --list: read every file's checksum")
-    @argument("--load", default=None, metavar="STEP",
-              help="rewind the job to the checkpoint of STEP, 'latest', or a folder")  # fmt: skip
+    @argument(
+        "--load",
+        default=None,
+        metavar="STEP",
+        help="rewind the job to the checkpoint of STEP, 'latest', or a folder",
+    )
     @argument("--tag", default=None, help="a label kept in the manifest")
     def dt_checkpoint(self, line):
         """Save the job's full state on every rank (model, optimizer, scheduler, scaler,
@@ -49,19 +58,30 @@ class CheckpointMagics(Magics):
         session = current_session()
         if args.every is not None and args.every < 0:
             raise UsageError(f"--every takes a number of steps >= 0, got {args.every}")
-        chosen = [flag for flag, on in (("--list/--verify", args.list or args.verify),
-                  ("--load", args.load is not None), ("--every", args.every is not None),
-                  ("--tag", args.tag is not None)) if on]  # fmt: skip
+        chosen = [
+            flag
+            for flag, on in (
+                ("--list/--verify", args.list or args.verify),
+                ("--load", args.load is not None),
+                ("--every", args.every is not None),
+                ("--tag", args.tag is not None),
+            )
+            if on
+        ]
         if len(chosen) > 1:
-            raise UsageError(f"{' and '.join(chosen)} do different things: use one at a time "
-                             "(--tag labels a save: %dt_checkpoint --tag NAME)")  # fmt: skip
+            raise UsageError(
+                f"{' and '.join(chosen)} do different things: use one at a time "
+                "(--tag labels a save: %dt_checkpoint --tag NAME)"
+            )
         if args.list or args.verify:
             display(checkpoints_table(session.checkpoints(verify=args.verify)))
             return
         if args.load is not None:
             loaded = session.load_checkpoint(which_checkpoint(args.load))
-            print(f"job rewound to step {loaded['step']} from {loaded['path']}; restored "
-                  f"{', '.join(loaded['restored'])}")  # fmt: skip
+            print(
+                f"job rewound to step {loaded['step']} from {loaded['path']}; restored "
+                f"{', '.join(loaded['restored'])}"
+            )
             for note in dict.fromkeys(n for r in loaded["ranks"].values() for n in r["notes"]):
                 print(f"note: {note}")
             return
@@ -70,14 +90,19 @@ class CheckpointMagics(Magics):
             print(f"saving every {args.every} steps" if args.every else "periodic saves off")
             return
         saved = session.checkpoint(tag=args.tag)
-        print(f"checkpoint of step {saved.step}: {saved.path} "
-              f"({saved.size_bytes / 2**20:.1f} MiB, ranks {list(saved.ranks)})")  # fmt: skip
+        print(
+            f"checkpoint of step {saved.step}: {saved.path} "
+            f"({saved.size_bytes / 2**20:.1f} MiB, ranks {list(saved.ranks)})"
+        )
 
     @line_magic
     @magic_arguments()
     @argument("--steps", type=int, default=10, help="steps to run after the save (default 10)")
-    @argument("--same-engines", action="store_true",
-              help="restore into the live engines instead of fresh ones")  # fmt: skip
+    @argument(
+        "--same-engines",
+        action="store_true",
+        help="restore into the live engines instead of fresh ones",
+    )
     def dt_resume_check(self, line):
         """Save now, run on, restore into fresh engines, run the same steps, and compare
         every step: "identical", or the first thing that differs and why."""
@@ -108,8 +133,12 @@ class CheckpointMagics(Magics):
     @magic_arguments()
     @argument("good", type=int, help="a step known good (a checkpoint at or before it)")
     @argument("bad", type=int, help="a step known bad")
-    @argument("--against", default="replay", choices=("replay", "ranks"),
-              help="compare the run with its replay (default) or the ranks")  # fmt: skip
+    @argument(
+        "--against",
+        default="replay",
+        choices=("replay", "ranks"),
+        help="compare the run with its replay (default) or the ranks",
+    )
     def dt_bisect(self, line):
         """The first step after GOOD whose outcome differs, and within it the module."""
         args = parse_argstring(self.dt_bisect, line)

@@ -83,8 +83,9 @@ class CheckpointBrowser:
         self.last_result = result
         first = result.comparison.first
         self.status.value = replay_summary(result)
-        figure = replay_figure(self.session.trace, result.trace,
-                               first_difference=first.step if first else None)  # fmt: skip
+        figure = replay_figure(
+            self.session.trace, result.trace, first_difference=first.step if first else None
+        )
         self.output.clear_output()
         self.output.append_display_data(figure)
 

@@ -59,9 +59,13 @@ class CommMagics(Magics):
         try:
             low, high = parse_size(args.min), parse_size(args.max)
             sweep = dt.bandwidth_sweep(
-                min_bytes=low, max_bytes=high, factor=args.factor, iters=args.iters,
-                dtype=args.dtype, label=args.label,
-            )  # fmt: skip
+                min_bytes=low,
+                max_bytes=high,
+                factor=args.factor,
+                iters=args.iters,
+                dtype=args.dtype,
+                label=args.label,
+            )
         except ValueError as e:
             raise UsageError(str(e)) from None
         display(bandwidth_table(sweep))

@@ -25,8 +25,9 @@ table{border-collapse:collapse;margin:6px 0}td,th{border:1px solid #ddd;padding:
 font-size:13px;text-align:left}th{background:#f3f4f6}h2{margin-top:28px}"""
 
 
-def report_html(title: str, lines: Sequence[str], tables: Sequence[Table],
-                figures: Sequence[go.Figure]) -> str:  # fmt: skip
+def report_html(
+    title: str, lines: Sequence[str], tables: Sequence[Table], figures: Sequence[go.Figure]
+) -> str:
     """The page: a heading, summary lines, the tables, then the figures (pure)."""
     parts = [f"<h1>{html.escape(title)}</h1>"]
     parts += [f"<p>{html.escape(line)}</p>" for line in lines]
@@ -62,8 +63,10 @@ def write_report(summary: SessionSummary, path: str | Path) -> Path:
 
     trace = summary.trace
     stepped = trace is not None and trace.last_step > 0
-    lines = [f"{summary.world_size} ranks, {summary.backend}, written "
-             f"{time.strftime('%Y-%m-%d %H:%M:%S')}"]  # fmt: skip
+    lines = [
+        f"{summary.world_size} ranks, {summary.backend}, written "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')}"
+    ]
     if stepped:
         lines.append(f"{trace.last_step} steps recorded; run folder {trace.folder}")
     tables = [rank_table(summary.infos, summary.inconsistencies, title="ranks")]
@@ -73,11 +76,14 @@ def write_report(summary: SessionSummary, path: str | Path) -> Path:
             tables.append(checks_table(summary.checks))
     tables.append(checkpoints_table(summary.checkpoints))
     if summary.restarts:
-        rows = tuple((time.strftime("%H:%M:%S", time.localtime(e["time"])), str(e["step"]),
-                      e["reason"]) for e in summary.restarts)  # fmt: skip
+        rows = tuple(
+            (time.strftime("%H:%M:%S", time.localtime(e["time"])), str(e["step"]), e["reason"])
+            for e in summary.restarts
+        )
         tables.append(Table("restarts", ("when", "from step", "why"), rows))
-    figures = [loss_figure(trace), memory_figure(trace), time_breakdown_figure(trace)] \
-        if stepped else []  # fmt: skip
+    figures = (
+        [loss_figure(trace), memory_figure(trace), time_breakdown_figure(trace)] if stepped else []
+    )
     path = Path(path)
     path.write_text(report_html("dtlab session report", lines, tables, figures))
     return path

@@ -24,5 +24,6 @@ def seconds(text: str) -> float:
     try:
         return checked_timeout(float(text), "--timeout")
     except ValueError as e:
-        raise ArgumentTypeError(str(e) if "must be" in str(e) else f"{text!r} is not a number "
-                                "of seconds") from None  # fmt: skip
+        raise ArgumentTypeError(
+            str(e) if "must be" in str(e) else f"{text!r} is not a number of seconds"
+        ) from None

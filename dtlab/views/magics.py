@@ -93,9 +93,14 @@ class DtlabMagics(Magics):
         help="ssh launcher: hosts and engines per host, e.g. node1:4,node2:4",
     )
     @argument("--partition", default=None, help="slurm launcher: the partition to submit to")
-    @argument("--sbatch-arg", action="append", default=[], metavar="OPTION",
-              help="slurm launcher: an sbatch option for the engines' job, e.g. "
-                   "--sbatch-arg=--cpus-per-task=1 (repeatable)")  # fmt: skip
+    @argument(
+        "--sbatch-arg",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="slurm launcher: an sbatch option for the engines' job, e.g. "
+        "--sbatch-arg=--cpus-per-task=1 (repeatable)",
+    )
     @argument(
         "--listen",
         default="",
@@ -119,12 +124,21 @@ class DtlabMagics(Magics):
         try:
             env = parse_env(args.env)
             session = dtlab.launch(
-                args.num_ranks, backend=args.backend, launcher=args.launcher,
-                timeout=args.timeout, threads=args.threads, env=env, port=args.port,
-                pg_timeout=args.pg_timeout, restart=args.restart, hosts=args.hosts,
-                listen=args.listen, partition=args.partition,
-                sbatch_args=tuple(args.sbatch_arg), force=args.force,
-            )  # fmt: skip
+                args.num_ranks,
+                backend=args.backend,
+                launcher=args.launcher,
+                timeout=args.timeout,
+                threads=args.threads,
+                env=env,
+                port=args.port,
+                pg_timeout=args.pg_timeout,
+                restart=args.restart,
+                hosts=args.hosts,
+                listen=args.listen,
+                partition=args.partition,
+                sbatch_args=tuple(args.sbatch_arg),
+                force=args.force,
+            )
         except ValueError as e:  # raised by validation, before anything starts
             raise UsageError(str(e)) from None
         self.shell.user_ns["dt"] = session

@@ -84,25 +84,48 @@ def _slowest(stages: Sequence[StageBalance]) -> int | None:
 def _add_compute_bars(fig: go.Figure, stages: Sequence[StageBalance]) -> None:
     labels = [_stage_label(s) for s in stages]
     if all(s.forward_s is None and s.backward_s is None for s in stages):
-        fig.add_annotation(text=f"compute {NOT_PROFILED}", x=0.5, y=0.5, xref="x domain",
-                           yref="y domain", showarrow=False, row=1, col=1)  # fmt: skip
+        fig.add_annotation(
+            text=f"compute {NOT_PROFILED}",
+            x=0.5,
+            y=0.5,
+            xref="x domain",
+            yref="y domain",
+            showarrow=False,
+            row=1,
+            col=1,
+        )
         return
     slowest = _slowest(stages)
     # outline both halves of the slowest stack: that stage sets the pipeline's pace
     widths = [3 if i == slowest else 0 for i in range(len(stages))]
     hover = [_blocks_text(s.blocks) for s in stages]
     for phase in ("forward", "backward"):
-        fig.add_trace(go.Bar(
-            x=labels, y=[_ms(getattr(s, f"{phase}_s")) for s in stages], name=phase,
-            marker={"color": _COMPUTE_COLOURS[phase],
-                    "line": {"width": widths, "color": SLOWEST_COLOUR}},
-            hovertext=hover,
-            hovertemplate=f"%{{x}}<br>{phase}: %{{y:.2f}} ms<br>%{{hovertext}}<extra></extra>",
-        ), row=1, col=1)  # fmt: skip
+        fig.add_trace(
+            go.Bar(
+                x=labels,
+                y=[_ms(getattr(s, f"{phase}_s")) for s in stages],
+                name=phase,
+                marker={
+                    "color": _COMPUTE_COLOURS[phase],
+                    "line": {"width": widths, "color": SLOWEST_COLOUR},
+                },
+                hovertext=hover,
+                hovertemplate=f"%{{x}}<br>{phase}: %{{y:.2f}} ms<br>%{{hovertext}}<extra></extra>",
+            ),
+            row=1,
+            col=1,
+        )
     if slowest is not None:
-        fig.add_annotation(text="slowest", x=labels[slowest], y=_ms(stages[slowest].compute_s),
-                           yanchor="bottom", showarrow=False, font={"color": SLOWEST_COLOUR},
-                           row=1, col=1)  # fmt: skip
+        fig.add_annotation(
+            text="slowest",
+            x=labels[slowest],
+            y=_ms(stages[slowest].compute_s),
+            yanchor="bottom",
+            showarrow=False,
+            font={"color": SLOWEST_COLOUR},
+            row=1,
+            col=1,
+        )
 
 
 def _add_memory_bars(fig: go.Figure, stages: Sequence[StageBalance]) -> None:
@@ -112,11 +135,18 @@ def _add_memory_bars(fig: go.Figure, stages: Sequence[StageBalance]) -> None:
         values = [getattr(s, field) for s in stages]
         if all(v is None for v in values):  # activations before profiling
             continue
-        fig.add_trace(go.Bar(
-            x=labels, y=[None if v is None else v / MIB for v in values], name=name,
-            marker_color=colour, hovertext=hover,
-            hovertemplate=f"%{{x}}<br>{name}: %{{y:.1f}} MiB<br>%{{hovertext}}<extra></extra>",
-        ), row=1, col=2)  # fmt: skip
+        fig.add_trace(
+            go.Bar(
+                x=labels,
+                y=[None if v is None else v / MIB for v in values],
+                name=name,
+                marker_color=colour,
+                hovertext=hover,
+                hovertemplate=f"%{{x}}<br>{name}: %{{y:.1f}} MiB<br>%{{hovertext}}<extra></extra>",
+            ),
+            row=1,
+            col=2,
+        )
 
 
 def balance_figure(balance: Balance) -> go.Figure:
@@ -126,14 +156,19 @@ def balance_figure(balance: Balance) -> go.Figure:
     (no stage times) the left panel says so and has no traces; activations are left out
     while unknown for every stage.
     """
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=(
-        "Compute per micro-batch", "Memory per stage"))  # fmt: skip
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        horizontal_spacing=0.12,
+        subplot_titles=("Compute per micro-batch", "Memory per stage"),
+    )
     _add_compute_bars(fig, balance.stages)
     _add_memory_bars(fig, balance.stages)
     fig.update_yaxes(title_text="time (ms)", row=1, col=1)
     fig.update_yaxes(title_text="memory (MiB)", row=1, col=2)
-    fig.update_layout(title=_summary(balance), template=TEMPLATE, height=440, barmode="stack",
-                      hovermode="closest")  # fmt: skip
+    fig.update_layout(
+        title=_summary(balance), template=TEMPLATE, height=440, barmode="stack", hovermode="closest"
+    )
     return fig
 
 
@@ -157,25 +192,40 @@ def schedule_figure(
         by_phase[_phase_name(e.phase)].append(e)
     fig = go.Figure()
     for phase, evs in by_phase.items():
-        fig.add_trace(go.Bar(
-            name=phase, orientation="h", marker_color=_COMPUTE_COLOURS[phase],
-            y=[f"stage {e.stage}" for e in evs], base=[e.start * 1000 for e in evs],
-            x=[(e.end - e.start) * 1000 for e in evs], text=[str(e.microbatch) for e in evs],
-            textposition="inside", insidetextanchor="middle",
-            customdata=[[e.microbatch, e.start * 1000, e.end * 1000] for e in evs],
-            hovertemplate=(f"%{{y}}, micro-batch %{{customdata[0]}}, {phase}<br>"
-                           "%{customdata[1]:.2f} to %{customdata[2]:.2f} ms "
-                           "(%{x:.2f} ms)<extra></extra>"),
-        ))  # fmt: skip
+        fig.add_trace(
+            go.Bar(
+                name=phase,
+                orientation="h",
+                marker_color=_COMPUTE_COLOURS[phase],
+                y=[f"stage {e.stage}" for e in evs],
+                base=[e.start * 1000 for e in evs],
+                x=[(e.end - e.start) * 1000 for e in evs],
+                text=[str(e.microbatch) for e in evs],
+                textposition="inside",
+                insidetextanchor="middle",
+                customdata=[[e.microbatch, e.start * 1000, e.end * 1000] for e in evs],
+                hovertemplate=(
+                    f"%{{y}}, micro-batch %{{customdata[0]}}, {phase}<br>"
+                    "%{customdata[1]:.2f} to %{customdata[2]:.2f} ms "
+                    "(%{x:.2f} ms)<extra></extra>"
+                ),
+            )
+        )
     stages = sorted({e.stage for e in events})
     # forward and backward share a row: overlay, or plotly would offset them as a group
     fig.update_layout(barmode="overlay", bargap=0.3)
-    fig.update_yaxes(categoryorder="array", categoryarray=[f"stage {s}" for s in stages],
-                     autorange="reversed")  # fmt: skip
+    fig.update_yaxes(
+        categoryorder="array", categoryarray=[f"stage {s}" for s in stages], autorange="reversed"
+    )
     if not events:
-        fig.add_annotation(text="No step has run yet: the schedule appears after the first "
-                           "pipeline step.", x=0.5, y=0.5, xref="paper", yref="paper",
-                           showarrow=False)  # fmt: skip
+        fig.add_annotation(
+            text="No step has run yet: the schedule appears after the first pipeline step.",
+            x=0.5,
+            y=0.5,
+            xref="paper",
+            yref="paper",
+            showarrow=False,
+        )
     height = min(700, 160 + 50 * max(len(stages), 2))
     return _layout(fig, title, "time from step start (ms)", "stage", height, "closest")
 
@@ -210,12 +260,17 @@ def plan_strip_figure(
     for s, blocks in enumerate(stage_blocks(plan)):
         lo = plan.bounds[s]
         colour = stage_colours[s % len(stage_colours)] if stage_colours else stage_colour(s)
-        fig.add_trace(go.Bar(
-            name=f"stage {s}", x=list(blocks), y=values[lo : lo + len(blocks)],
-            marker_color=colour,
-            hovertemplate=f"%{{x}}<br>stage {s}"
-                          + (f"<br>{unit}: %{{y:{fmt}}}" if unit else "") + "<extra></extra>",
-        ))  # fmt: skip
+        fig.add_trace(
+            go.Bar(
+                name=f"stage {s}",
+                x=list(blocks),
+                y=values[lo : lo + len(blocks)],
+                marker_color=colour,
+                hovertemplate=f"%{{x}}<br>stage {s}"
+                + (f"<br>{unit}: %{{y:{fmt}}}" if unit else "")
+                + "<extra></extra>",
+            )
+        )
     for bound in plan.bounds[1:-1]:
         fig.add_vline(x=bound - 0.5, line_dash="dot", line_color="#555")
     # traces never share a block, so "overlay" just keeps each bar centred on its block
@@ -240,12 +295,16 @@ def balance_comparison_figure(before: Balance, after: Balance) -> go.Figure:
     fig = go.Figure()
     for name, balance, colour in (("before", before, "#8d99ae"), ("after", after, "#2a9d8f")):
         stages = balance.stages
-        fig.add_trace(go.Bar(
-            name=name, x=[f"stage {s.stage}" for s in stages],
-            y=[_ms(s.compute_s) for s in stages], marker_color=colour,
-            hovertext=[_blocks_text(s.blocks) for s in stages],
-            hovertemplate=f"%{{x}} {name}: %{{y:.2f}} ms<br>%{{hovertext}}<extra></extra>",
-        ))  # fmt: skip
+        fig.add_trace(
+            go.Bar(
+                name=name,
+                x=[f"stage {s.stage}" for s in stages],
+                y=[_ms(s.compute_s) for s in stages],
+                marker_color=colour,
+                hovertext=[_blocks_text(s.blocks) for s in stages],
+                hovertemplate=f"%{{x}} {name}: %{{y:.2f}} ms<br>%{{hovertext}}<extra></extra>",
+            )
+        )
     fig.update_layout(barmode="group")
     title = f"Compute per stage: step {_step_text(before)} → {_step_text(after)}"
     return _layout(fig, title, "stage", "forward + backward per micro-batch (ms)", 400, "closest")

@@ -40,8 +40,9 @@ def plan_from_text(text: str):
     if all(t.lstrip("-").isdigit() for t in tokens if t):
         return [int(t) for t in tokens if t]
     if "|" in text:
-        return [[name.strip() for name in stage.split(",") if name.strip()]
-                for stage in text.split("|")]  # fmt: skip
+        return [
+            [name.strip() for name in stage.split(",") if name.strip()] for stage in text.split("|")
+        ]
     raise UsageError(
         f"cannot read the plan {text!r}: write a method ({', '.join(METHODS)}), boundary "
         "indices like 2,4,6, or each stage's blocks like 'embed,blocks.0|blocks.1|...'"
@@ -83,9 +84,11 @@ class PartitionMagics(Magics):
                 return balance_figure(predicted)
             if args.apply:
                 moved = dt.repartition(plan_from_text(args.apply))
-                print(f"moved {len(moved['moved'])} block(s) in {moved['seconds'] * 1e3:.0f} ms: "
-                      f"{moved['plan'].describe()}; %dt_step a few steps, then %dt_partition "
-                      "shows the measured balance")  # fmt: skip
+                print(
+                    f"moved {len(moved['moved'])} block(s) in {moved['seconds'] * 1e3:.0f} ms: "
+                    f"{moved['plan'].describe()}; %dt_step a few steps, then %dt_partition "
+                    "shows the measured balance"
+                )
                 return None
         except PlanError as e:
             raise UsageError(str(e)) from None

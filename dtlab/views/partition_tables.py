@@ -21,19 +21,40 @@ def _mib(nbytes: int | None) -> str:
 def balance_table(balance) -> Table:
     """One row per stage: blocks, parameters, memory, time per micro-batch."""
     rows = tuple(
-        (str(s.stage), "-" if s.rank is None else str(s.rank), _span(s.blocks),
-         f"{s.num_params:,}", _mib(s.param_bytes), _mib(s.grad_bytes), _mib(s.optimizer_bytes),
-         _mib(s.activation_bytes), _ms(s.forward_s), _ms(s.backward_s))
+        (
+            str(s.stage),
+            "-" if s.rank is None else str(s.rank),
+            _span(s.blocks),
+            f"{s.num_params:,}",
+            _mib(s.param_bytes),
+            _mib(s.grad_bytes),
+            _mib(s.optimizer_bytes),
+            _mib(s.activation_bytes),
+            _ms(s.forward_s),
+            _ms(s.backward_s),
+        )
         for s in balance.stages
-    )  # fmt: skip
+    )
     kind = "measured" if balance.measured else "predicted"
-    facts = [f"{balance.schedule}, {balance.microbatches} micro-batches",
-             *balance_facts(balance, "slowest stage / mean")]  # fmt: skip
+    facts = [
+        f"{balance.schedule}, {balance.microbatches} micro-batches",
+        *balance_facts(balance, "slowest stage / mean"),
+    ]
     notes = [f"{kind}: " + "; ".join(facts)]
     if any(s.forward_s is None for s in balance.stages):
         notes.append("times per block come from profiling: %dt_partition --profile")
-    headers = ("stage", "rank", "blocks", "params", "param MiB", "grad MiB", "optim MiB",
-               "activ. MiB", "fwd ms/mb", "bwd ms/mb")  # fmt: skip
+    headers = (
+        "stage",
+        "rank",
+        "blocks",
+        "params",
+        "param MiB",
+        "grad MiB",
+        "optim MiB",
+        "activ. MiB",
+        "fwd ms/mb",
+        "bwd ms/mb",
+    )
     return Table("pipeline stages", headers, rows, tuple(notes))
 
 
@@ -58,6 +79,8 @@ def pipeline_summary(infos: Mapping[int, JobInfo]) -> str:
     counts = {r: sum(p.numel for p in i.params) for r, i in sorted(infos.items())}
     per_rank = ", ".join(f"rank {r}: {n:,}" for r, n in counts.items())
     info = infos[min(infos)]
-    return (f"pipeline attached on {len(infos)} ranks, one stage each ({per_rank} values; "
-            f"{sum(counts.values()):,} in all), {info.optimizer}; %dt_partition shows the "
-            "balance")  # fmt: skip
+    return (
+        f"pipeline attached on {len(infos)} ranks, one stage each ({per_rank} values; "
+        f"{sum(counts.values()):,} in all), {info.optimizer}; %dt_partition shows the "
+        "balance"
+    )

@@ -49,9 +49,16 @@ class PartitionEditor:
         self.reset_button.on_click(lambda _: self._guarded(lambda: self.set_draft(self.plan)))
         self.output = widgets.Output()
         buttons = [self.apply_button, self.auto_button, self.profile_button, self.reset_button]
-        self.widget = widgets.VBox([self.blocks, widgets.VBox(self.sliders),
-                                    widgets.HBox(buttons), self.status, self.figure,
-                                    self.output])  # fmt: skip
+        self.widget = widgets.VBox(
+            [
+                self.blocks,
+                widgets.VBox(self.sliders),
+                widgets.HBox(buttons),
+                self.status,
+                self.figure,
+                self.output,
+            ]
+        )
         self.preview()
 
     def _repr_mimebundle_(self, **kwargs):
@@ -99,12 +106,14 @@ class PartitionEditor:
             return
         self.apply_button.disabled = draft == self.plan
         self.blocks.value = _block_strip(draft)
-        predicted = predict_balance(draft, self.costs, schedule=self.schedule,
-                                    microbatches=self.microbatches)  # fmt: skip
+        predicted = predict_balance(
+            draft, self.costs, schedule=self.schedule, microbatches=self.microbatches
+        )
         self._show(balance_figure(predicted))
         moved = self.plan.moves_to(draft)
-        self.status.value = (f"draft: {len(moved)} block(s) would move" if moved
-                             else "the running plan")  # fmt: skip
+        self.status.value = (
+            f"draft: {len(moved)} block(s) would move" if moved else "the running plan"
+        )
 
     def _show(self, fresh) -> None:
         with self.figure.batch_update():
@@ -129,8 +138,10 @@ class PartitionEditor:
         self.status.value = "measuring the running plan..."
         self.session.step(self.measure_steps)
         self.before = self.session.balance()
-        self.status.value = (f"moving {len(self.plan.moves_to(draft))} block(s), then "
-                             f"{self.measure_steps} steps to measure...")  # fmt: skip
+        self.status.value = (
+            f"moving {len(self.plan.moves_to(draft))} block(s), then "
+            f"{self.measure_steps} steps to measure..."
+        )
         moved = self.session.repartition(draft)
         self.plan = draft  # it runs now, whatever the next steps do
         self.blocks.value = _block_strip(draft)

@@ -29,8 +29,9 @@ class TextProgress:
         now = time.monotonic()
         if done == total or now - self.last_print >= QUIET_S:
             self.last_print = now
-            print(f"{phase} {describe(done, total, now - self.start)}", file=self.stream,
-                  flush=True)  # fmt: skip
+            print(
+                f"{phase} {describe(done, total, now - self.start)}", file=self.stream, flush=True
+            )
 
 
 def describe(done: int, total: int, seconds: float) -> str:

@@ -36,10 +36,8 @@ class TraceCollector:
             "step_seconds": gauge("step_seconds", "wall time of the last step on the rank"),
             "phase": gauge(
                 "phase_seconds", "time of each phase of the last step", ("rank", "phase")
-            ),  # fmt: skip
-            "memory": gauge(
-                "memory_bytes", "memory at the end of the last step", ("rank", "kind")
-            ),  # fmt: skip
+            ),
+            "memory": gauge("memory_bytes", "memory at the end of the last step", ("rank", "kind")),
         }
         trace = self.trace_of()
         for rank, records in sorted((trace.records if trace is not None else {}).items()):
@@ -49,16 +47,28 @@ class TraceCollector:
 
 
 def _add(families: dict, rank: str, rec) -> None:
-    for name, value in (("step", rec.step), ("loss", rec.loss), ("grad_norm", rec.grad_norm),
-                        ("lr", rec.lr), ("loss_scale", rec.scale),
-                        ("step_seconds", rec.times.total)):  # fmt: skip
+    for name, value in (
+        ("step", rec.step),
+        ("loss", rec.loss),
+        ("grad_norm", rec.grad_norm),
+        ("lr", rec.lr),
+        ("loss_scale", rec.scale),
+        ("step_seconds", rec.times.total),
+    ):
         if value is not None:
             families[name].add_metric([rank], float(value))
     for phase in PHASES:
         families["phase"].add_metric([rank, phase], float(getattr(rec.times, phase)))
     memory = rec.memory
-    for kind in ("rss", "param_bytes", "grad_bytes", "optimizer_bytes", "cuda_allocated",
-                 "cuda_reserved", "cuda_peak"):  # fmt: skip
+    for kind in (
+        "rss",
+        "param_bytes",
+        "grad_bytes",
+        "optimizer_bytes",
+        "cuda_allocated",
+        "cuda_reserved",
+        "cuda_peak",
+    ):
         value = getattr(memory, kind)
         if value is not None:
             families["memory"].add_metric([rank, kind.removesuffix("_bytes")], float(value))

@@ -21,12 +21,16 @@ from dtlab.views.reports import hang_table
 
 def rerun_summary(world_size: int, event: dict) -> str:
     """A script job's restart: run again to its step, and whether its weights got there."""
-    line = (f"restarted {world_size} ranks in {event['seconds']:.1f} s; the script ran "
-            f"again to step {event['step']}")  # fmt: skip
+    line = (
+        f"restarted {world_size} ranks in {event['seconds']:.1f} s; the script ran "
+        f"again to step {event['step']}"
+    )
     if event["differ"]:
-        return (f"{line}, but its parameters differ from the first run's there on "
-                f"{label_ranks(event['differ'])}: the script is not deterministic (or read "
-                "something that changed); the job is at that step anyway")  # fmt: skip
+        return (
+            f"{line}, but its parameters differ from the first run's there on "
+            f"{label_ranks(event['differ'])}: the script is not deterministic (or read "
+            "something that changed); the job is at that step anyway"
+        )
     if event["compared"]:
         return f"{line}: its parameters are bit for bit those of the first run"
     return f"{line} (not compared with the first run: it was not recorded at that step)"
@@ -44,10 +48,19 @@ class RecoveryMagics(Magics):
 
     @line_magic
     @magic_arguments()
-    @argument("--from-checkpoint", default="latest", metavar="WHICH",
-              help="'latest' (the last complete one), a step, a folder, or 'none'")  # fmt: skip
-    @argument("--auto", type=int, default=None, metavar="N",
-              help="restart by itself, up to N times, when a run fails (0: off)")  # fmt: skip
+    @argument(
+        "--from-checkpoint",
+        default="latest",
+        metavar="WHICH",
+        help="'latest' (the last complete one), a step, a folder, or 'none'",
+    )
+    @argument(
+        "--auto",
+        type=int,
+        default=None,
+        metavar="N",
+        help="restart by itself, up to N times, when a run fails (0: off)",
+    )
     def dt_restart(self, line):
         """Replace every engine, rejoin at the same world size, rebuild the job and load
         a checkpoint; the kernel and the session object stay."""
@@ -57,14 +70,22 @@ class RecoveryMagics(Magics):
             if args.auto < 0:
                 raise UsageError(f"--auto takes a number of restarts >= 0, got {args.auto}")
             session.auto_restart(args.auto, from_checkpoint=which_checkpoint(args.from_checkpoint))
-            print(f"restarting by itself up to {args.auto} times" if args.auto
-                  else "automatic restarts off")  # fmt: skip
+            print(
+                f"restarting by itself up to {args.auto} times"
+                if args.auto
+                else "automatic restarts off"
+            )
             return
         event = session.restart(which_checkpoint(args.from_checkpoint), progress=delayed_progress())
         if event.get("rerun"):
             print(rerun_summary(session.world_size, event))
             return
-        where = f"step {event['step']} from {event['checkpoint']}" if event["checkpoint"] \
-            else "step 0 (no checkpoint)"  # fmt: skip
-        print(f"restarted {session.world_size} ranks in {event['seconds']:.1f} s; the job is at "
-              f"{where}")  # fmt: skip
+        where = (
+            f"step {event['step']} from {event['checkpoint']}"
+            if event["checkpoint"]
+            else "step 0 (no checkpoint)"
+        )
+        print(
+            f"restarted {session.world_size} ranks in {event['seconds']:.1f} s; the job is at "
+            f"{where}"
+        )

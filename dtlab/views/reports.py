@@ -59,14 +59,18 @@ def _script_endings(status: ScriptStatus, name: str) -> list[str]:
         else:
             what = "finished"
         by_end.setdefault(what, []).append(rank)
-    lines = [f"{name} {what} on {label_ranks(ranks)} after {status.steps[ranks[0]]} optimizer "
-             "steps" for what, ranks in by_end.items()]  # fmt: skip
+    lines = [
+        f"{name} {what} on {label_ranks(ranks)} after {status.steps[ranks[0]]} optimizer steps"
+        for what, ranks in by_end.items()
+    ]
     if not any(status.steps.values()):
         calls = (
             status.backward_calls.get(min(status.backward_calls), 0) if status.backward_calls else 0
         )
-        lines.append(f"it never called optimizer.step() ({calls} backward() calls): there was "
-                     "no step for dtlab to pause at")  # fmt: skip
+        lines.append(
+            f"it never called optimizer.step() ({calls} backward() calls): there was "
+            "no step for dtlab to pause at"
+        )
     return lines
 
 
@@ -99,7 +103,7 @@ def findings_table(findings: Sequence[Finding]) -> Table:
     rows = tuple(
         (f.severity, f.kind, label_ranks(f.ranks), _since_column(f), f.summary, f.fix)
         for f in findings
-    )  # fmt: skip
+    )
     notes = () if findings else ("no problem found in the records so far",)
     headers = ("severity", "kind", "ranks", "since step", "what", "fix")
     return Table("findings", headers, rows, notes)
@@ -113,16 +117,19 @@ def doctor_summary(results: Sequence) -> str:
     unchecked = [r for r in results if r.outcome == "not checked"]
     found = [r for r in results if r.outcome == "found"]
     counts = ", ".join(
-        part for part in (
+        part
+        for part in (
             f"{len(found)} found something" if found else "",
             f"{len(passed)} passed" if passed else "",
             f"{len(unchecked)} not checked" if unchecked else "",
-        ) if part
-    )  # fmt: skip
+        )
+        if part
+    )
     lines = []
     if not findings and not unchecked:
-        lines.append(f"no problem found: every check passed ({counts}; --explain shows what "
-                     "each looked at)")  # fmt: skip
+        lines.append(
+            f"no problem found: every check passed ({counts}; --explain shows what each looked at)"
+        )
     elif not findings:
         lines.append(f"no problem found in what could be checked: {counts}")
     else:
@@ -169,11 +176,18 @@ def checks_table(results: Sequence) -> Table:
 def checkpoints_table(infos: Sequence) -> Table:
     """``dt.checkpoints()`` as a table: complete ones, and what is wrong with the others."""
     rows = tuple(
-        (str(c.step), c.status, "-" if c.loss is None else f"{c.loss:.4f}",
-         f"{c.size_bytes / 2**20:.1f} MiB", label_ranks(c.ranks) if c.ranks else "-",
-         c.tag or "", c.path.name, c.problem or "")
+        (
+            str(c.step),
+            c.status,
+            "-" if c.loss is None else f"{c.loss:.4f}",
+            f"{c.size_bytes / 2**20:.1f} MiB",
+            label_ranks(c.ranks) if c.ranks else "-",
+            c.tag or "",
+            c.path.name,
+            c.problem or "",
+        )
         for c in infos
-    )  # fmt: skip
+    )
     notes = () if infos else ("no checkpoint yet: %dt_checkpoint saves one",)
     headers = ("step", "status", "loss", "size", "written by", "tag", "folder", "problem")
     return Table("checkpoints", headers, rows, notes)
@@ -181,14 +195,19 @@ def checkpoints_table(infos: Sequence) -> Table:
 
 def replay_summary(result) -> str:
     """One paragraph for ``dt.replay``: identical or where it first differs, and speed."""
-    head = (f"replayed steps {result.first_step}-{result.last_step} from the checkpoint of "
-            f"step {result.checkpoint.step}: ")  # fmt: skip
-    text = head + ("identical to the original run" if result.identical
-                   else result.comparison.summary())  # fmt: skip
+    head = (
+        f"replayed steps {result.first_step}-{result.last_step} from the checkpoint of "
+        f"step {result.checkpoint.step}: "
+    )
+    text = head + (
+        "identical to the original run" if result.identical else result.comparison.summary()
+    )
     if result.original_step_s and result.replay_step_s:
         ratio = result.replay_step_s / result.original_step_s
-        text += (f" (median step {result.replay_step_s * 1e3:.1f} ms, the original "
-                 f"{result.original_step_s * 1e3:.1f} ms: {ratio:.2f}x)")  # fmt: skip
+        text += (
+            f" (median step {result.replay_step_s * 1e3:.1f} ms, the original "
+            f"{result.original_step_s * 1e3:.1f} ms: {ratio:.2f}x)"
+        )
     return text
 
 
@@ -199,11 +218,17 @@ def hang_table(report) -> Table:
         rep = report.reports.get(rank)
         calls = rep.collectives if rep else ()
         last = [c for c in calls if c.group == "default_pg"][-1:] + [
-            c for c in calls if not c.done and c.group != "default_pg"][-1:]  # fmt: skip
-        shown = "; ".join(f"{c.op} #{c.seq} on {c.group} {'done' if c.done else 'WAITING'}"
-                          for c in last) or "-"  # fmt: skip
+            c for c in calls if not c.done and c.group != "default_pg"
+        ][-1:]
+        shown = (
+            "; ".join(
+                f"{c.op} #{c.seq} on {c.group} {'done' if c.done else 'WAITING'}" for c in last
+            )
+            or "-"
+        )
         step = "-" if rep is None or rep.step is None else str(rep.step)
         rows.append((str(rank), step, report.verdict.where.get(rank, "?"), shown))
     notes = (report.verdict.summary,)
-    return Table("what every rank is doing", ("rank", "step", "where", "collectives"), tuple(rows),
-                 notes)  # fmt: skip
+    return Table(
+        "what every rank is doing", ("rank", "step", "where", "collectives"), tuple(rows), notes
+    )

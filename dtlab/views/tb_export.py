@@ -16,8 +16,13 @@ PHASES = ("data", "forward", "backward", "optimizer", "record")
 
 
 def _scalars(rec) -> dict[str, float]:
-    values = {"loss": rec.loss, "grad_norm": rec.grad_norm, "lr": rec.lr,
-              "loss_scale": rec.scale, "time/step_ms": rec.times.total * 1e3}  # fmt: skip
+    values = {
+        "loss": rec.loss,
+        "grad_norm": rec.grad_norm,
+        "lr": rec.lr,
+        "loss_scale": rec.scale,
+        "time/step_ms": rec.times.total * 1e3,
+    }
     for phase in PHASES:
         values[f"time/{phase}_ms"] = getattr(rec.times, phase) * 1e3
     cuda = rec.memory.cuda_allocated

@@ -69,8 +69,13 @@ class TrainingMagics(Magics):
     @argument("--no-record", action="store_true", help="record only loss, LR, times, memory")
     @argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     @argument("--scaler", action="store_true", help="step through a GradScaler (as AMP jobs do)")
-    @argument("--accumulate", type=int, default=1, metavar="K",
-              help="K micro-batches per step (DDP syncs only the last)")  # fmt: skip
+    @argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        metavar="K",
+        help="K micro-batches per step (DDP syncs only the last)",
+    )
     @argument(
         "--pipeline",
         action="store_true",
@@ -83,8 +88,12 @@ class TrainingMagics(Magics):
         "like 'embed,blocks.0|blocks.1|...'",
     )
     @argument("--microbatches", type=int, default=4, help="with --pipeline (default 4)")
-    @argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"],
-              help="with --pipeline: the micro-batch schedule (default gpipe)")  # fmt: skip
+    @argument(
+        "--schedule",
+        default="gpipe",
+        choices=["gpipe", "1f1b"],
+        help="with --pipeline: the micro-batch schedule (default gpipe)",
+    )
     @argument(
         "--set",
         nargs="+",
@@ -100,9 +109,14 @@ class TrainingMagics(Magics):
         try:
             if args.pipeline:
                 infos = demo.attach_pipeline(
-                    current_session(), plan=plan_from_text(args.plan),
-                    microbatches=args.microbatches, schedule=args.schedule,
-                    record=not args.no_record, lr=args.lr, **config)  # fmt: skip
+                    current_session(),
+                    plan=plan_from_text(args.plan),
+                    microbatches=args.microbatches,
+                    schedule=args.schedule,
+                    record=not args.no_record,
+                    lr=args.lr,
+                    **config,
+                )
             else:
                 infos = demo.attach(
                     current_session(),
@@ -181,8 +195,11 @@ class TrainingMagics(Magics):
 
     @line_magic
     @magic_arguments()
-    @argument("--explain", action="store_true",
-              help="also show each check: what it looked at and why it passed")  # fmt: skip
+    @argument(
+        "--explain",
+        action="store_true",
+        help="also show each check: what it looked at and why it passed",
+    )
     def dt_doctor(self, line):
         """Run every check on the live job; findings ranked, most severe first."""
         args = parse_argstring(self.dt_doctor, line)
@@ -216,8 +233,9 @@ class TrainingMagics(Magics):
         details = session.step_details(step) if args.kind == "deviation" else None
         try:
             other = Trace.load(args.compare) if args.compare else None
-            figure = figure_for(trace, args.kind, step=step, field=args.field, other=other,
-                                details=details)  # fmt: skip
+            figure = figure_for(
+                trace, args.kind, step=step, field=args.field, other=other, details=details
+            )
         except ValueError as e:
             raise UsageError(str(e)) from None
         return figure  # shown as the cell's result, and usable as a value

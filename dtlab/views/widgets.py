@@ -47,8 +47,16 @@ class Dashboard:
         self.run_button.on_click(lambda _: self.start(self.num_steps.value))
         self.until_button.on_click(lambda _: self.start_until(self.until.value))
         self.pause_button.on_click(lambda _: self.pause())
-        controls = widgets.HBox([self.step_button, self.run_button, self.num_steps, self.until,
-                                 self.until_button, self.pause_button])  # fmt: skip
+        controls = widgets.HBox(
+            [
+                self.step_button,
+                self.run_button,
+                self.num_steps,
+                self.until,
+                self.until_button,
+                self.pause_button,
+            ]
+        )
         self.widget = widgets.VBox([controls, self.status, self.output, self.figure])
 
     def _repr_mimebundle_(self, **kwargs):

@@ -47,12 +47,23 @@ def main() -> None:
     losses = []  # every micro-batch's loss, as the Trainer computed it
     model.register_forward_hook(lambda module, inputs, output: losses.append(output.loss.item()))
     training = TrainingArguments(
-        output_dir=os.path.join(args.out, "trainer"), max_steps=args.steps,
-        per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-3,
-        max_grad_norm=0.5, warmup_steps=2, logging_steps=1, save_strategy="no",
-        report_to=[], use_cpu=True, ddp_backend="gloo", seed=0, data_seed=0,
-        dataloader_num_workers=0, disable_tqdm=True,
-    )  # fmt: skip
+        output_dir=os.path.join(args.out, "trainer"),
+        max_steps=args.steps,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        max_grad_norm=0.5,
+        warmup_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        ddp_backend="gloo",
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=training, train_dataset=Windows())
     trainer.train()
     rank = trainer.args.process_index
