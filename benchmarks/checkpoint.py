@@ -118,7 +118,7 @@ def all_true(ok: bool) -> bool:
 
 def run_dtlab(job, folder: Path, token: str, rank: int) -> dict:
     from dtlab.agent import checkpoint, restore
-    from dtlab.checkpoint_format import file_checksum, read_manifest
+    from dtlab.records.checkpoints import file_checksum, read_manifest
 
     save_s, info = timed(lambda: checkpoint.save(str(folder), token))
     path = Path(info["path"])

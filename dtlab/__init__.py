@@ -125,7 +125,7 @@ def step_boundary() -> None:
 
 def __getattr__(name: str):
     if name == "Trace":  # lazily, so `import dtlab` stays cheap
-        from dtlab.trace import Trace
+        from dtlab.records.trace import Trace
 
         return Trace
     if name == "demo":  # the built-in demo job, attached from the notebook

@@ -39,9 +39,9 @@ def attach_pipeline(
     """Attach the demo as a pipeline, one stage per rank split by ``plan`` (a form
     :func:`dtlab.analysis.partition.parse_plan` reads; not ``measured``, which needs a
     running job). A bad plan raises PlanError (read alike on every rank)."""
-    from dtlab.analysis.partition import PlanError
     from dtlab.control import lifecycle
     from dtlab.control.errors import RankError
+    from dtlab.records import PlanError
 
     session = session or lifecycle.current()
     options = {"plan": plan, "microbatches": microbatches, "schedule": schedule}

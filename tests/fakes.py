@@ -12,7 +12,7 @@ from dtlab.records import (
     StepTimes,
     combine_fingerprints,
 )
-from dtlab.trace import Trace
+from dtlab.records.trace import Trace
 
 _BASE = RankInfo(
     rank=0,

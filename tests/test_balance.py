@@ -18,8 +18,8 @@ from dtlab.analysis.balance import (
     predict_balance,
     simulate_schedule,
 )
-from dtlab.analysis.partition import Plan, PlanError
-from dtlab.stage_records import BlockCost, ScheduleEvent, StageReport
+from dtlab.records import Plan, PlanError
+from dtlab.records.stages import BlockCost, ScheduleEvent, StageReport
 
 BLOCKS = ("embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm", "head")
 PLAN = Plan(BLOCKS, (0, 2, 4, 5, 7))

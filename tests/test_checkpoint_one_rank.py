@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dtlab.agent import checkpoint, restore, rng
 from dtlab.agent import job as jobs
 from dtlab.agent.attach import attach as attach_job
-from dtlab.checkpoint_format import MANIFEST, CheckpointError, catalogue
+from dtlab.records.checkpoints import MANIFEST, CheckpointError, catalogue
 
 # DCP says it assumes one process: it is one process
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

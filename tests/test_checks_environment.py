@@ -1,7 +1,7 @@
 """Pure tests of the environment check on hand-built RankInfo (no cluster)."""
 
 from dtlab.analysis.checks_environment import ENV_RULES, check_environment
-from dtlab.analysis.evidence import Evidence
+from dtlab.records import Evidence
 from tests.fakes import rank_info
 
 

@@ -11,8 +11,7 @@ from dtlab.analysis.checks_training import (
     check_learning_rate,
     check_numerics,
 )
-from dtlab.analysis.evidence import Evidence
-from dtlab.records import StepTimes
+from dtlab.records import Evidence, StepTimes
 from tests.fakes import PARAMS, healthy_trace, step_record
 
 NUM_RANKS, NUM_EPOCHS, STEPS_PER_EPOCH, BATCH = 4, 3, 5, 8

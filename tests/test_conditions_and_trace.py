@@ -9,7 +9,7 @@ import pytest
 from dtlab.agent.stepping import _RunState, condition_holds
 from dtlab.analysis.conditions import describe_condition, parse_condition
 from dtlab.records import Condition, step_record_from_dict, step_record_to_dict
-from dtlab.trace import FORMAT, Trace, new_run_folder
+from dtlab.records.trace import FORMAT, Trace, new_run_folder
 from tests.fakes import healthy_trace, job_info, step_record
 
 

@@ -8,7 +8,7 @@ import pytest
 
 import dtlab
 from dtlab import demo
-from dtlab.trace import Trace
+from dtlab.records.trace import Trace
 from tests.conftest import quiet
 from tests.test_stepping_live import wrap_loss
 
@@ -16,9 +16,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 
 def _check_order(finding):
-    from dtlab.analysis.doctor import CHECKS
+    from dtlab.analysis.registry import registered
 
-    names = [c.__name__.removeprefix("check_") for c in CHECKS]
+    names = [c.name for c in registered()]
     kinds = {"divergence": "gradient_sync", "straggler": "stragglers", "leak": "memory"}
     return names.index(kinds.get(finding.kind, finding.kind))
 

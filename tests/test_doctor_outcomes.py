@@ -10,9 +10,9 @@ import pytest
 
 from dtlab.analysis.checks_data import check_data_order
 from dtlab.analysis.checks_learning import MIN_STEPS, check_learning
-from dtlab.analysis.doctor import check_gradient_sync, run_checks
-from dtlab.analysis.evidence import Evidence
-from dtlab.records import InitialState
+from dtlab.analysis.checks_sync import check_gradient_sync
+from dtlab.analysis.doctor import run_checks
+from dtlab.records import Evidence, InitialState
 from dtlab.views.reports import doctor_summary
 from tests.fakes import PARAMS, job_info, step_record
 
@@ -183,8 +183,7 @@ def test_too_few_steps_to_judge_learning():
 
 
 def test_an_environment_difference_is_said_to_date_from_launch():
-    from dtlab.analysis.evidence import CheckResult
-    from dtlab.records import Finding
+    from dtlab.records import CheckResult, Finding
     from dtlab.views.reports import findings_table
 
     finding = Finding("environment", (1,), "rank 1 out of step with the rest: NCCL_ALGO")
@@ -217,7 +216,7 @@ def noisy_job(slow_rank=None, seed=0, num_steps=20, slower=3.0, slow_share=1.0):
 
 @pytest.mark.parametrize("seed", range(20))
 def test_noise_alone_makes_no_straggler(seed):
-    from dtlab.analysis.doctor import check_stragglers
+    from dtlab.analysis.checks_resources import check_stragglers
 
     assert check_stragglers(evidence(noisy_job(seed=seed))).findings == ()
 
@@ -225,7 +224,7 @@ def test_noise_alone_makes_no_straggler(seed):
 def test_a_rank_slow_in_some_steps_on_noisy_cores_is_too_noisy_to_judge():
     """Every rank's compute swings 4x from step to step; rank 5 is 3x slower in three
     steps of five: slower by the median, not steadily. Straggler or noise? Not said."""
-    from dtlab.analysis.doctor import check_stragglers
+    from dtlab.analysis.checks_resources import check_stragglers
     from dtlab.records import StepTimes
 
     def times(step, rank):
@@ -242,7 +241,7 @@ def test_a_rank_slow_in_some_steps_on_noisy_cores_is_too_noisy_to_judge():
 
 
 def test_a_rank_ten_times_slower_is_still_found_through_the_noise():
-    from dtlab.analysis.doctor import check_stragglers
+    from dtlab.analysis.checks_resources import check_stragglers
 
     result = check_stragglers(evidence(noisy_job(slow_rank=5, slower=10.0)))
     assert [f.ranks for f in result.findings] == [(5,)]

@@ -8,7 +8,7 @@ import plotly.graph_objects as go
 import pytest
 
 from dtlab.records import StepMemory, StepTimes
-from dtlab.trace import Trace
+from dtlab.records.trace import Trace
 from dtlab.views import figures
 from dtlab.views.figures import (
     DASHBOARD_PANELS,

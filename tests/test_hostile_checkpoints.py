@@ -21,8 +21,8 @@ import torch
 from dtlab.agent import checkpoint, restore
 from dtlab.agent import job as jobs
 from dtlab.agent.attach import attach
-from dtlab.checkpoint_format import MANIFEST, CheckpointError, catalogue, checksum_text
-from dtlab.checkpoint_format import file_checksum as checksum
+from dtlab.records.checkpoints import MANIFEST, CheckpointError, catalogue, checksum_text
+from dtlab.records.checkpoints import file_checksum as checksum
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),

@@ -20,8 +20,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 RANK_SIDE = (
     "dtlab.agent",
     "dtlab.records",
-    "dtlab.stage_records",
-    "dtlab.checkpoint_format",
     "dtlab.analysis",
 )
 # the engines are forked from dtlab.control.forkserver (run as __main__): its empty

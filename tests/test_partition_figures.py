@@ -7,8 +7,8 @@ import plotly.graph_objects as go
 import pytest
 
 from dtlab.analysis.balance import Balance, StageBalance
-from dtlab.analysis.partition import Plan
-from dtlab.stage_records import BlockCost, ScheduleEvent
+from dtlab.records import Plan
+from dtlab.records.stages import BlockCost, ScheduleEvent
 from dtlab.views.partition_figures import (
     SLOWEST_COLOUR,
     balance_comparison_figure,

@@ -8,9 +8,10 @@ import random
 
 import pytest
 
-from dtlab.analysis.partition import Plan, PlanError, optimal_split, parse_plan
+from dtlab.analysis.partition import optimal_split, parse_plan
 from dtlab.analysis.partition_export import to_deepspeed, to_megatron, to_torchtitan
-from dtlab.stage_records import BlockCost
+from dtlab.records import Plan, PlanError
+from dtlab.records.stages import BlockCost
 
 BLOCKS = ("embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm", "head")
 NAMES = [["embed", "blocks.0"], ["blocks.1", "blocks.2"], ["blocks.3"], ["norm", "head"]]

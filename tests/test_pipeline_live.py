@@ -16,8 +16,8 @@ from dtlab.agent.demo_model import (
     warmup_schedule,
 )
 from dtlab.agent.threads import same_threads
-from dtlab.analysis.partition import PlanError
 from dtlab.control.partitions import RepartitionFailed
+from dtlab.records import PlanError
 from tests.conftest import rank_threads
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dtlab.agent import job as jobs
 from dtlab.agent.demo_job import attach_demo
-from dtlab.trace import Trace
+from dtlab.records.trace import Trace
 from dtlab.views.prometheus_export import serve_metrics
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from dtlab import demo
 from dtlab.control.errors import RankError
-from dtlab.trace import Trace
+from dtlab.records.trace import Trace
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 

@@ -6,7 +6,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from dtlab.agent import job as jobs
 from dtlab.agent.demo_job import attach_demo
-from dtlab.trace import Trace
+from dtlab.records.trace import Trace
 from dtlab.views.tb_export import export_tensorboard
 
 

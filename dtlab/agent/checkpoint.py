@@ -30,7 +30,7 @@ from dtlab.agent.dcp_io import ChecksummingFileSystem
 from dtlab.agent.groups import control_group
 from dtlab.agent.rendezvous import identity
 from dtlab.analysis.ranks import label_ranks
-from dtlab.checkpoint_format import (
+from dtlab.records.checkpoints import (
     FORMAT,
     MANIFEST,
     CheckpointError,
@@ -40,7 +40,7 @@ from dtlab.checkpoint_format import (
     partial_name,
     write_atomic,
 )
-from dtlab.checkpoint_format import commit as commit_folder
+from dtlab.records.checkpoints import commit as commit_folder
 
 PARTS = parts.PARTS
 

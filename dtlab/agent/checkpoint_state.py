@@ -15,7 +15,7 @@ import xxhash
 from dtlab.agent import rng
 from dtlab.agent.groups import control_group
 from dtlab.agent.recorder import fingerprint
-from dtlab.checkpoint_format import CheckpointError
+from dtlab.records.checkpoints import CheckpointError
 
 PARTS = ("model", "optimizer", "scheduler", "scaler", "data", *rng.NAMES)
 

@@ -33,8 +33,9 @@ from dtlab.agent.pipeline_stage import (
     ordered_blocks,
     profile_block,
 )
-from dtlab.analysis.partition import Plan, parse_plan
-from dtlab.stage_records import BlockCost, StageReport
+from dtlab.analysis.partition import parse_plan
+from dtlab.records import Plan
+from dtlab.records.stages import BlockCost, StageReport
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

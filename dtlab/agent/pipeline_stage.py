@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from dtlab.stage_records import BlockCost, ScheduleEvent
+from dtlab.records.stages import BlockCost, ScheduleEvent
 
 
 def ordered_blocks(

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from dtlab.agent.pipeline_job import PipelineJob, current
 from dtlab.agent.pipeline_stage import StageModule
-from dtlab.analysis.partition import Plan
+from dtlab.records import Plan
 
 MOVE_TIMEOUT_S = 120.0
 POLL_S = 0.0005

@@ -28,7 +28,7 @@ from dtlab.agent import rng
 from dtlab.agent.checkpoint import attempt
 from dtlab.agent.groups import control_group
 from dtlab.agent.rendezvous import identity
-from dtlab.checkpoint_format import CheckpointError, file_problem, read_manifest
+from dtlab.records.checkpoints import CheckpointError, file_problem, read_manifest
 
 
 def load(path: str) -> dict:

@@ -5,18 +5,9 @@ round trip well under 1 ms (docs/design.md), and a step of the demo job is tens 
 socket is served by a ``ZMQStream`` on the engine's own main-thread event loop, so steps
 run on the main thread *between* ipyparallel requests, never beside a ``%%dt`` cell.
 
-Protocol, one JSON frame per message, every message carries the session ``key``:
-
-- notebook -> rank: ``{"op": "run", "id", "steps", "until": {"kind", "value"} | null,
-  "record": bool | null, "report_s", "agree_every", "regroup": bool, "watch": bool,
-  "outputs": bool}`` (watch: name the first module with a non-finite output; on for
-  ``--until nonfinite``; outputs: fingerprint every module's output) and
-  ``{"op": "pause"}``;
-- rank -> notebook: ``{"kind": "hello" | "progress" | "done" | "error", "id", "rank",
-  "step", "attach", "records": [one steps.jsonl line per step, a summary],
-  "stopped": "steps" | "until" | "pause" | "error" | "ended" (a script's end),
-  "output": what a script job printed meanwhile, "hit": bool,
-  "error": {"ename", "evalue", "traceback"}}``.
+Protocol: the typed messages of :mod:`dtlab.records.wire` (a ``RunRequest`` or a
+``PauseRequest`` in; ``RankReply`` frames out: hello, progress, done or error), one JSON
+frame each, every frame carrying the session ``key``.
 
 Ranks stay in step: every ``agree_every`` steps of a run (every step when a condition is
 watched) all ranks all-reduce (MAX) one small tensor ``[pause asked, condition met, a rank
@@ -39,7 +30,8 @@ import torch
 
 from dtlab.agent import job as jobs
 from dtlab.agent.groups import control_group
-from dtlab.records import Condition, StepRecord, step_record_to_dict
+from dtlab.records import Condition, RemoteFailure, StepRecord, step_record_to_dict
+from dtlab.records.wire import PauseRequest, RankReply, RunRequest, decode_request, encode
 
 AGREE_AFTER_ERROR_S = 5.0  # a failed rank waits this long for peers at the step boundary
 AGREE_S = 1.0  # in a plain run, ranks agree (pause?) about this often: one agreement costs
@@ -169,15 +161,8 @@ class _RunState:
         self.next_at = self.agree_every - 1
 
     @classmethod
-    def from_message(cls, msg: dict) -> _RunState:
-        until = Condition(**msg["until"]) if msg.get("until") else None
-        return cls(
-            int(msg.get("id", 0)),
-            int(msg.get("steps", 1)),
-            until,
-            max(1, int(msg.get("agree_every", 1))),
-            float(msg.get("report_s", 0.25)),
-        )
+    def from_request(cls, req: RunRequest) -> _RunState:
+        return cls(req.id, req.steps, req.until, req.agree_every, req.report_s)
 
     def must_agree(self, index: int) -> bool:
         """The same answer on every rank (it depends on the message only)."""
@@ -238,54 +223,40 @@ class StepServer:
     def _send(self, kind: str, msg_id, **fields) -> None:
         import zmq
 
-        reply = {"key": self.key, "kind": kind, "id": msg_id, "rank": self.rank, **fields}
+        reply = RankReply(kind, msg_id, self.rank, **fields)
         try:  # never block the engine on a notebook that went away
-            self.socket.send(json.dumps(reply).encode(), zmq.NOBLOCK)
+            self.socket.send(encode(reply, self.key), zmq.NOBLOCK)
         except zmq.Again:
             pass
 
-    def _read(self) -> dict | None:
-        try:
-            msg = json.loads(self.socket.recv())
-        except ValueError:
-            return None
-        return msg if isinstance(msg, dict) and msg.get("key") == self.key else None
-
     def _on_message(self, frames) -> None:
-        try:
-            msg = json.loads(frames[-1])
-        except ValueError:
-            return
-        if not isinstance(msg, dict) or msg.get("key") != self.key:
-            return  # not from our notebook: never act on it
-        if msg.get("op") == "run":
+        msg = decode_request(frames[-1], self.key)  # None: not from our notebook, ignored
+        if isinstance(msg, RunRequest):
             self._run(msg)
-        # a "pause" that arrives between runs is stale: nothing to pause
+        # a pause that arrives between runs is stale: nothing to pause
 
     def _pause_asked(self) -> bool:
         import zmq
 
         asked = False
         while self.socket.poll(0, zmq.POLLIN):
-            msg = self._read()
-            asked = asked or (msg is not None and msg.get("op") == "pause")
+            msg = decode_request(self.socket.recv(), self.key)
+            asked = asked or isinstance(msg, PauseRequest)
         return asked
 
     # --- one run -----------------------------------------------------------------------
-    def _run(self, msg: dict) -> None:
+    def _run(self, msg: RunRequest) -> None:
         job, state = None, None
         try:
-            state = _RunState.from_message(msg)
-            if msg.get("regroup"):
+            state = _RunState.from_request(msg)
+            if msg.regroup:
                 control_group(rebuild=True)  # the last run ended in an error
             job = jobs.current()
-            state.record = job.record if msg.get("record") is None else bool(msg["record"])
+            state.record = job.record if msg.record is None else msg.record
             _check_condition(state)
-            watch = bool(msg.get("watch")) or (
-                state.until is not None and state.until.kind == "nonfinite"
-            )
+            watch = msg.watch or (state.until is not None and state.until.kind == "nonfinite")
             job.watch_modules(watch)
-            job.record_outputs(bool(msg.get("outputs")))
+            job.record_outputs(msg.outputs)
             try:
                 with _interruptible():
                     self._loop(job, state)
@@ -294,7 +265,7 @@ class StepServer:
                 job.record_outputs(False)
             self._report("done", state, job, stopped=state.stopped, hit=state.hit)
         except BaseException as e:  # KeyboardInterrupt too: it must not reach the event loop
-            self._fail(e, job, state, msg.get("id"))
+            self._fail(e, job, state, msg.id)
 
     def _loop(self, job, state: _RunState) -> None:
         last_report = last_agreed = time.monotonic()
@@ -342,11 +313,11 @@ class StepServer:
         """Say what went wrong first, then meet the peers at the step boundary where they
         next agree (bounded), so they stop there too instead of waiting for this rank."""
         pending = state.pending if state is not None else []
-        error = {
-            "ename": getattr(e, "ename", type(e).__name__),
-            "evalue": str(e),  # a script's
-            "traceback": getattr(e, "script_traceback", None) or traceback.format_exc(),
-        }
+        error = RemoteFailure(
+            getattr(e, "ename", type(e).__name__),  # a script's
+            str(e),
+            getattr(e, "script_traceback", None) or traceback.format_exc(),
+        )
         self._send(
             "error",
             msg_id,
@@ -367,8 +338,8 @@ class StepServer:
         except BaseException:
             pass  # peers are elsewhere (e.g. in DDP's all-reduce); the notebook regroups
 
-    def _lines(self, records: list[StepRecord]) -> list[str]:
-        return [json.dumps(step_record_to_dict(self.rank, r.summary())) for r in records]
+    def _lines(self, records: list[StepRecord]) -> tuple[str, ...]:
+        return tuple(json.dumps(step_record_to_dict(self.rank, r.summary())) for r in records)
 
     def _report(self, kind: str, state: _RunState, job, **fields) -> None:
         lines, state.pending = self._lines(state.pending), []

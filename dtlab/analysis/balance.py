@@ -1,7 +1,7 @@
 """How well a pipeline plan balances its stages: predicted from block costs, or measured.
 
-Pure (runs in the notebook): functions of plans, :class:`~dtlab.stage_records.BlockCost`
-and per-rank :class:`~dtlab.stage_records.StageReport` that return :class:`Balance`.
+Pure (runs in the notebook): functions of plans, :class:`~dtlab.records.stages.BlockCost`
+and per-rank :class:`~dtlab.records.stages.StageReport` that return :class:`Balance`.
 
 1. collect (each rank, agent/): a ``StageReport`` after a step; ``BlockCost`` from profiling.
 2. combine (notebook, here): :func:`predict_balance` simulates the schedule from block
@@ -15,8 +15,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dtlab.analysis.partition import Plan, PlanError
-from dtlab.stage_records import BlockCost, ScheduleEvent, StageReport
+from dtlab.records import Plan, PlanError
+from dtlab.records.stages import BlockCost, ScheduleEvent, StageReport
 
 SCHEDULES = ("gpipe", "1f1b")
 

@@ -13,10 +13,11 @@ from itertools import chain
 
 import numpy as np
 
-from dtlab.analysis.evidence import CheckResult, Evidence, shape_of
+from dtlab.analysis.evidence import shape_of
 from dtlab.analysis.ranks import label_ranks
+from dtlab.analysis.registry import check
 from dtlab.analysis.trends import aligned_steps
-from dtlab.records import Finding, StepRecord
+from dtlab.records import CheckResult, Evidence, Finding, StepRecord
 
 Records = Mapping[int, Sequence[StepRecord]]
 
@@ -44,6 +45,7 @@ DATA_WAIT_FIX = (
 # --- data order ---------------------------------------------------------------------------
 
 
+@check("data_order", order=80, compares="replicas")
 def check_data_order(evidence: Evidence) -> CheckResult:
     """Shards that overlap within an epoch, epochs in the same order, ranks that wait for data.
 

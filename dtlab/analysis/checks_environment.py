@@ -15,10 +15,10 @@ from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from dtlab.analysis.consistency import Inconsistency, find_inconsistencies
-from dtlab.analysis.evidence import CheckResult, Evidence
 from dtlab.analysis.grouping import group_by_value
 from dtlab.analysis.ranks import format_ranks, label_ranks
-from dtlab.records import Finding, RankInfo
+from dtlab.analysis.registry import check
+from dtlab.records import CheckResult, Evidence, Finding, RankInfo
 
 KIND = "environment"
 # A rank on another torch / CUDA / NCCL build can compute or communicate differently.
@@ -97,6 +97,7 @@ PASSIVE_COST = (
 )
 
 
+@check("environment", order=10)
 def check_environment(evidence: Evidence) -> CheckResult:
     """Findings on the ranks' versions, environment variables and threads per core."""
     infos = evidence.ranks

@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from dtlab.analysis.evidence import CheckResult, Evidence, shape_of
-from dtlab.records import Finding, StepRecord
+from dtlab.analysis.evidence import shape_of
+from dtlab.analysis.registry import check
+from dtlab.records import CheckResult, Evidence, Finding, StepRecord
 
 Records = Mapping[int, Sequence[StepRecord]]
 MIN_STEPS = 5
@@ -41,6 +42,7 @@ CONSTANT_LOSS_FIX = (
 )
 
 
+@check("learning", order=20)
 def check_learning(evidence: Evidence) -> CheckResult:
     records = {r: [rec for rec in recs if not rec.skipped] for r, recs in evidence.records.items()}
     steps = min((len(recs) for recs in records.values()), default=0)

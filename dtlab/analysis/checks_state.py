@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from dtlab.analysis.divergence import first_divergent_step
-from dtlab.analysis.evidence import CheckResult, Evidence
 from dtlab.analysis.grouping import group_by_value
 from dtlab.analysis.ranks import label_ranks
-from dtlab.records import Finding
+from dtlab.analysis.registry import check
+from dtlab.records import CheckResult, Evidence, Finding
 
 INIT_FIX = (
     "build the model from the same seed on every rank and broadcast it from rank 0 before "
@@ -56,6 +56,7 @@ def _finding(what: str, found, total: int, fix: str) -> Finding:
     return Finding("initial_state", outliers, summary, 1, evidence, fix, "error")
 
 
+@check("initial_state", order=30, compares="replicas")
 def check_initial_state(evidence: Evidence) -> CheckResult:
     initial = evidence.initial
     looked = f"{len(initial)} ranks' parameter and buffer fingerprints before step 1"
@@ -93,6 +94,7 @@ def _buffers_agree_at_step_1(evidence: Evidence) -> bool:
     return len(first) == len(evidence.records) and len(prints) == 1 and 0 not in prints
 
 
+@check("buffers", order=50, compares="replicas")
 def check_buffers(evidence: Evidence) -> CheckResult:
     """Buffers (BatchNorm running statistics...) must stay equal on data-parallel ranks:
     without SyncBatchNorm or DDP's buffer broadcast each rank's statistics follow its own

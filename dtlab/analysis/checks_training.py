@@ -15,10 +15,11 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from dtlab.analysis.checks_data import check_data_order
-from dtlab.analysis.evidence import CheckResult, Evidence, shape_of
+from dtlab.analysis.evidence import shape_of
 from dtlab.analysis.ranks import label_ranks
+from dtlab.analysis.registry import check
 from dtlab.analysis.trends import aligned_steps
-from dtlab.records import Finding, StepRecord
+from dtlab.records import CheckResult, Evidence, Finding, StepRecord
 
 Records = Mapping[int, Sequence[StepRecord]]
 
@@ -45,6 +46,7 @@ LR_FIX = (
 # --- numerics -----------------------------------------------------------------------------
 
 
+@check("numerics", order=70)
 def check_numerics(evidence: Evidence) -> CheckResult:
     """The first non-finite loss or applied inf/nan gradient, and a GradScaler in trouble.
 
@@ -155,6 +157,7 @@ def _scaler_findings(records: Records) -> list[Finding]:
 # --- learning rate ------------------------------------------------------------------------
 
 
+@check("learning_rate", order=90, compares="ranks")
 def check_learning_rate(evidence: Evidence) -> CheckResult:
     """Ranks whose LR differs from the others' at a step (relative tolerance 1e-12).
 

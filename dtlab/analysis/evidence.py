@@ -1,66 +1,16 @@
-"""What ``%dt_doctor``'s checks read, and what each check returns.
+"""Helpers every doctor check shares: what it looked at, and findings in the order shown.
 
-Collected in control/ (from the launch, the trace, and for steps that need it the ranks'
-per-parameter records), then handed to pure checks: ``check(evidence) -> CheckResult``.
+The evidence a check reads and the verdict it returns are records
+(:mod:`dtlab.records.findings`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 
-from dtlab.records import Finding, InitialState, JobInfo, RankInfo, StepRecord
+from dtlab.records import Finding, StepRecord
 
 SEVERITY_ORDER = {"error": 0, "warning": 1, "advice": 2}
-
-
-@dataclass(frozen=True)
-class Evidence:
-    """Everything known about the job, keyed by rank."""
-
-    records: Mapping[int, Sequence[StepRecord]]  # whole-step summaries, in step order
-    names: tuple[str, ...]  # parameter names in module order
-    jobs: Mapping[int, JobInfo] = field(default_factory=dict)
-    ranks: Mapping[int, RankInfo] = field(default_factory=dict)  # from the launch
-    cores_by_host: Mapping[str, int] = field(default_factory=dict)
-    # per-parameter records of the steps some check asked for (e.g. where ranks differ)
-    details: Mapping[int, Sequence[StepRecord]] = field(default_factory=dict)
-    initial: Mapping[int, InitialState] = field(default_factory=dict)  # before step 1
-
-    @property
-    def is_pipeline(self) -> bool:
-        """Ranks hold different parameters: one pipeline stage each, not replicas."""
-        return len({tuple(p.name for p in job.params) for job in self.jobs.values()}) > 1
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    """One check's verdict: its findings, or why it passed (for ``--explain``)."""
-
-    check: str  # short name, e.g. "environment"
-    title: str  # what it checks, in a few words
-    findings: tuple[Finding, ...]
-    looked_at: str  # what it read, e.g. "4 ranks x 40 steps of sample indices"
-    passed_because: str = ""  # when there is no finding: why that means healthy
-    checked: bool = True  # False: it could not look (recording off, too few steps, ...)
-    needs: str = ""  # when not checked: what would let it look
-
-    @property
-    def passed(self) -> bool:
-        return not self.findings
-
-    @property
-    def outcome(self) -> str:
-        """One of three, never two: "found", "passed" (it looked) or "not checked"."""
-        if self.findings:
-            return "found"
-        return "passed" if self.checked else "not checked"
-
-    @property
-    def verdict(self) -> str:
-        if self.findings:
-            return f"{len(self.findings)} finding(s)"
-        return self.outcome
 
 
 def shape_of(records: Mapping[int, Sequence[StepRecord]]) -> str:

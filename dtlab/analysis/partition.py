@@ -11,15 +11,13 @@ and torchtitan's forms live in :mod:`dtlab.analysis.partition_export`.
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from itertools import pairwise
 
 from dtlab.analysis.partition_search import measured_bounds, min_max_bounds, uniform_bounds
-from dtlab.stage_records import BlockCost
+from dtlab.records import BlockCost, Plan, PlanError
+from dtlab.records.plans import check_blocks, compact, is_int, suggest
 
 METHODS = ("uniform", "parameters", "measured")
 _FORMS = (
@@ -27,64 +25,6 @@ _FORMS = (
     "parts list ([0, 2, 4, 6, 7]), one list of block names per stage, {regex: stage}, "
     f"a Plan, or a method ({', '.join(METHODS)})"
 )
-
-
-class PlanError(ValueError):
-    """A partition plan that cannot be used; the message says what is wrong and the fix."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """``blocks`` in model order; stage ``s`` holds ``blocks[bounds[s]:bounds[s + 1]]``
-    (``bounds`` starts at 0, strictly increases, and ends with ``len(blocks)``: DeepSpeed's
-    ``parts`` list)."""
-
-    blocks: tuple[str, ...]
-    bounds: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if isinstance(self.blocks, str) or isinstance(self.bounds, str):
-            raise PlanError("a Plan takes a sequence of block names and a sequence of ints")
-        # lists are accepted but stored as tuples, so plans stay hashable and compare equal
-        object.__setattr__(self, "blocks", tuple(self.blocks))
-        object.__setattr__(self, "bounds", tuple(self.bounds))
-        _check_blocks(self.blocks)
-        _check_bounds(self.bounds, len(self.blocks))
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.bounds) - 1
-
-    def stage_blocks(self, stage: int) -> tuple[str, ...]:
-        if not 0 <= stage < self.num_stages:
-            raise PlanError(f"no stage {stage}: this plan has stages 0..{self.num_stages - 1}")
-        return self.blocks[self.bounds[stage] : self.bounds[stage + 1]]
-
-    def stage_map(self) -> dict[str, int]:
-        return {b: s for s in range(self.num_stages) for b in self.stage_blocks(s)}
-
-    def stage_of(self, block: str) -> int:
-        stages = self.stage_map()
-        if block not in stages:
-            raise PlanError(f"no block {block!r} in this plan{_suggest(block, self.blocks)}")
-        return stages[block]
-
-    def describe(self) -> str:
-        """``"stage 0: embed, blocks.0 | stage 1: blocks.1-blocks.2 | ..."``"""
-        return " | ".join(
-            f"stage {s}: {_compact(self.stage_blocks(s))}" for s in range(self.num_stages)
-        )
-
-    def moves_to(self, other: Plan) -> dict[str, tuple[int, int]]:
-        """``{block: (stage here, stage in other)}`` for the blocks that change stage."""
-        if other.blocks != self.blocks:
-            only = sorted(set(self.blocks) ^ set(other.blocks)) or ["(same names, other order)"]
-            raise PlanError(
-                f"the plans cover different blocks ({', '.join(only)}): "
-                "compare plans of the same model"
-            )
-        old, new = self.stage_map(), other.stage_map()
-        return {b: (old[b], new[b]) for b in self.blocks if old[b] != new[b]}
 
 
 def parse_plan(
@@ -96,8 +36,8 @@ def parse_plan(
 ) -> Plan:
     """Turn any accepted form of a plan into a :class:`Plan` of ``num_stages`` stages."""
     blocks = tuple(blocks)
-    _check_blocks(blocks)
-    if not _is_int(num_stages) or num_stages < 1:
+    check_blocks(blocks)
+    if not is_int(num_stages) or num_stages < 1:
         raise PlanError(f"num_stages must be an int >= 1, got {num_stages!r}")
     if num_stages > len(blocks):
         raise PlanError(
@@ -110,13 +50,13 @@ def parse_plan(
     if isinstance(spec, Plan):
         if spec.blocks != blocks:
             raise PlanError(
-                f"the plan covers blocks {_compact(spec.blocks)} but the model has "
-                f"{_compact(blocks)}: build the plan from this model's blocks"
+                f"the plan covers blocks {compact(spec.blocks)} but the model has "
+                f"{compact(blocks)}: build the plan from this model's blocks"
             )
         plan = spec
     elif isinstance(spec, Mapping):
         plan = _from_regexes(spec, blocks, num_stages)
-    elif isinstance(spec, (list, tuple)) and all(_is_int(x) for x in spec):
+    elif isinstance(spec, (list, tuple)) and all(is_int(x) for x in spec):
         return _from_ints(list(spec), blocks, num_stages)
     elif isinstance(spec, (list, tuple)) and all(isinstance(x, (list, tuple)) for x in spec):
         plan = _from_names(spec, blocks)
@@ -135,45 +75,12 @@ def optimal_split(weights: Sequence[float], num_stages: int) -> tuple[int, ...]:
     values = [float(w) for w in weights]
     if any(not math.isfinite(w) or w < 0 for w in values):
         raise PlanError(f"weights must be finite and >= 0, got {list(weights)!r}")
-    if not _is_int(num_stages) or not 1 <= num_stages <= len(values):
+    if not is_int(num_stages) or not 1 <= num_stages <= len(values):
         raise PlanError(f"num_stages must lie in 1..{len(values)} (one block at least per stage)")
     return min_max_bounds(values, num_stages)
 
 
 # -- validation -------------------------------------------------------------------------
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check_blocks(blocks: tuple[str, ...]) -> None:
-    if not blocks or not all(isinstance(b, str) for b in blocks):
-        raise PlanError(f"blocks must be a non-empty sequence of names (str), got {blocks!r}")
-    repeated = sorted({b for b in blocks if blocks.count(b) > 1})
-    if repeated:
-        raise PlanError(f"block names repeat ({', '.join(repeated)}): each block needs its own")
-
-
-def _check_bounds(bounds: tuple[int, ...], n: int) -> None:
-    shown = list(bounds)
-    if not all(_is_int(b) for b in bounds) or len(bounds) < 2:
-        raise PlanError(f"bounds must be ints [0, ..., {n}] (one more than stages), got {shown}")
-    bad = [b for b in bounds if not 0 <= b <= n]
-    if bad:
-        raise PlanError(f"boundary {bad[0]} out of range in {shown}: boundaries lie in 0..{n}")
-    if bounds[0] != 0 or bounds[-1] != n:
-        raise PlanError(f"bounds must start at 0 and end at {n} (the number of blocks): {shown}")
-    for s, (lo, hi) in enumerate(pairwise(bounds)):
-        if lo == hi:
-            raise PlanError(
-                f"stage {s} is empty: boundary {lo} repeats in {shown}; each stage needs a block"
-            )
-        if lo > hi:
-            raise PlanError(
-                f"boundaries decrease at stage {s} ({lo} > {hi}) in {shown}: stages would "
-                "overlap; boundaries must strictly increase"
-            )
 
 
 def _stages_text(count: int, num_stages: int) -> str:
@@ -184,13 +91,6 @@ def _stages_text(count: int, num_stages: int) -> str:
 def _check_stage_count(count: int, num_stages: int) -> None:
     if count != num_stages:
         raise PlanError(f"{_stages_text(count, num_stages)}; give {num_stages} stages")
-
-
-def _suggest(name: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=3)
-    if close:
-        return f" (did you mean {', '.join(map(repr, close))}?)"
-    return f"; blocks: {', '.join(choices)}"
 
 
 # -- the forms --------------------------------------------------------------------------
@@ -225,14 +125,14 @@ def _from_names(spec: Sequence[object], blocks: tuple[str, ...]) -> Plan:
             raise PlanError(f"stage {s}: expected a list of block names (str), got {names!r}")
         for name in names:
             if name not in blocks:
-                raise PlanError(f"stage {s} lists unknown block {name!r}{_suggest(name, blocks)}")
+                raise PlanError(f"stage {s} lists unknown block {name!r}{suggest(name, blocks)}")
     return _from_stage_lists([tuple(names) for names in spec], blocks)
 
 
 def _from_regexes(spec: Mapping[object, object], blocks: tuple[str, ...], num_stages: int) -> Plan:
     owner: dict[str, tuple[str, int]] = {}  # block -> the first regex that matched it, its stage
     for pattern, stage in spec.items():
-        if not isinstance(pattern, str) or not _is_int(stage):
+        if not isinstance(pattern, str) or not is_int(stage):
             raise PlanError(
                 f"a regex plan maps regex (str) -> stage (int), got {pattern!r}: {stage!r}"
             )
@@ -345,23 +245,3 @@ def _costs_for(
             f"{', '.join(missing)}: pass costs= (dt.profile_blocks() measures them)"
         )
     return [costs[b] for b in blocks]
-
-
-# -- naming -----------------------------------------------------------------------------
-
-_NUMBERED = re.compile(r"(.*\.)(\d+)")
-
-
-def _compact(names: Sequence[str]) -> str:
-    """``embed, blocks.0-blocks.3, norm``: runs of consecutively numbered blocks shortened."""
-    parts: list[str] = []
-    run: list[str] = []
-    for name in [*names, None]:  # None: flush the last run
-        match = _NUMBERED.fullmatch(name) if name is not None else None
-        last = _NUMBERED.fullmatch(run[-1]) if run else None
-        if match and last and match[1] == last[1] and int(match[2]) == int(last[2]) + 1:
-            run.append(name)
-            continue
-        parts.extend([f"{run[0]}-{run[-1]}"] if len(run) > 1 else run)
-        run = [name] if name is not None else []
-    return ", ".join(parts)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from dtlab.analysis.partition import Plan, PlanError
+from dtlab.records import Plan, PlanError
 
 _LAYER = re.compile(r"(?:.*\.)?(?:blocks|layers|h)\.\d+")
 _EMBED_PARTS = ("embed", "wte", "wpe", "tok_embeddings")

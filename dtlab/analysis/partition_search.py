@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 
-from dtlab.stage_records import BlockCost
+from dtlab.records.stages import BlockCost
 
 # plans whose slowest stage is this close to the fastest possible count as equally fast, so
 # "measured" may give up that much time for a stage memory that fits more easily

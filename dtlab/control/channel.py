@@ -1,13 +1,12 @@
 """The notebook end of the stepping channel: one ROUTER socket, ranks connect to it.
 
-The rank end and the message format are in :mod:`dtlab.agent.stepping`. Messages are
-JSON and carry a random session key: nothing received is unpickled or executed, and a
-message without the key is dropped.
+The rank end is :mod:`dtlab.agent.stepping`; the messages are :mod:`dtlab.records.wire`'s.
+They are JSON and carry a random session key: nothing received is unpickled or executed,
+and a message without the key is dropped.
 """
 
 from __future__ import annotations
 
-import json
 import secrets
 import threading
 import time
@@ -15,9 +14,11 @@ from collections.abc import Iterable
 
 import zmq
 
+from dtlab.records.wire import RankReply, Request, decode_reply, encode
+
 
 class Channel:
-    """Send commands to ranks by rank number; receive their replies as dicts."""
+    """Send commands to ranks by rank number; receive their typed replies."""
 
     def __init__(self, host: str = "127.0.0.1", advertised: str | None = None):
         """Listen on ``host`` ("*": every interface); ranks connect to ``advertised``."""
@@ -30,9 +31,9 @@ class Channel:
         self.connected: set[int] = set()
         self._lock = threading.Lock()  # a zmq socket must not be used by two threads at once
 
-    def send(self, ranks: Iterable[int], message: dict) -> list[int]:
+    def send(self, ranks: Iterable[int], message: Request) -> list[int]:
         """Send to each rank; returns the ranks it could not reach (not connected)."""
-        frame = json.dumps({"key": self.key, **message}).encode()
+        frame = encode(message, self.key)
         unreachable = []
         with self._lock:
             for rank in ranks:
@@ -42,7 +43,7 @@ class Channel:
                     unreachable.append(rank)
         return unreachable
 
-    def receive(self, timeout: float) -> list[dict]:
+    def receive(self, timeout: float) -> list[RankReply]:
         """Every reply that arrives within ``timeout`` s (returns early once one came).
 
         Holds the socket's lock while it waits: another thread's ``send`` (a pause) waits
@@ -54,15 +55,11 @@ class Channel:
                     frames.append(self.socket.recv_multipart()[-1])
         replies = []
         for frame in frames:
-            try:
-                reply = json.loads(frame)
-            except ValueError:
-                continue
-            if isinstance(reply, dict) and reply.get("key") == self.key:
-                if reply.get("kind") == "hello":
-                    self.connected.add(int(reply["rank"]))
-                else:
-                    replies.append(reply)
+            reply = decode_reply(frame, self.key)  # None: not from one of our ranks
+            if reply is not None and reply.kind == "hello":
+                self.connected.add(reply.rank)
+            elif reply is not None:
+                replies.append(reply)
         return replies
 
     def wait_connected(self, ranks: Iterable[int], timeout: float) -> set[int]:

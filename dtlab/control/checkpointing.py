@@ -4,7 +4,7 @@
 ``dt.checkpoints()`` lists them (a partial or corrupt one is marked, never loaded),
 ``dt.load_checkpoint(step)`` rewinds the job. Ranks write and read their own parts
 (:mod:`dtlab.agent.checkpoint`, :mod:`dtlab.agent.restore`); the notebook only names the
-folder, lists the catalogue (:mod:`dtlab.checkpoint_format`) and reports.
+folder, lists the catalogue (:mod:`dtlab.records.checkpoints`) and reports.
 
 The checkpoint root is ``$DTLAB_CHECKPOINT_DIR``, else ``<runs dir>/checkpoints``; with
 ranks on several hosts it must be a filesystem every host and the notebook share.
@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dtlab.agent import api
-from dtlab.checkpoint_format import CheckpointInfo, catalogue, commit, describe, remove_partial
 from dtlab.control.errors import DtlabError, RankError
-from dtlab.trace import RUNS_DIR_ENV
+from dtlab.records.checkpoints import CheckpointInfo, catalogue, commit, describe, remove_partial
+from dtlab.records.trace import RUNS_DIR_ENV
 
 CHECKPOINT_DIR_ENV = "DTLAB_CHECKPOINT_DIR"
 CHECKPOINT_TIMEOUT_S = 900.0  # a save is collective: a dead rank must not hold it forever

@@ -16,9 +16,10 @@ from typing import Any
 
 from dtlab.agent import api
 from dtlab.analysis.balance import Balance, measured_balance, predict_balance
-from dtlab.analysis.partition import Plan, PlanError, parse_plan
+from dtlab.analysis.partition import parse_plan
 from dtlab.control.errors import DtlabError, RankError
-from dtlab.stage_records import BlockCost, StageReport
+from dtlab.records import Plan, PlanError
+from dtlab.records.stages import BlockCost, StageReport
 
 MOVE_TIMEOUT_S = 120.0
 

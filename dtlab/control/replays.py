@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from dtlab.agent import api
 from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.resume import Comparison, compare_runs, first_module_difference
-from dtlab.checkpoint_format import CheckpointInfo
 from dtlab.control.errors import DtlabError
-from dtlab.trace import Trace
+from dtlab.records.checkpoints import CheckpointInfo
+from dtlab.records.trace import Trace
 
 
 @dataclass(frozen=True)

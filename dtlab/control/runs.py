@@ -14,6 +14,7 @@ import time
 from dtlab.analysis.ranks import label_ranks
 from dtlab.control.errors import DtlabError, RankError, RankTimeoutError
 from dtlab.records import Condition, RemoteFailure, RunResult
+from dtlab.records.wire import RankReply
 
 FAILURE_GRACE_S = 1.0  # after one rank fails, how long the others get to finish
 PAUSE_WAIT_S = 10.0  # after a pause request, how long ranks get to reach the boundary
@@ -43,7 +44,7 @@ class Run:
         self.timeout = timeout
         self.failure_grace = failure_grace
         self.pending = set(self.session.ranks)
-        self.done: dict[int, dict] = {}
+        self.done: dict[int, RankReply] = {}
         self.failures: dict[int, RemoteFailure] = {}
         self.first_step = self.session.recovery.current_step()  # after a rewind: where it resumed
         # after a failure on one rank, ranks may start a run at different steps
@@ -60,21 +61,18 @@ class Run:
         self.step_by_rank: dict[int, int] = {}
 
     # --- replies -----------------------------------------------------------------------
-    def handle(self, reply: dict) -> None:
-        rank = reply.get("rank")
+    def handle(self, reply: RankReply) -> None:
+        rank = reply.rank
         if rank not in self.pending:
             return
-        self.stepper.ingest(rank, reply)
+        self.stepper.ingest(reply)
         self.last_reply = time.monotonic()
-        self.step_by_rank[rank] = reply.get("step", 0)
-        if reply["kind"] == "done":
+        self.step_by_rank[rank] = reply.step
+        if reply.kind == "done":
             self.done[rank] = reply
-        elif reply["kind"] == "error":
-            e = reply.get("error", {})
-            self.failures[rank] = RemoteFailure(
-                e.get("ename", "Error"), e.get("evalue", ""), e.get("traceback", "")
-            )
-        if reply["kind"] in ("done", "error"):
+        elif reply.kind == "error":
+            self.failures[rank] = reply.error or RemoteFailure("Error", "")
+        if reply.kind in ("done", "error"):
             self._finish(rank)
 
     def _finish(self, rank: int) -> None:
@@ -143,7 +141,7 @@ class Run:
     @property
     def error_stops(self) -> list[int]:
         """Ranks that stopped because a peer said it failed."""
-        return sorted(r for r, m in self.done.items() if m.get("stopped") == "error")
+        return sorted(r for r, m in self.done.items() if m.stopped == "error")
 
     def over(self) -> bool:
         if not self.pending or self.give_up_reason:
@@ -172,10 +170,10 @@ class Run:
                 "of this run sent (left over from an earlier failed run); their control "
                 "group is rebuilt before the next run: step again"
             )
-        last = {r["step"] for r in self.done.values()}
+        last = {r.step for r in self.done.values()}
         if len(last) != 1 and len(self.start_steps) == 1:  # they agree on where to stop
             raise DtlabError(f"ranks stopped after different steps: {sorted(last)}")
-        stopped = {r["stopped"] for r in self.done.values()}
+        stopped = {r.stopped for r in self.done.values()}
         if "until" in stopped:
             how = "until"
         elif self.pause_reason is not None and self.pause_reason.startswith("timed out"):
@@ -188,7 +186,7 @@ class Run:
             stopped=how,
             seconds=time.monotonic() - self.started,
             condition=self.until,
-            hit_ranks=tuple(sorted(r for r, m in self.done.items() if m.get("hit"))),
+            hit_ranks=tuple(sorted(r for r, m in self.done.items() if m.hit)),
         )
 
     def _raise(self) -> None:

@@ -29,7 +29,7 @@ from dtlab.control.scripts import Scripts
 from dtlab.control.stepper import Stepper
 from dtlab.control.training import Training
 from dtlab.records import CellOutput, EngineFacts, RankInfo, RemoteFailure
-from dtlab.trace import Trace
+from dtlab.records.trace import Trace
 
 Ranks = Iterable[int] | str | None
 OUTPUT_WAIT_S = 2.0  # engine output travels apart from the reply; let it catch up

@@ -18,7 +18,6 @@ the Pause button works while ranks step.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import socket
 import statistics
 from collections.abc import Callable
@@ -34,7 +33,8 @@ from dtlab.control.errors import DtlabError
 from dtlab.control.network import EVERYWHERE, LOOPBACK, is_loopback, listen_address, route_ip
 from dtlab.control.runs import FAILURE_GRACE_S, POLL_S, Run
 from dtlab.records import Condition, RunResult
-from dtlab.trace import Trace, new_run_folder
+from dtlab.records.trace import Trace, new_run_folder
+from dtlab.records.wire import PauseRequest, RankReply, RunRequest
 
 CONNECT_TIMEOUT_S = 30.0
 REPORT_S = 0.25  # ranks send progress (and records) at most this often
@@ -138,28 +138,27 @@ class Stepper:
             self.channel = None
 
     # --- replies -----------------------------------------------------------------------
-    def dispatch(self, replies: list[dict]) -> None:
+    def dispatch(self, replies: list[RankReply]) -> None:
         """Every reply, whoever received it: to the run in flight, or (late, from an older
         run) its records to the trace and its rank marked free."""
         for reply in replies:
-            if self.active is not None and reply.get("id") == self.active.id:
+            if self.active is not None and reply.id == self.active.id:
                 self.active.handle(reply)
                 continue
-            rank = reply.get("rank")
-            if self.trace is not None and reply.get("records"):
-                self.ingest(rank, reply)
-            if reply.get("kind") in ("done", "error") and self.busy.get(rank) == reply.get("id"):
-                del self.busy[rank]
-            if reply.get("kind") == "error":
+            if self.trace is not None and reply.records:
+                self.ingest(reply)
+            if reply.kind in ("done", "error") and self.busy.get(reply.rank) == reply.id:
+                del self.busy[reply.rank]
+            if reply.kind == "error":
                 self._regroup = True  # its agreement may be left pending in the old group
 
-    def ingest(self, rank: int, reply: dict) -> None:
-        if reply.get("output") and self.on_output is not None:
-            self.on_output(rank, reply["output"])
-        if reply.get("attach") != self.attach_counts.get(rank):
+    def ingest(self, reply: RankReply) -> None:
+        if reply.output and self.on_output is not None:
+            self.on_output(reply.rank, reply.output)
+        if reply.attach != self.attach_counts.get(reply.rank):
             self._calls_seen = -1  # attached behind our back: look again before the next run
-        if reply.get("records"):
-            self.trace.add_lines(rank, reply["records"])
+        if reply.records:
+            self.trace.add_lines(reply.rank, reply.records)
 
     def busy_ranks(self) -> list[int]:
         """Ranks in a run, or still inside an earlier one (late replies are read first)."""
@@ -190,18 +189,17 @@ class Stepper:
             )
         self._next_id += 1
         run = Run(self, self._next_id, steps, until, timeout, self._failure_grace())
-        message = {
-            "op": "run",
-            "id": run.id,
-            "steps": steps,
-            "report_s": REPORT_S,
-            "until": dataclasses.asdict(until) if until else None,
-            "record": record,
-            "agree_every": self._agree_every(),
-            "regroup": self._regroup,
-            "watch": self.watch_modules,
-            "outputs": self.record_outputs,
-        }
+        message = RunRequest(
+            id=run.id,
+            steps=steps,
+            report_s=REPORT_S,
+            until=until,
+            record=record,
+            agree_every=self._agree_every(),
+            regroup=self._regroup,
+            watch=self.watch_modules,
+            outputs=self.record_outputs,
+        )
         unreachable = self.channel.send(self.session.ranks, message)
         self.busy.update({r: run.id for r in self.session.ranks})
         self.active, self._regroup = run, False
@@ -298,7 +296,7 @@ class Stepper:
 
     def send_pause(self) -> None:
         if self.channel is not None and self.busy:
-            self.channel.send(sorted(self.busy), {"op": "pause"})
+            self.channel.send(sorted(self.busy), PauseRequest())
 
     # --- looking closer ----------------------------------------------------------------
     def tensors(self, name: str, what: str, ranks) -> dict:

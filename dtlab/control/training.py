@@ -17,9 +17,8 @@ from dtlab.analysis.divergence import (
     tensor_diff,
 )
 from dtlab.analysis.doctor import all_findings, run_checks
-from dtlab.analysis.evidence import CheckResult, Evidence
 from dtlab.control.errors import DtlabError
-from dtlab.records import Condition, Finding, RunResult
+from dtlab.records import CheckResult, Condition, Evidence, Finding, RunResult
 
 DEFAULT_MAX_STEPS = 100_000
 EVIDENCE_TIMEOUT_S = 60.0

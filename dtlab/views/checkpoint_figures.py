@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
-from dtlab.checkpoint_format import CheckpointInfo
-from dtlab.trace import Trace
+from dtlab.records.checkpoints import CheckpointInfo
+from dtlab.records.trace import Trace
 from dtlab.views.figures import _layout, _line, _loss, _ranks, _series
 
 MARKERS = {

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
-from dtlab.checkpoint_format import CheckpointInfo
-from dtlab.trace import Trace
+from dtlab.records.checkpoints import CheckpointInfo
+from dtlab.records.trace import Trace
 from dtlab.views.checkpoint_figures import checkpoint_loss_figure, replay_figure
 from dtlab.views.reports import replay_summary
 

@@ -29,7 +29,7 @@ from plotly.colors import qualitative, sequential
 from plotly.subplots import make_subplots
 
 from dtlab.records import StepMemory, StepRecord, StepTimes
-from dtlab.trace import Trace
+from dtlab.records.trace import Trace
 
 TEMPLATE = "plotly_white"
 MIB = 1024 * 1024

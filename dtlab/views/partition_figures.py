@@ -19,8 +19,8 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from dtlab.analysis.balance import Balance, StageBalance
-from dtlab.analysis.partition import Plan
-from dtlab.stage_records import BlockCost, ScheduleEvent
+from dtlab.records import Plan
+from dtlab.records.stages import BlockCost, ScheduleEvent
 from dtlab.views.figures import _PHASE_COLORS, MIB, PHASES, TEMPLATE, _layout
 from dtlab.views.partition_tables import balance_facts
 

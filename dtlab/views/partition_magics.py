@@ -21,9 +21,10 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from dtlab.analysis.partition import METHODS, PlanError
+from dtlab.analysis.partition import METHODS
 from dtlab.analysis.partition_export import to_deepspeed, to_megatron, to_torchtitan
 from dtlab.control.partitions import NotAPipeline
+from dtlab.records import PlanError
 from dtlab.views.magic_support import current_session
 from dtlab.views.partition_figures import balance_figure, schedule_figure
 from dtlab.views.partition_tables import balance_table

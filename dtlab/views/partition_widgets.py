@@ -16,7 +16,7 @@ import html
 import ipywidgets as widgets
 
 from dtlab.analysis.balance import compare, predict_balance
-from dtlab.analysis.partition import Plan, PlanError
+from dtlab.records import Plan, PlanError
 from dtlab.views.partition_figures import balance_figure, stage_colour
 
 MEASURE_STEPS = 3  # steps run after Apply before the balance is measured

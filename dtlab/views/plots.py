@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 from dtlab.analysis.divergence import deviation_matrix
 from dtlab.analysis.trends import grad_norm_spread
 from dtlab.records import StepRecord
-from dtlab.trace import Trace
+from dtlab.records.trace import Trace
 from dtlab.views import figures
 
 KINDS = ("loss", "memory", "times", "deviation", "spread")

@@ -18,10 +18,10 @@ from IPython.display import display
 from dtlab import demo
 from dtlab.analysis.conditions import parse_condition
 from dtlab.analysis.doctor import all_findings
-from dtlab.analysis.partition import PlanError
 from dtlab.control.errors import RankError
 from dtlab.control.training import DEFAULT_MAX_STEPS
-from dtlab.trace import Trace
+from dtlab.records import PlanError
+from dtlab.records.trace import Trace
 from dtlab.views.magic_support import current_session, seconds
 from dtlab.views.partition_magics import plan_from_text
 from dtlab.views.plots import KINDS, figure_for

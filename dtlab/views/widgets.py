@@ -20,7 +20,7 @@ class Dashboard:
     def __init__(self, session, *, max_points: int = 1000, refresh_s: float = 0.5):
         import plotly.graph_objects as go
 
-        from dtlab.trace import Trace
+        from dtlab.records.trace import Trace
         from dtlab.views.figures import dashboard_figure
 
         self.session = session

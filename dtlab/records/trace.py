@@ -246,8 +246,7 @@ class Trace:
 
 
 def _check_from_json(data: Mapping):
-    from dtlab.analysis.evidence import CheckResult
-    from dtlab.records import Finding
+    from dtlab.records import CheckResult, Finding
 
     findings = tuple(Finding(**{**f, "ranks": tuple(f["ranks"])}) for f in data.get("findings", ()))
     fields = {k: v for k, v in data.items() if k != "outcome"}  # derived, written for readers

@@ -1,89 +1,12 @@
-"""Frozen records that travel between the ranks and the notebook.
+"""What a rank records each optimizer step, and how a run of steps ended.
 
-They hold plain data only (str, int, float, tuples, dicts of str), so they pickle cheaply
-through ipyparallel and can be built by hand in tests without a cluster.
+Plain data (str, int, float, tuples): they pickle cheaply through ipyparallel and tests
+build them by hand. A step record as JSON is one line of a run folder's steps.jsonl.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-
-
-@dataclass(frozen=True)
-class EngineFacts:
-    """What an engine says about itself before it has a rank (collected on each engine).
-
-    ``launch_index`` is the position the launcher gave the process (fork index, MPI rank,
-    SLURM_PROCID) when it gave one.
-    """
-
-    host: str
-    pid: int
-    num_cpus: int
-    num_cuda_devices: int
-    launch_index: int | None = None
-    cuda_visible_devices: str | None = None
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """Everything one engine needs to become a torch.distributed rank (made in control/)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    master_addr: str
-    master_port: int
-    backend: str  # "gloo" or "nccl"
-    cuda_device: int | None  # index of this rank's GPU as the process sees them (nccl only)
-    num_threads: int
-    timeout_s: float
-    env: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """A live rank as it describes itself after joining the process group."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    host: str
-    pid: int
-    device: str
-    backend: str
-    num_threads: int
-    python_version: str
-    torch_version: str
-    cuda_version: str | None
-    nccl_version: str | None
-    allreduce_sum: int
-    env: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class CellOutput:
-    """What one rank produced for a ``%%dt`` cell."""
-
-    stdout: str = ""
-    stderr: str = ""
-    result: str | None = None  # text/plain of the cell's last expression
-    error: RemoteFailure | None = None
-
-
-@dataclass(frozen=True)
-class RemoteFailure:
-    """An exception raised on a rank, reduced to text."""
-
-    ename: str
-    evalue: str
-    traceback: str = ""
-
-
-# --- stepping: what a rank records each optimizer step -----------------------------------
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -240,19 +163,6 @@ class Condition:
 
 
 @dataclass(frozen=True)
-class Finding:
-    """Something wrong that an analysis found: what, where, since when, why we think so."""
-
-    kind: str  # "divergence", "leak", "straggler", ...
-    ranks: tuple[int, ...]
-    summary: str
-    step: int | None = None
-    evidence: dict[str, object] = field(default_factory=dict)
-    fix: str = ""
-    severity: str = "warning"  # "error" (training is wrong), "warning" (slow/fragile), "advice"
-
-
-@dataclass(frozen=True)
 class RunResult:
     """How a ``%dt_step`` / ``%dt_run`` ended (made in control/ from the ranks' replies)."""
 
@@ -294,97 +204,3 @@ def step_record_from_dict(data: dict) -> tuple[int, StepRecord]:
     for pairs in ("rng", "module_outputs"):
         fields[pairs] = tuple((str(name), int(value)) for name, value in fields.get(pairs, ()))
     return rank, StepRecord(**fields)
-
-
-# --- hangs and deaths: what a rank's sidecar says it is doing --------------------------------
-@dataclass(frozen=True)
-class CollectiveCall:
-    """One collective as torch's Flight Recorder saw it on a rank."""
-
-    group: str  # "default_pg", "dtlab_control", ... (a description: not unique)
-    seq: int  # its number within the group (the same collective has the same on every rank)
-    op: str  # "all_reduce", "broadcast", ...
-    sizes: tuple  # input tensor shapes
-    done: bool  # completed on this rank
-    group_id: str = ""  # the group's name in torch.distributed: unique while it lives
-    members: tuple[int, ...] = ()  # the group's ranks (empty: not known)
-    dtypes: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class RankReport:
-    """What a rank was doing when asked, taken out of band (the main thread may be stuck)."""
-
-    rank: int
-    stack: tuple[tuple[str, int, str, str], ...]  # (file, line, function, code), outermost first
-    collectives: tuple[CollectiveCall, ...] = ()  # oldest first, the last few per group
-    step: int | None = None  # the attached job's step counter
-
-    @classmethod
-    def from_dict(cls, rank: int, data: Mapping) -> RankReport:
-        return cls(
-            rank,
-            tuple((str(f), int(n), str(fn), str(code)) for f, n, fn, code in data.get("stack", ())),
-            tuple(
-                CollectiveCall(
-                    c["group"],
-                    int(c["seq"]),
-                    c["op"],
-                    tuple(tuple(s) for s in c.get("sizes", ())),
-                    bool(c["done"]),
-                    str(c.get("group_id", c["group"])),
-                    tuple(int(r) for r in c.get("members", ())),
-                    tuple(str(d) for d in c.get("dtypes", ())),
-                )
-                for c in data.get("collectives", ())
-            ),
-            data.get("step"),
-        )
-
-
-# --- a user's own script on the ranks (%dt_script) ---------------------------------------------
-@dataclass(frozen=True)
-class ScriptStatus:
-    """Where a script stands on every rank after ``%dt_script`` (from their status dicts)."""
-
-    path: str
-    argv: tuple[str, ...]
-    states: dict[int, str]  # rank -> "paused" | "ended"
-    steps: dict[int, int]  # rank -> optimizer steps made
-    outcomes: dict[int, dict | None]  # rank -> how it ended (kind, code, ename, evalue, ...)
-    notes: tuple[str, ...]  # what dtlab did for the script (its init_process_group...)
-    seconds: float
-    setup_s: float | None = None  # rank 0: from the start to its first optimizer step
-    model: str | None = None
-    wrapper: str | None = None
-    optimizers: tuple[str, ...] = ()
-    backward_calls: dict[int, int] = field(default_factory=dict)  # made since the last step
-
-    @classmethod
-    def from_ranks(cls, path: str, argv, states: dict, seconds: float) -> ScriptStatus:
-        first = states[min(states)]
-        notes = tuple(dict.fromkeys(n for s in states.values() for n in s["notes"]))
-        return cls(
-            path=first.get("path", path),
-            argv=tuple(argv),
-            states={r: s["state"] for r, s in states.items()},
-            steps={r: s["step"] for r, s in states.items()},
-            outcomes={r: s["outcome"] for r, s in states.items()},
-            notes=notes,
-            seconds=seconds,
-            setup_s=first.get("setup_s"),
-            model=first.get("model"),
-            wrapper=first.get("wrapper"),
-            optimizers=tuple(first.get("optimizers") or ()),
-            backward_calls={r: s.get("backward_calls", 0) for r, s in states.items()},
-        )
-
-    @property
-    def paused(self) -> bool:
-        return bool(self.states) and set(self.states.values()) == {"paused"}
-
-    def where(self, rank: int) -> str:
-        """``"step 3, train.py:42"`` for a rank whose script failed."""
-        o = self.outcomes.get(rank) or {}
-        place = f", {o['file'].rsplit('/', 1)[-1]}:{o['line']}" if o.get("line") else ""
-        return f"step {self.steps.get(rank, 0)}{place}"

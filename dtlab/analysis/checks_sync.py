@@ -1,0 +1,157 @@
+"""``%dt_doctor`` checks of DDP's gradient synchronisation: replicas that must agree bitwise
+after every step, parameters that some ranks' backward never reaches, and gradient
+accumulation that all-reduces on every micro-batch."""
+
+from __future__ import annotations
+
+import statistics
+
+from dtlab.analysis.divergence import divergence_findings
+from dtlab.analysis.evidence import shape_of
+from dtlab.analysis.ranks import label_ranks
+from dtlab.analysis.registry import check
+from dtlab.analysis.trends import aligned_steps
+from dtlab.records import CheckResult, Evidence, Finding
+
+ACCUMULATION_RATIO = 1.5  # bytes all-reduced per gradient byte above which syncs repeat
+
+
+@check("gradient_sync", order=40, compares="replicas")
+def check_gradient_sync(evidence: Evidence) -> CheckResult:
+    """Gradients after the all-reduce and parameters after the step must be bitwise equal
+    on data-parallel ranks; a parameter must not lack a gradient on some ranks only."""
+    findings = list(divergence_findings(evidence.details, evidence.names))
+    findings += _missing_gradients(evidence)
+    printed = any(
+        rec.grad_fingerprint or rec.param_fingerprint
+        for recs in evidence.records.values()
+        for rec in recs
+    )
+    if not findings and not printed:
+        return CheckResult(
+            "gradient_sync",
+            "gradients and parameters identical across ranks",
+            (),
+            f"{shape_of(evidence.records)}: no gradient or parameter fingerprints",
+            "not checked: the steps were run with recording off, so there are no "
+            "fingerprints to compare",
+            checked=False,
+            needs="run some steps with recording on (%dt_step without --no-record)",
+        )
+    return CheckResult(
+        "gradient_sync",
+        "gradients and parameters identical across ranks",
+        tuple(findings),
+        f"{shape_of(evidence.records)} of gradient and parameter fingerprints; which parameters "
+        "had no gradient",
+        ""
+        if findings
+        else "every step's fingerprints agree on every rank, and every "
+        "parameter got a gradient on all ranks or on none",
+    )
+
+
+def _missing_gradients(evidence: Evidence) -> list[Finding]:
+    """A parameter that no step gave a gradient on some ranks but did on others: by the
+    rank's own backward where that was watched (before DDP's all-reduce fills the gap in),
+    else by the gradient after the step."""
+    steps = aligned_steps(evidence.records)
+    if not steps:
+        return []
+    never: dict[int, set[int]] = {}  # parameter index -> ranks where it never had one
+    watched = all(at[rank].unreached is not None for _, at in steps for rank in at)
+    for rank in evidence.records:
+        per_step = [at[rank].unreached if watched else at[rank].missing_grads for _, at in steps]
+        for index in set.intersection(*(set(missing) for missing in per_step)):
+            never.setdefault(index, set()).add(rank)
+    findings = []
+    for index, ranks in sorted(never.items()):
+        if len(ranks) == len(evidence.records):
+            continue  # frozen, or unused everywhere: the same on every rank
+        findings.append(_missing_finding(evidence, index, ranks, len(steps), steps[0][0], watched))
+    return findings
+
+
+def _missing_finding(evidence, index, ranks, num_steps, step, watched) -> Finding:
+    name = evidence.names[index] if index < len(evidence.names) else f"#{index}"
+    if watched:
+        summary = (
+            f"{name} was never reached by the backward of {label_ranks(ranks)} in "
+            f"{num_steps} steps, but was on the other ranks: a rank-dependent branch "
+            "(its gradient there is only the other ranks' average)"
+        )
+        fix = (
+            "the forward takes another path on these ranks (an `if rank ...`, a "
+            "rank-dependent config): make every rank run the same code; DDP's "
+            "find_unused_parameters=True hides this by averaging in the other ranks'"
+        )
+    else:
+        summary = (
+            f"{name} never got a gradient on {label_ranks(ranks)} in {num_steps} "
+            "steps, but did on the other ranks"
+        )
+        fix = (
+            "the forward differs across ranks (a branch, unused experts): with DDP use "
+            "find_unused_parameters=True, or make every rank use the parameter"
+        )
+    return Finding(
+        kind="gradient_sync",
+        ranks=tuple(sorted(ranks)),
+        step=step,
+        summary=summary,
+        evidence={"param": name, "steps": num_steps, "local": watched},
+        fix=fix,
+        severity="error",
+    )
+
+
+@check("accumulation", order=60)
+def check_accumulation(evidence: Evidence) -> CheckResult:
+    """With gradient accumulation, DDP should all-reduce once per step (the last
+    micro-batch), not once per micro-batch: compare the bytes sent with the gradients'."""
+    ratios: dict[int, list[float]] = {}
+    micro = 1
+    for rank, recs in evidence.records.items():
+        for rec in recs:
+            if rec.micro_batches > 1 and rec.comm_bytes is not None and rec.memory.param_bytes:
+                ratios.setdefault(rank, []).append(rec.comm_bytes / rec.memory.param_bytes)
+                micro = rec.micro_batches
+    looked = (
+        f"gradient bytes all-reduced per step against the gradients' size ({micro} micro-batches)"
+    )
+    if not ratios:
+        accumulates = any(r.micro_batches > 1 for recs in evidence.records.values() for r in recs)
+        why = (
+            (
+                "not checked: DDP's communication was not counted (the model is not DDP, or "
+                "has a comm hook of its own)"
+            )
+            if accumulates
+            else "the job does not accumulate"
+        )
+        return CheckResult(
+            "accumulation", "One gradient sync per step", (), looked, why, checked=not accumulates
+        )
+    median = {rank: statistics.median(values) for rank, values in ratios.items()}
+    chatty = tuple(sorted(r for r, x in median.items() if x > ACCUMULATION_RATIO))
+    findings = ()
+    if chatty:
+        first = min(
+            rec.step for r in chatty for rec in evidence.records[r] if rec.micro_batches > 1
+        )
+        x = max(median[r] for r in chatty)
+        findings = (
+            Finding(
+                "accumulation",
+                chatty,
+                f"{label_ranks(chatty)} all-reduce gradients on every micro-batch: {x:.1f}x the "
+                f"communication of one sync per step ({micro} micro-batches per step)",
+                first,
+                {"bytes_per_gradient_byte": {r: round(median[r], 2) for r in chatty}},
+                "run all but the last micro-batch inside `with model.no_sync():` "
+                "(dtlab.attach(..., accumulate=k) does this unless no_sync=False)",
+                "warning",
+            ),
+        )
+    why = "" if findings else "DDP sent about one copy of the gradients per step"
+    return CheckResult("accumulation", "One gradient sync per step", findings, looked, why)

@@ -1,0 +1,77 @@
+"""Everything that travels between the ranks and the notebook, or is stored, in one place.
+
+Records are frozen dataclasses of plain data (str, int, float, tuples, dicts of str): they
+pickle cheaply through ipyparallel, read back from JSON, and tests build them by hand
+without a cluster. This package imports neither torch nor any notebook library, so both
+ends (agent/ on the ranks, control/ and analysis/ in the notebook) share it.
+
+=====================  ==================================================================
+module                 holds
+=====================  ==================================================================
+``records.ranks``      an engine's facts, a rank's plan and self-description, cell output
+``records.steps``      what a rank measures each optimizer step; conditions, run results
+``records.wire``       the stepping channel's messages (notebook <-> rank), typed
+``records.findings``   the doctor's evidence, each check's verdict, its findings
+``records.hangs``      what a rank's sidecar says it is doing (stack, collectives)
+``records.scripts``    where a user's own script stands on every rank
+``records.stages``     a pipeline job's per-stage reports, block costs, schedule events
+``records.plans``      pipeline partition plans (which blocks each stage holds)
+``records.trace``      a job's step records by rank, in memory and in a run folder
+``records.checkpoints`` checkpoint folders on disk: names, manifest, checksums, catalogue
+=====================  ==================================================================
+
+The dataclasses are re-exported here (``from dtlab.records import StepRecord``);
+``trace`` and ``checkpoints`` are imported as modules.
+"""
+
+from __future__ import annotations
+
+from dtlab.records.findings import CheckResult, Evidence, Finding
+from dtlab.records.hangs import CollectiveCall, RankReport
+from dtlab.records.plans import Plan, PlanError
+from dtlab.records.ranks import CellOutput, EngineFacts, RankInfo, RankPlan, RemoteFailure
+from dtlab.records.scripts import ScriptStatus
+from dtlab.records.stages import BlockCost, ScheduleEvent, StageReport
+from dtlab.records.steps import (
+    Condition,
+    InitialState,
+    JobInfo,
+    ParamInfo,
+    RunResult,
+    StepMemory,
+    StepRecord,
+    StepTimes,
+    combine_fingerprints,
+    step_record_from_dict,
+    step_record_to_dict,
+)
+
+__all__ = [
+    "BlockCost",
+    "CellOutput",
+    "CheckResult",
+    "CollectiveCall",
+    "Condition",
+    "EngineFacts",
+    "Evidence",
+    "Finding",
+    "InitialState",
+    "JobInfo",
+    "ParamInfo",
+    "Plan",
+    "PlanError",
+    "RankInfo",
+    "RankPlan",
+    "RankReport",
+    "RemoteFailure",
+    "RunResult",
+    "ScheduleEvent",
+    "ScriptStatus",
+    "StageReport",
+    "StepMemory",
+    "StepRecord",
+    "StepTimes",
+    "combine_fingerprints",
+    "step_record_from_dict",
+    "step_record_to_dict",
+]

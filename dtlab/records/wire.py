@@ -1,0 +1,182 @@
+"""The stepping channel's messages, typed, with one encoding used at both ends.
+
+The notebook (control/stepper.py, through control/channel.py) sends a :class:`RunRequest`
+or a :class:`PauseRequest` to the ranks; each rank (agent/stepping.py) answers with
+:class:`RankReply` frames: ``hello`` once when it connects, ``progress`` during a run,
+then ``done`` or ``error``. A frame is one JSON object carrying the session ``key``; a
+frame without the right key, or that does not parse, is dropped (:func:`decode` returns
+None), so a stray or hostile sender can never make a rank step.
+
+Step records travel inside replies as steps.jsonl lines (``records``): whole-step
+summaries, the per-parameter tuples stay on the rank.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import ClassVar
+
+from dtlab.records.ranks import RemoteFailure
+from dtlab.records.steps import Condition
+
+REPLY_KINDS = ("hello", "progress", "done", "error")
+# how a rank's run ended: all steps made, the condition met, a pause asked, a failure
+# (its own or a peer's), or a script job whose script is over
+STOPS = ("steps", "until", "pause", "error", "ended")
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """Notebook -> rank: make up to ``steps`` steps, paused together at the end.
+
+    ``until``: stop after the step where it holds (checked on every rank after every
+    step); ``record``: per-parameter statistics on or off (None: the job's default);
+    ``agree_every``: steps between the ranks' agreements at the start; ``regroup``: rebuild
+    the control group first (the last run ended in an error); ``watch``: name the first
+    module whose output is not finite; ``outputs``: fingerprint every module's output.
+    """
+
+    op: ClassVar[str] = "run"
+    id: int
+    steps: int
+    report_s: float = 0.25  # send progress (and records) at most this often
+    until: Condition | None = None
+    record: bool | None = None
+    agree_every: int = 1
+    regroup: bool = False
+    watch: bool = False
+    outputs: bool = False
+
+    def to_dict(self) -> dict:
+        until = self.until
+        return {
+            "op": self.op,
+            **self.__dict__,
+            "until": {"kind": until.kind, "value": until.value} if until else None,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunRequest:
+        until = data.get("until")
+        record = data.get("record")
+        return cls(
+            id=int(data.get("id", 0)),
+            steps=int(data.get("steps", 1)),
+            report_s=float(data.get("report_s", 0.25)),
+            until=Condition(str(until["kind"]), until.get("value")) if until else None,
+            record=None if record is None else bool(record),
+            agree_every=max(1, int(data.get("agree_every", 1))),
+            regroup=bool(data.get("regroup")),
+            watch=bool(data.get("watch")),
+            outputs=bool(data.get("outputs")),
+        )
+
+
+@dataclass(frozen=True)
+class PauseRequest:
+    """Notebook -> rank: stop at the next step boundary the ranks agree on (a pause that
+    arrives between runs is stale, and ignored)."""
+
+    op: ClassVar[str] = "pause"
+
+    def to_dict(self) -> dict:
+        return {"op": self.op}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PauseRequest:
+        return cls()
+
+
+Request = RunRequest | PauseRequest
+REQUESTS: dict[str, type[RunRequest] | type[PauseRequest]] = {
+    "run": RunRequest,
+    "pause": PauseRequest,
+}
+
+
+@dataclass(frozen=True)
+class RankReply:
+    """Rank -> notebook: where the rank stands in the run ``id`` (None: not in a run)."""
+
+    kind: str  # one of REPLY_KINDS
+    id: int | None
+    rank: int
+    step: int = 0  # the job's step count when sent
+    attach: int | None = None  # how many jobs were attached on this rank so far
+    records: tuple[str, ...] = ()  # steps.jsonl lines of the steps made since the last reply
+    stopped: str | None = None  # done replies: one of STOPS
+    hit: bool = False  # done replies: the condition held at the last step on this rank
+    output: str = ""  # what a script job printed since the last reply
+    error: RemoteFailure | None = None  # error replies
+
+    def to_dict(self) -> dict:
+        error = self.error
+        return {
+            **self.__dict__,
+            "records": list(self.records),
+            "error": (
+                {"ename": error.ename, "evalue": error.evalue, "traceback": error.traceback}
+                if error
+                else None
+            ),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RankReply:
+        error = data.get("error")
+        msg_id = data.get("id")
+        return cls(
+            kind=str(data["kind"]),
+            id=None if msg_id is None else int(msg_id),
+            rank=int(data["rank"]),
+            step=int(data.get("step") or 0),
+            attach=data.get("attach"),
+            records=tuple(data.get("records") or ()),
+            stopped=data.get("stopped"),
+            hit=bool(data.get("hit")),
+            output=data.get("output") or "",
+            error=(
+                RemoteFailure(
+                    str(error.get("ename", "Error")),
+                    str(error.get("evalue", "")),
+                    str(error.get("traceback", "")),
+                )
+                if error
+                else None
+            ),
+        )
+
+
+def encode(message: Request | RankReply, key: str) -> bytes:
+    """One frame: the message as JSON with the session key."""
+    return json.dumps({"key": key, **message.to_dict()}).encode()
+
+
+def decode_request(frame: bytes, key: str) -> Request | None:
+    """A request from the notebook, or None for a frame that is not one of ours."""
+    data = _checked(frame, key)
+    kind = REQUESTS.get(data.get("op")) if data is not None else None
+    try:
+        return kind.from_dict(data) if kind is not None else None
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def decode_reply(frame: bytes, key: str) -> RankReply | None:
+    """A rank's reply, or None for a frame that is not one of ours."""
+    data = _checked(frame, key)
+    if data is None or data.get("kind") not in REPLY_KINDS:
+        return None
+    try:
+        return RankReply.from_dict(data)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def _checked(frame: bytes, key: str) -> dict | None:
+    try:
+        data = json.loads(frame)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and data.get("key") == key else None
