@@ -13,10 +13,9 @@ ranks known dead with how they died. In order:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 from dtlab.analysis.ranks import label_ranks
-from dtlab.records import CollectiveCall, RankReport
+from dtlab.records import CollectiveCall, HangVerdict, RankReport
 
 # frames of these are the machinery a rank waits in, not what it is doing
 _MACHINERY = (
@@ -53,16 +52,6 @@ GROUP_ROLES = {
     "default_pg": "the default group: DDP gradients and your collectives",
     "dtlab_control": "dtlab's step agreement",
 }
-
-
-@dataclass(frozen=True)
-class HangVerdict:
-    summary: str
-    collective: CollectiveCall | None = None  # the one ranks are blocked in
-    waiting: tuple[int, ...] = ()  # ranks blocked in it
-    missing: tuple[int, ...] = ()  # ranks that never entered it (or dead)
-    mismatch: bool = False
-    where: dict[int, str] = field(default_factory=dict)  # rank -> what it is doing
 
 
 def where(report: RankReport | None, dead: str | None = None) -> str:

@@ -1,12 +1,14 @@
 """The notebook end of the stepping channel: one ROUTER socket, ranks connect to it.
 
-The rank end is :mod:`dtlab.agent.stepping`; the messages are :mod:`dtlab.records.wire`'s.
-They are JSON and carry a random session key: nothing received is unpickled or executed,
-and a message without the key is dropped.
+It carries two protocols: the stepping channel's (rank end :mod:`dtlab.agent.stepping`,
+messages typed in :mod:`dtlab.records.wire`) and the sidecars' (:mod:`dtlab.agent.sidecar`).
+Frames are JSON objects with a random session key: nothing received is unpickled or
+executed, and a frame without the key is dropped; what a reply means is its protocol's.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 import threading
 import time
@@ -14,11 +16,11 @@ from collections.abc import Iterable
 
 import zmq
 
-from dtlab.records.wire import RankReply, Request, decode_reply, encode
+from dtlab.records.wire import Request
 
 
 class Channel:
-    """Send commands to ranks by rank number; receive their typed replies."""
+    """Send commands to ranks by rank number; receive their replies (JSON objects)."""
 
     def __init__(self, host: str = "127.0.0.1", advertised: str | None = None):
         """Listen on ``host`` ("*": every interface); ranks connect to ``advertised``."""
@@ -31,9 +33,10 @@ class Channel:
         self.connected: set[int] = set()
         self._lock = threading.Lock()  # a zmq socket must not be used by two threads at once
 
-    def send(self, ranks: Iterable[int], message: Request) -> list[int]:
+    def send(self, ranks: Iterable[int], message: Request | dict) -> list[int]:
         """Send to each rank; returns the ranks it could not reach (not connected)."""
-        frame = encode(message, self.key)
+        payload = message if isinstance(message, dict) else message.to_dict()
+        frame = json.dumps({"key": self.key, **payload}).encode()
         unreachable = []
         with self._lock:
             for rank in ranks:
@@ -43,7 +46,7 @@ class Channel:
                     unreachable.append(rank)
         return unreachable
 
-    def receive(self, timeout: float) -> list[RankReply]:
+    def receive(self, timeout: float) -> list[dict]:
         """Every reply that arrives within ``timeout`` s (returns early once one came).
 
         Holds the socket's lock while it waits: another thread's ``send`` (a pause) waits
@@ -55,10 +58,15 @@ class Channel:
                     frames.append(self.socket.recv_multipart()[-1])
         replies = []
         for frame in frames:
-            reply = decode_reply(frame, self.key)  # None: not from one of our ranks
-            if reply is not None and reply.kind == "hello":
-                self.connected.add(reply.rank)
-            elif reply is not None:
+            try:
+                reply = json.loads(frame)
+            except ValueError:
+                continue
+            if not isinstance(reply, dict) or reply.get("key") != self.key:
+                continue  # not from one of our ranks
+            if reply.get("kind") == "hello" and isinstance(reply.get("rank"), int):
+                self.connected.add(reply["rank"])
+            else:
                 replies.append(reply)
         return replies
 

@@ -15,32 +15,19 @@ from __future__ import annotations
 
 import signal
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from dtlab.agent import api
-from dtlab.analysis.hangs import HangVerdict, diagnose
+from dtlab.analysis.hangs import diagnose
 from dtlab.analysis.ranks import label_ranks
 from dtlab.control.channel import Channel
 from dtlab.control.errors import DtlabError
-from dtlab.records import RankReport
+from dtlab.records import HangReport, RankReport
 
 REPORT_TIMEOUT_S = 2.0  # a sidecar answers in ms; one that does not in 2 s will not
 CONNECT_TIMEOUT_S = 30.0
 HANG_MIN_S = 30.0  # a run with no step finished for this long (or 20 steps' time) is hung
 HANG_STEPS = 20
-
-
-@dataclass(frozen=True)
-class HangReport:
-    """Every rank's stack and collectives, taken out of band, and the verdict."""
-
-    verdict: HangVerdict
-    reports: dict[int, RankReport | None]  # None: the rank did not answer
-    dead: dict[int, str] = field(default_factory=dict)  # rank -> how it died
-    taken: float = 0.0  # time.time()
-
-    def summary(self) -> str:
-        return self.verdict.summary
 
 
 def describe_exit(code: int | None) -> str:

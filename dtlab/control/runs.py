@@ -10,10 +10,13 @@ PAUSE_WAIT_S for that; only then, or on a second Ctrl-C, are ranks sent SIGINT.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from dtlab.analysis.ranks import label_ranks
 from dtlab.control.errors import DtlabError, RankError, RankTimeoutError
-from dtlab.records import Condition, RemoteFailure, RunResult
+from dtlab.records import Condition, HangReport, RemoteFailure, RunResult
+from dtlab.records.trace import Trace
 from dtlab.records.wire import RankReply
 
 FAILURE_GRACE_S = 1.0  # after one rank fails, how long the others get to finish
@@ -24,33 +27,51 @@ STALLED_S = 2.0  # no reply from any rank for this long: the run is stalled, not
 STALL_CONFIRM_S = 2.0  # a deadlock is seen twice, this far apart, before a run is given up
 
 
+class RunHost(Protocol):
+    """All a Run asks of the notebook side (:class:`dtlab.control.stepper.Stepper` is it)."""
+
+    trace: Trace | None
+    interrupted: bool  # set when a run leaves ranks that SIGINT may not have freed
+
+    @property
+    def ranks(self) -> list[int]: ...
+    def current_step(self) -> int: ...  # where the job stands (after a rewind: its step)
+    def receive(self, timeout: float) -> None: ...  # read replies; each reaches its run
+    def ingest(self, reply: RankReply) -> None: ...  # its records and output: to the trace
+    def rank_finished(self, rank: int) -> None: ...
+    def send_pause(self) -> None: ...
+    def dead_ranks(self, ranks: Iterable[int]) -> dict[int, str]: ...  # rank -> cause
+    def stall_limit(self) -> float: ...
+    def hang_report(self) -> HangReport: ...
+    def interrupt_and_wait(self, ranks: list[int], poll: Callable[[], list[int]]) -> list[int]: ...
+
+
 class Run:
     """One run command in flight (made by :class:`dtlab.control.stepper.Stepper`)."""
 
     def __init__(
         self,
-        stepper,
+        host: RunHost,
         run_id: int,
         steps: int,
         until: Condition | None,
         timeout: float | None,
         failure_grace: float = FAILURE_GRACE_S,
     ):
-        self.stepper = stepper
-        self.session = stepper.session
+        self.host = host
         self.id = run_id
         self.steps = steps
         self.until = until
         self.timeout = timeout
         self.failure_grace = failure_grace
-        self.pending = set(self.session.ranks)
+        self.pending = set(host.ranks)
         self.done: dict[int, RankReply] = {}
         self.failures: dict[int, RemoteFailure] = {}
-        self.first_step = self.session.recovery.current_step()  # after a rewind: where it resumed
+        self.first_step = host.current_step()  # after a rewind: where it resumed
         # after a failure on one rank, ranks may start a run at different steps
         self.start_steps = {
             recs[-1].step if recs else 0
-            for recs in (stepper.trace.records.values() if stepper.trace else [[]])
+            for recs in (host.trace.records.values() if host.trace else [[]])
         }
         self.started = self.last_check = self.last_reply = self.next_look = time.monotonic()
         self.hang = None  # the HangReport taken when the run stopped progressing
@@ -65,7 +86,7 @@ class Run:
         rank = reply.rank
         if rank not in self.pending:
             return
-        self.stepper.ingest(reply)
+        self.host.ingest(reply)
         self.last_reply = time.monotonic()
         self.step_by_rank[rank] = reply.step
         if reply.kind == "done":
@@ -77,7 +98,7 @@ class Run:
 
     def _finish(self, rank: int) -> None:
         self.pending.discard(rank)
-        self.stepper.busy.pop(rank, None)
+        self.host.rank_finished(rank)
         if rank in self.failures and self.first_failure is None:
             self.first_failure = time.monotonic()
 
@@ -86,20 +107,14 @@ class Run:
         now = time.monotonic()
         if now - self.last_check >= CHECK_EVERY_S:
             self.last_check = now
-            self.session.check_controller()
-            dead = self.session.dead_ranks(self.pending)
-            for rank, cause in (self.session.recovery.death_causes(dead) if dead else {}).items():
+            for rank, cause in self.host.dead_ranks(self.pending).items():
                 self.failures[rank] = RemoteFailure("EngineError", cause)
                 self._finish(rank)
         quiet = now - self.last_reply
         if self.timeout is not None and now - self.started > self.timeout:
             self._timed_out(f"timed out after {self.timeout:g} s", quiet > STALLED_S)
-        elif (
-            self.timeout is None
-            and quiet > self.session.recovery.stall_limit()
-            and now > self.next_look
-        ):
-            self.next_look = now + self.session.recovery.stall_limit()  # slow, not hung: look later
+        elif self.timeout is None and quiet > self.host.stall_limit() and now > self.next_look:
+            self.next_look = now + self.host.stall_limit()  # slow, not hung: look later
             self._timed_out(f"no step finished for {quiet:.0f} s", True, pause=False)
         if interrupts >= 1:
             self.ask_pause("interrupted")
@@ -122,13 +137,13 @@ class Run:
             self.ask_pause(reason)
 
     def _confirmed_hang(self):
-        first = self.session.recovery.hang_report()
+        first = self.host.hang_report()
         if not (first.verdict.missing or first.verdict.mismatch):
             return None  # every rank is in it, or none is in one: slow, or not a deadlock
         asked = time.monotonic()
         while time.monotonic() - asked < STALL_CONFIRM_S:
-            self.stepper.dispatch(self.stepper.channel.receive(POLL_S))
-        second = self.session.recovery.hang_report()
+            self.host.receive(POLL_S)
+        second = self.host.hang_report()
         moved = self.last_reply >= asked or _pending(first) != _pending(second)
         return None if moved else second
 
@@ -136,7 +151,7 @@ class Run:
         if self.pause_reason is None:
             self.pause_reason = reason
             self.pause_deadline = time.monotonic() + PAUSE_WAIT_S
-            self.stepper.send_pause()
+            self.host.send_pause()
 
     @property
     def error_stops(self) -> list[int]:
@@ -155,13 +170,13 @@ class Run:
         return False
 
     def done_steps(self) -> int:
-        done = [self.step_by_rank.get(r, self.first_step) for r in self.session.ranks]
+        done = [self.step_by_rank.get(r, self.first_step) for r in self.host.ranks]
         return max(0, min(done) - self.first_step)
 
     # --- the end -----------------------------------------------------------------------
     def result(self) -> RunResult:
-        if self.stepper.trace is not None:
-            self.stepper.trace.flush()
+        if self.host.trace is not None:
+            self.host.trace.flush()
         if self.pending or self.failures:
             self._raise()
         if self.error_stops:  # a failure signal with no failed rank: a stale agreement
@@ -192,10 +207,10 @@ class Run:
     def _raise(self) -> None:
         unfinished = sorted(self.pending)
         if unfinished:  # SIGINT can leave a gloo collective issued that never completes
-            self.stepper.interrupted = True
+            self.host.interrupted = True
             if self.hang is None:  # before SIGINT moves anyone: what they were doing
-                self.hang = self.session.recovery.hang_report()
-        stuck = self.session.interrupt_and_wait(unfinished, self._poll_late)
+                self.hang = self.host.hang_report()
+        stuck = self.host.interrupt_and_wait(unfinished, self._poll_late)
         ranks = dict(
             finished=sorted(self.done),
             stopped=[r for r in unfinished if r not in stuck],
@@ -208,11 +223,11 @@ class Run:
         else:
             error = RankTimeoutError(what, reason or "interrupted", self.failures, **ranks)
         if self.hang is None and error.dead_ranks:  # what the others were doing
-            self.hang = self.session.recovery.hang_report()
+            self.hang = self.host.hang_report()
         raise error.explain(self.hang) if self.hang is not None else error
 
     def _poll_late(self) -> list[int]:
-        self.stepper.dispatch(self.stepper.channel.receive(POLL_S))
+        self.host.receive(POLL_S)
         return sorted(self.pending)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from dtlab.analysis.consistency import Inconsistency, find_inconsistencies
 from dtlab.analysis.ranks import label_ranks, parse_rank_spec
+from dtlab.control.activity import RankActivity
 from dtlab.control.calls import gather
 from dtlab.control.checkpointing import Checkpointing
 from dtlab.control.cluster import EngineCluster
@@ -24,11 +25,11 @@ from dtlab.control.errors import DtlabError, RankError
 from dtlab.control.partitions import Pipeline
 from dtlab.control.rankmap import RankMap
 from dtlab.control.replays import Replays
-from dtlab.control.rescue import HangReport, Recovery
+from dtlab.control.rescue import Recovery
 from dtlab.control.scripts import Scripts
 from dtlab.control.stepper import Stepper
 from dtlab.control.training import Training
-from dtlab.records import CellOutput, EngineFacts, RankInfo, RemoteFailure
+from dtlab.records import CellOutput, EngineFacts, HangReport, RankInfo, RemoteFailure
 from dtlab.records.trace import Trace
 
 Ranks = Iterable[int] | str | None
@@ -89,7 +90,7 @@ class Session:
         self.facts = dict(facts)  # by engine id
         self.infos: dict[int, RankInfo] = {}  # by rank, filled when the ranks join
         self.closed = False
-        self._stuck: dict[int, Any] = {}  # rank -> request it did not finish, even on SIGINT
+        self.activity = RankActivity()  # what each rank is doing: may a request go now?
         self.calls = 0  # ipyparallel requests so far (any of them may have re-attached a job)
         self._stepper: Stepper | None = None  # the stepping channel, made on first use
         self.last_hang: HangReport | None = None  # asked of the ranks before a SIGINT
@@ -251,20 +252,16 @@ class Session:
                 for r in dead
             }
             raise RankError(what, failures)
-        stepping = set(self._stepper.busy_ranks() if self._stepper else ()) & set(ranks)
-        if stepping and self._stepper.active is not None:
-            raise DtlabError(
-                f"{what}: {label_ranks(stepping)} are stepping (a run from the dashboard?); "
-                "pause it (the Pause button or dt.pause()) and try again when it has stopped"
-            )
-        self._stuck = {r: ar for r, ar in self._stuck.items() if not ar.done()}
-        stuck = sorted(set(ranks) & (set(self._stuck) | stepping))
-        if stuck:
-            raise DtlabError(
-                f"{what}: {label_ranks(stuck)} still busy with an earlier call that did not "
-                "finish (blocked in a collective?); wait for the process-group timeout, "
-                f"or run %dt_launch {self.world_size} --restart"
-            )
+        if self._stepper is not None:
+            self._stepper.read_late_replies()  # a run that ended meanwhile frees its ranks
+        refusal = self.activity.refusal(
+            ranks,
+            what,
+            run_in_flight=self._stepper is not None and self._stepper.active is not None,
+            world_size=self.world_size,
+        )
+        if refusal:
+            raise DtlabError(refusal)
 
     def dead_ranks(self, ranks: Iterable[int]) -> list[int]:
         """The ranks among ``ranks`` whose engine is gone (its nanny told the controller)."""
@@ -332,7 +329,7 @@ class Session:
                 check=self.check_controller,
             )
         except RankError as e:
-            self._stuck.update({r: sent[r] for r in e.stuck})
+            self.activity.mark_stuck({r: sent[r] for r in e.stuck})
             self.recovery.explain_failure(e)
             raise
 
@@ -449,7 +446,8 @@ class Session:
         threads = {rank: info.num_threads for rank, info in self.infos.items()}
         fresh = self._start(keeping_threads(self.config, threads), progress or _quiet)
         self.engines, self.rank_map, self.facts = fresh.engines, fresh.rank_map, fresh.facts
-        self.infos, self._stuck = fresh.infos, fresh._stuck
+        self.infos = fresh.infos
+        self.activity.reset()
         self.recovery.sidecars = fresh.recovery.sidecars  # joined with the fresh engines
         self.recovery.sidecar_problem = fresh.recovery.sidecar_problem
         self.closed = False

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
 from dtlab.agent import api
@@ -34,7 +34,7 @@ from dtlab.control.network import EVERYWHERE, LOOPBACK, is_loopback, listen_addr
 from dtlab.control.runs import FAILURE_GRACE_S, POLL_S, Run
 from dtlab.records import Condition, RunResult
 from dtlab.records.trace import Trace, new_run_folder
-from dtlab.records.wire import PauseRequest, RankReply, RunRequest
+from dtlab.records.wire import PauseRequest, RankReply, RunRequest, reply_from
 
 CONNECT_TIMEOUT_S = 30.0
 REPORT_S = 0.25  # ranks send progress (and records) at most this often
@@ -52,7 +52,6 @@ class Stepper:
         self.channel: Channel | None = None
         self.trace: Trace | None = None
         self.attach_counts: dict[int, int] = {}
-        self.busy: dict[int, int] = {}  # rank -> id of a run it has not finished
         self.active: Run | None = None
         self._next_id = 0
         self._calls_seen = -1  # session.calls when the attached job was last looked at
@@ -147,8 +146,8 @@ class Stepper:
                 continue
             if self.trace is not None and reply.records:
                 self.ingest(reply)
-            if reply.kind in ("done", "error") and self.busy.get(reply.rank) == reply.id:
-                del self.busy[reply.rank]
+            if reply.kind in ("done", "error"):
+                self.session.activity.end_run(reply.rank, reply.id)
             if reply.kind == "error":
                 self._regroup = True  # its agreement may be left pending in the old group
 
@@ -160,11 +159,41 @@ class Stepper:
         if reply.records:
             self.trace.add_lines(reply.rank, reply.records)
 
-    def busy_ranks(self) -> list[int]:
-        """Ranks in a run, or still inside an earlier one (late replies are read first)."""
-        if self.busy and self.channel is not None:
-            self.dispatch(self.channel.receive(0))
-        return sorted(self.busy)
+    # --- what a Run asks of it (runs.RunHost) ------------------------------------------
+    @property
+    def ranks(self) -> list[int]:
+        return self.session.ranks
+
+    def current_step(self) -> int:
+        return self.session.recovery.current_step()
+
+    def receive(self, timeout: float) -> None:
+        replies = (reply_from(data) for data in self.channel.receive(timeout))
+        self.dispatch([reply for reply in replies if reply is not None])
+
+    def rank_finished(self, rank: int) -> None:
+        self.session.activity.end_run(rank)
+
+    def dead_ranks(self, ranks: Iterable[int]) -> dict[int, str]:
+        """Ranks whose engine is gone, with the cause (the controller is checked first:
+        without it nothing can be asked)."""
+        self.session.check_controller()
+        dead = self.session.dead_ranks(ranks)
+        return self.session.recovery.death_causes(dead) if dead else {}
+
+    def stall_limit(self) -> float:
+        return self.session.recovery.stall_limit()
+
+    def hang_report(self):
+        return self.session.recovery.hang_report()
+
+    def interrupt_and_wait(self, ranks: list[int], poll: Callable[[], list[int]]) -> list[int]:
+        return self.session.interrupt_and_wait(ranks, poll)
+
+    def read_late_replies(self) -> None:
+        """Replies that came while no run was waiting (an earlier run's last ones)."""
+        if self.session.activity.stepping() and self.channel is not None:
+            self.receive(0)
 
     # --- running -----------------------------------------------------------------------
     def _start(
@@ -201,7 +230,7 @@ class Stepper:
             outputs=self.record_outputs,
         )
         unreachable = self.channel.send(self.session.ranks, message)
-        self.busy.update({r: run.id for r in self.session.ranks})
+        self.session.activity.start_run(self.session.ranks, run.id)
         self.active, self._regroup = run, False
         if unreachable:  # the others got it: have them stop at once, then report
             self.send_pause()
@@ -254,7 +283,7 @@ class Stepper:
             phase, total = _progress_of(run, steps, until)
             try:
                 while not run.over():
-                    self.dispatch(self.channel.receive(POLL_S))
+                    self.receive(POLL_S)
                     run.check(interrupts[0])
                     if progress:
                         progress(phase, run.done_steps(), total)
@@ -276,7 +305,7 @@ class Stepper:
         run = self._start(steps, until, record, timeout)
         try:
             while not run.over():
-                self.dispatch(self.channel.receive(0))
+                self.receive(0)
                 run.check()
                 if on_progress:
                     on_progress()
@@ -295,8 +324,9 @@ class Stepper:
             self.send_pause()
 
     def send_pause(self) -> None:
-        if self.channel is not None and self.busy:
-            self.channel.send(sorted(self.busy), PauseRequest())
+        stepping = self.session.activity.stepping()
+        if self.channel is not None and stepping:
+            self.channel.send(stepping, PauseRequest())
 
     # --- looking closer ----------------------------------------------------------------
     def tensors(self, name: str, what: str, ranks) -> dict:

@@ -27,7 +27,7 @@ The dataclasses are re-exported here (``from dtlab.records import StepRecord``);
 from __future__ import annotations
 
 from dtlab.records.findings import CheckResult, Evidence, Finding
-from dtlab.records.hangs import CollectiveCall, RankReport
+from dtlab.records.hangs import CollectiveCall, HangReport, HangVerdict, RankReport
 from dtlab.records.plans import Plan, PlanError
 from dtlab.records.ranks import CellOutput, EngineFacts, RankInfo, RankPlan, RemoteFailure
 from dtlab.records.scripts import ScriptStatus
@@ -55,6 +55,8 @@ __all__ = [
     "EngineFacts",
     "Evidence",
     "Finding",
+    "HangReport",
+    "HangVerdict",
     "InitialState",
     "JobInfo",
     "ParamInfo",

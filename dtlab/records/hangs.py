@@ -1,9 +1,10 @@
-"""What a rank's sidecar says it is doing when asked (its stack and recent collectives)."""
+"""What a rank's sidecar says it is doing when asked (its stack and recent collectives),
+and what the notebook makes of every rank's answer (a verdict, in a hang report)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -49,3 +50,26 @@ class RankReport:
             ),
             data.get("step"),
         )
+
+
+@dataclass(frozen=True)
+class HangVerdict:
+    summary: str
+    collective: CollectiveCall | None = None  # the one ranks are blocked in
+    waiting: tuple[int, ...] = ()  # ranks blocked in it
+    missing: tuple[int, ...] = ()  # ranks that never entered it (or dead)
+    mismatch: bool = False
+    where: dict[int, str] = field(default_factory=dict)  # rank -> what it is doing
+
+
+@dataclass(frozen=True)
+class HangReport:
+    """Every rank's stack and collectives, taken out of band, and the verdict."""
+
+    verdict: HangVerdict
+    reports: dict[int, RankReport | None]  # None: the rank did not answer
+    dead: dict[int, str] = field(default_factory=dict)  # rank -> how it died
+    taken: float = 0.0  # time.time()
+
+    def summary(self) -> str:
+        return self.verdict.summary

@@ -166,7 +166,12 @@ def decode_request(frame: bytes, key: str) -> Request | None:
 def decode_reply(frame: bytes, key: str) -> RankReply | None:
     """A rank's reply, or None for a frame that is not one of ours."""
     data = _checked(frame, key)
-    if data is None or data.get("kind") not in REPLY_KINDS:
+    return reply_from(data) if data is not None else None
+
+
+def reply_from(data: dict) -> RankReply | None:
+    """A reply from its JSON object (the key already checked), or None if it is not one."""
+    if data.get("kind") not in REPLY_KINDS:
         return None
     try:
         return RankReply.from_dict(data)
