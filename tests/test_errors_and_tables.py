@@ -38,6 +38,22 @@ def test_dead_engine_reads_as_died_and_stragglers_are_named():
     assert "restart the cluster" in text
 
 
+def test_a_rank_that_raised_is_not_also_listed_as_stopped_and_colours_are_stripped():
+    red = "\x1b[0;31mZeroDivisionError\x1b[0m"
+    e = RankError(
+        "cell",
+        {
+            0: RemoteFailure("ZeroDivisionError", "division by zero", f"{red}: division"),
+            3: RemoteFailure("ZeroDivisionError", "division by zero", "ZeroDivisionError: d"),
+        },
+        stopped=[1, 2, 3],
+    )
+    text = str(e)
+    assert "ranks 0,3 raised ZeroDivisionError: division by zero" in text
+    assert "ranks 1-2 stopped on SIGINT" in text and "ranks 1-3" not in text
+    assert "\x1b" not in text and "ZeroDivisionError: division" in text
+
+
 def test_timeout_error_separates_stopped_from_stuck():
     e = RankTimeoutError(
         "cell",
@@ -82,3 +98,25 @@ def test_status_table_lists_dead_rank_without_info():
     table = status_table({0: "idle", 1: "dead"}, {0: _info(0)})
     assert [row[:2] for row in table.rows] == [("0", "idle"), ("1", "dead")]
     assert table.rows[1][2] == "-"
+
+
+def test_the_run_summary_says_one_loss_when_ranks_agree_and_the_last_stage_for_a_pipeline():
+    from dataclasses import replace as changed
+
+    from dtlab.records import ParamInfo, RunResult
+    from dtlab.records.trace import Trace
+    from dtlab.views.reports import run_summary
+    from tests.fakes import healthy_trace, job_info, step_record
+
+    result = RunResult(first_step=0, last_step=10, stopped="steps", seconds=1.0)
+    agreed = run_summary(result, healthy_trace())
+    assert agreed.endswith("; loss 0.2 on every rank") and "(rank 0) .." not in agreed
+    differ = healthy_trace(num_ranks=2)
+    differ.records[1][-1] = changed(differ.records[1][-1], loss=0.5)
+    assert run_summary(result, differ).endswith("; loss 0.2 (rank 0) .. 0.5 (rank 1)")
+    stages = Trace(
+        {r: job_info(r, params=(ParamInfo(f"blocks.{r}.w", (2,), "float32", 2),)) for r in (0, 1)}
+    )
+    for rank in (0, 1):
+        stages.add(rank, [step_record(s, rank, num_params=1) for s in range(1, 11)])
+    assert run_summary(result, stages).endswith("; loss 0.2 (last stage, rank 1)")

@@ -45,3 +45,22 @@ def test_the_widget_hides_its_bar_when_no_end_is_known():
     bar, label = report.rows["steps"]
     assert bar.layout.display is None and (bar.value, bar.max) == (2, 4)
     assert label.value.startswith("2/4")
+
+
+def test_the_bars_become_text_when_their_cell_ends_and_say_where_it_was_cut_off(ip, capsys):
+    from dtlab.views import progress
+
+    ip.user_ns["WidgetProgress"] = WidgetProgress
+    ip.run_cell("report = WidgetProgress(); report('engines registered', 8, 8)")
+    done = ip.user_ns["report"]
+    assert done.finished and done not in progress._LIVE
+    assert done.text() == f"engines registered: {done.rows['engines registered'][1].value}"
+    assert all(w.comm is None for row in done.box.children for w in (row, *row.children))
+    cell = "cut = WidgetProgress(); cut('steps', 15, 100); raise KeyboardInterrupt"
+    ip.run_cell(cell)
+    cut = ip.user_ns["cut"]
+    assert cut.finished
+    lines = cut.text(KeyboardInterrupt()).splitlines()
+    assert lines[0].startswith("steps: 15/100 (") and lines[1] == "cut off (KeyboardInterrupt)"
+    out = capsys.readouterr().out
+    assert "cut off (KeyboardInterrupt)" in out  # what replaced the bars in the output

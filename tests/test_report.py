@@ -2,6 +2,7 @@
 session it names ranks, findings and checkpoints and carries no secret of a rank's
 environment."""
 
+import re
 import urllib.request
 
 import plotly.graph_objects as go
@@ -21,6 +22,16 @@ def test_the_page_inlines_plotly_once_and_escapes_what_it_shows():
     assert "&lt;vm&gt;" in page and "<vm>" not in page
 
 
+def test_each_section_is_headed_once_and_an_empty_table_is_not_drawn():
+    full = Table("ranks", ("rank", "note"), (("0", "a long sentence " * 10),))
+    empty = Table("checkpoints", ("step", "folder"), (), ("no checkpoint yet",))
+    page = report_html("t", [], [full, empty], [])
+    assert page.count(">ranks<") == 1 and page.count(">checkpoints<") == 1  # no caption too
+    assert page.count("<table>") == 1 and "no checkpoint yet" in page
+    cells = re.findall(r"<td style='([^']*)'>", page)
+    assert cells and all("text-align:left" in c and "white-space:normal" in c for c in cells)
+
+
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_a_session_report_names_ranks_findings_checkpoints_and_keeps_secrets_out(live4, tmp_path):
@@ -31,7 +42,7 @@ def test_a_session_report_names_ranks_findings_checkpoints_and_keeps_secrets_out
     dt.step(3)
     saved = dt.checkpoint()
     path = dt.report(tmp_path / "report.html")
-    page = path.read_text()
+    page = re.sub(r"<(td|th) [^>]*>", r"<\1>", path.read_text())  # cells' own style
     assert "Loss per rank" in page and page.count("plotly.js v") == 1
     assert page.count("<tr><td>") >= 4 + 1  # 4 ranks and the checkpoint
     assert "no problem found in the records so far" in page

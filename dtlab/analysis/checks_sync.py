@@ -117,7 +117,8 @@ def check_accumulation(evidence: Evidence) -> CheckResult:
                 ratios.setdefault(rank, []).append(rec.comm_bytes / rec.memory.param_bytes)
                 micro = rec.micro_batches
     looked = (
-        f"gradient bytes all-reduced per step against the gradients' size ({micro} micro-batches)"
+        "gradient bytes all-reduced per step against the gradients' size "
+        f"({micro} micro-batch{'es' if micro != 1 else ''})"
     )
     if not ratios:
         accumulates = any(r.micro_batches > 1 for recs in evidence.records.values() for r in recs)

@@ -4,11 +4,14 @@ traceback through dtlab's own frames."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 
 from dtlab.analysis.grouping import group_by_value
 from dtlab.analysis.ranks import label_ranks
 from dtlab.records import RemoteFailure
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # IPython's colours in engine tracebacks
 
 STUCK_HINT = (
     "still busy after SIGINT: probably blocked in a collective, which SIGINT cannot break; "
@@ -43,8 +46,12 @@ def describe_failures(failures: Mapping[int, RemoteFailure]) -> list[str]:
         elif ename == "EngineError":
             lines.append(f"{label_ranks(ranks)} died: the engine process exited ({evalue})")
         else:
-            lines.append(f"{label_ranks(ranks)} raised {ename}: {evalue}")
-    tracebacks = group_by_value({r: f.traceback for r, f in failures.items() if f.traceback})
+            lines.append(f"{label_ranks(ranks)} raised {ename}: {ANSI.sub('', evalue)}")
+    # plain text: the colour codes of the engines' IPython show as "[0;31m" in a terminal,
+    # a log or a test report, and split one traceback into many when colours differ
+    tracebacks = group_by_value(
+        {r: ANSI.sub("", f.traceback) for r, f in failures.items() if f.traceback}
+    )
     for ranks, tb in tracebacks:
         lines.append(f"--- traceback on {label_ranks(ranks)} ---")
         lines.extend(tb.rstrip().splitlines())
@@ -96,8 +103,9 @@ class RankError(DtlabError):
         lines = [f"why: {self.report}"] if self.report else []
         if self.finished:
             lines.append(f"{label_ranks(self.finished)} finished without error")
-        if self.stopped:
-            lines.append(f"{label_ranks(self.stopped)} stopped on SIGINT")
+        stopped = [r for r in self.stopped if r not in self.failures]  # named once: raised
+        if stopped:
+            lines.append(f"{label_ranks(stopped)} stopped on SIGINT")
         if self.stuck and self.launching:
             lines.append(
                 f"{label_ranks(self.stuck)} still busy after SIGINT; the failed "

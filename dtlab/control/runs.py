@@ -216,7 +216,7 @@ class Run:
             stopped=[r for r in unfinished if r not in stuck],
             stuck=stuck,
         )
-        what = f"step (run {self.id})"
+        what = f"step (run {self.id}, {self._reached()})"
         reason = self.give_up_reason or (self.pause_reason if unfinished else None)
         if self.failures and not (reason and unfinished):
             error = RankError(what, self.failures, **ranks)
@@ -225,6 +225,14 @@ class Run:
         if self.hang is None and error.dead_ranks:  # what the others were doing
             self.hang = self.host.hang_report()
         raise error.explain(self.hang) if self.hang is not None else error
+
+    def _reached(self) -> str:
+        """How far the ranks got, from their last replies: where the run was cut off."""
+        steps = sorted({self.step_by_rank.get(r, self.first_step) for r in self.host.ranks})
+        if steps[-1] <= self.first_step:
+            return f"no step finished after step {self.first_step}"
+        where = str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
+        return f"cut off after step {where}"
 
     def _poll_late(self) -> list[int]:
         self.host.receive(POLL_S)

@@ -32,7 +32,7 @@ def report_html(
     parts = [f"<h1>{html.escape(title)}</h1>"]
     parts += [f"<p>{html.escape(line)}</p>" for line in lines]
     for table in tables:
-        parts.append(f"<h2>{html.escape(table.title)}</h2>" + table._repr_html_())
+        parts.append(f"<h2>{html.escape(table.title)}</h2>" + table.to_html(caption=False))
     for index, figure in enumerate(figures):  # plotly.js once, with the first figure
         parts.append(figure.to_html(full_html=False, include_plotlyjs=index == 0))
     head = f"<meta charset='utf-8'><title>{html.escape(title)}</title><style>{_STYLE}</style>"

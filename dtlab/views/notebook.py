@@ -39,13 +39,19 @@ class NotebookSession(Session):
 
         return CheckpointBrowser(self, resume_steps=resume_steps)
 
-    def report(self, path="dtlab-report.html"):
+    def report(self, path=None):
         """One self-contained HTML file of this session: ranks, findings, checkpoints,
-        restarts and interactive figures, for people without dtlab. Returns its path."""
+        restarts and interactive figures, for people without dtlab. Returns its path
+        (default: ``report.html`` in the run folder, under ``runs/``, so that nothing is
+        written beside the notebook)."""
         from dtlab.analysis.doctor import all_findings
+        from dtlab.records.trace import new_run_folder
         from dtlab.views.html_report import SessionSummary, write_report
 
         trace = self.trace
+        if path is None:
+            folder = trace.folder if trace is not None and trace.folder else new_run_folder()
+            path = folder / "report.html"
         stepped = trace is not None and trace.last_step > 0
         checks = self.checks() if stepped else []
         summary = SessionSummary(

@@ -78,8 +78,19 @@ def delayed_progress(after_s: float = 1.0) -> DelayedProgress:
     return DelayedProgress(after_s)
 
 
+_LIVE: list[WidgetProgress] = []  # shown in the cell that is running; text when it ends
+DESCRIPTION_WIDTH = "16em"  # every bar starts at the same x, whatever its phase's name
+
+
 class WidgetProgress:
-    """One labelled progress bar per phase, shown when the first phase starts."""
+    """One labelled progress bar per phase, shown when the first phase starts.
+
+    When the cell that showed it ends (IPython's ``post_run_cell``), the widgets are closed
+    and their output is replaced by plain text: what ran and how far it got, and "cut
+    off" with the error when the cell failed or was interrupted. A saved notebook then
+    holds text, never a widget whose model is gone after a kernel restart ("Error
+    displaying widget: model not found").
+    """
 
     def __init__(self):
         import ipywidgets as widgets  # only in a notebook kernel: launches elsewhere skip it
@@ -88,22 +99,32 @@ class WidgetProgress:
         self.start = time.monotonic()
         self.rows: dict[str, tuple] = {}
         self.box = widgets.VBox()
-        self.shown = False
+        self.handle = None  # the output showing the box, once shown
+        self.finished = False
+
+    @property
+    def shown(self) -> bool:
+        return self.handle is not None
 
     def __call__(self, phase: str, done: int, total: int) -> None:
         from IPython.display import display
 
         widgets = self.widgets
+        if self.finished:
+            return
         if phase not in self.rows:
             bar = widgets.IntProgress(
-                min=0, max=max(total, 1), description=phase, style={"description_width": "initial"}
+                min=0,
+                max=max(total, 1),
+                description=phase,
+                style={"description_width": DESCRIPTION_WIDTH},
             )
             label = widgets.Label()
             self.rows[phase] = (bar, label)
             self.box.children = (*self.box.children, widgets.HBox([bar, label]))
         if not self.shown:
-            display(self.box)
-            self.shown = True
+            self.handle = display(self.box, display_id=True)
+            _finish_when_the_cell_ends(self)
         bar, label = self.rows[phase]
         bar.layout.display = None if total > 0 else "none"  # no end known: no bar
         bar.max = max(total, 1)
@@ -112,3 +133,44 @@ class WidgetProgress:
         label.value = (phase + ": " if total <= 0 else "") + describe(
             done, total, time.monotonic() - self.start
         )
+
+    def text(self, error: BaseException | None = None) -> str:
+        """What the bars said, as lines (``launch: 8/8 (3.1 s)``), and how the cell ended."""
+        lines = []
+        for phase, (_bar, label) in self.rows.items():
+            said = label.value.removeprefix(phase + ": ")
+            lines.append(f"{phase}: {said}")
+        if error is not None:
+            why = f"{type(error).__name__}: {error}".splitlines()[0].rstrip(": ")
+            lines.append(f"cut off ({why})")
+        return "\n".join(lines)
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """Replace the bars by their text and close the widgets (their models go)."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.handle is not None:
+            self.handle.update({"text/plain": self.text(error)}, raw=True)
+        for bar, label in self.rows.values():
+            bar.close()
+            label.close()
+        for row in self.box.children:
+            row.close()
+        self.box.close()
+
+
+def _finish_when_the_cell_ends(progress: WidgetProgress) -> None:
+    from IPython import get_ipython
+
+    _LIVE.append(progress)
+    shell = get_ipython()
+    if shell is not None and _finish_live not in shell.events.callbacks["post_run_cell"]:
+        shell.events.register("post_run_cell", _finish_live)
+
+
+def _finish_live(result=None) -> None:
+    """IPython's post_run_cell: every bar the cell showed becomes its text."""
+    error = getattr(result, "error_in_exec", None) if result is not None else None
+    while _LIVE:
+        _LIVE.pop().finish(error)

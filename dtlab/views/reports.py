@@ -93,10 +93,22 @@ def run_summary(result: RunResult, trace) -> str:
     elif result.condition is not None:
         line += f"; {describe_condition(result.condition)} never held"
     losses = {r: rec.loss for r, rec in trace.at(result.last_step).items()} if trace else {}
-    if losses:
-        low, high = min(losses, key=losses.get), max(losses, key=losses.get)
-        line += f"; loss {losses[low]:.4g} (rank {low}) .. {losses[high]:.4g} (rank {high})"
-    return line
+    return line + _loss_part(losses, trace)
+
+
+def _loss_part(losses: dict[int, float], trace) -> str:
+    """The ranks' losses at the last step: their range, one value when they agree, and
+    for a pipeline the last stage's (the only stage that computes it)."""
+    if not losses:
+        return ""
+    stages = {tuple(p.name for p in job.params) for job in trace.jobs.values()}
+    if len(stages) > 1:  # one stage per rank: the loss is the last stage's
+        last = max(losses)
+        return f"; loss {losses[last]:.4g} (last stage, rank {last})"
+    low, high = min(losses, key=losses.get), max(losses, key=losses.get)
+    if losses[low] == losses[high] or len(losses) == 1:
+        return f"; loss {losses[low]:.4g}" + (" on every rank" if len(losses) > 1 else "")
+    return f"; loss {losses[low]:.4g} (rank {low}) .. {losses[high]:.4g} (rank {high})"
 
 
 def findings_table(findings: Sequence[Finding]) -> Table:

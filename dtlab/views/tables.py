@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from dtlab.analysis.consistency import Inconsistency
 from dtlab.records import RankInfo
 
+_CELL = "text-align:left;vertical-align:top;white-space:normal;max-width:48em"
+
 
 @dataclass(frozen=True)
 class Table:
@@ -36,19 +38,29 @@ class Table:
         printer.text(str(self))
 
     def _repr_html_(self) -> str:
+        return self.to_html()
+
+    def to_html(self, caption: bool = True) -> str:
+        """The table, its warnings and notes; the title as a bold caption unless the page
+        gives it a heading of its own (``caption=False``). A table without rows is not
+        drawn: its notes say why it is empty. Cells are left-aligned and wrap (JupyterLab
+        right-aligns table cells by default, which makes prose hard to read)."""
         esc = html.escape
-        head = "".join(f"<th>{esc(h)}</th>" for h in self.headers)
+        head = "".join(f"<th style='{_CELL}'>{esc(h)}</th>" for h in self.headers)
         body = "".join(
-            "<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in self.rows
+            "<tr>" + "".join(f"<td style='{_CELL}'>{esc(c)}</td>" for c in row) + "</tr>"
+            for row in self.rows
         )
         warn = "".join(f'<li style="color:#b45309">&#9888; {esc(w)}</li>' for w in self.warnings)
         notes = "".join(f"<li>{esc(n)}</li>" for n in self.notes)
         listing = f"<ul style='margin:4px 0'>{warn}{notes}</ul>" if warn or notes else ""
-        title = f"<b>{esc(self.title)}</b>" if self.title else ""
-        return (
-            f'<div class="dtlab-table">{title}<table><thead><tr>{head}</tr></thead>'
-            f"<tbody>{body}</tbody></table>{listing}</div>"
+        title = f"<b>{esc(self.title)}</b>" if self.title and caption else ""
+        table = (
+            f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+            if self.rows
+            else ""
         )
+        return f'<div class="dtlab-table">{title}{table}{listing}</div>'
 
 
 def _v(value) -> str:
@@ -106,4 +118,4 @@ def launch_summary(session, seconds: float, reused: bool = False) -> str:
     how = f"{session.backend}, {session.config.launcher} launcher"
     if reused:
         how += ", live engines reused"
-    return f"{session.world_size} ranks ready ({how}) in {seconds:.1f} s; the session is `dt`"
+    return f"{session.world_size} ranks ready ({how}) in {seconds:.1f} s; the session is dt"
