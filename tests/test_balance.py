@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 
+from dtlab.analysis import timing
 from dtlab.analysis.balance import (
     Balance,
     StageBalance,
@@ -260,14 +261,36 @@ def balance(step_s, bubble, times):
     return Balance(PLAN, stages, 4, "gpipe", True, step_s, bubble, ())
 
 
-def test_compare_says_what_changed():
+def test_compare_says_what_changed_and_judges_the_step_only_from_several_steps():
     before = balance(0.0412, 0.38, [1.0, 1.0, 2.0, 1.0])
     after = balance(0.0305, 0.22, [1.0, 1.5, 1.0, 1.0])
     assert compare(before, after) == (
-        "step 41.2 ms → 30.5 ms (1.35x faster); slowest stage 2 → 1; bubble 38% → 22%"
+        "step 41.2 ms → 30.5 ms (one step each: no verdict); slowest stage 2 → 1; bubble 38% → 22%"
     )
-    assert "(1.35x slower)" in compare(after, before)
-    assert "(no change)" in compare(before, before)
     unknown = balance(None, None, [None] * 4)
     assert compare(unknown, after) == "step ? → 30.5 ms; slowest stage ? → 1; bubble ? → 22%"
     assert compare(balance(2.5, 0.1, [1.0] * 4), after).startswith("step 2.50 s → 30.5 ms")
+    line = compare(before, after, timing.change(SLOW, FAST))
+    assert line.startswith("step 41.0 ms (IQR 41.0 ms-42.0 ms, 5 samples) → 30.0 ms (IQR")
+    assert "1.37x faster, beyond the spread; slowest stage 2 → 1" in line
+    assert "1.37x slower, beyond the spread" in compare(after, before, timing.change(FAST, SLOW))
+
+
+SLOW = [0.041, 0.042, 0.040, 0.043, 0.041]  # seconds per step, apart from FAST's range
+FAST = [0.030, 0.031, 0.030, 0.029, 0.031]
+
+
+def test_a_timing_change_inside_the_spread_is_noise_and_few_samples_are_no_verdict():
+    busy = [0.106, 0.150, 0.098, 0.180, 0.120, 0.140]
+    later = [0.156, 0.110, 0.190, 0.100, 0.130, 0.170]
+    found = timing.change(busy, later)
+    assert found.verdict == "within noise"
+    said = timing.describe(found, "step", lambda s: f"{s * 1e3:.0f} ms")
+    assert said.endswith("within noise (the spreads overlap)") and "x slower" not in said
+    few = timing.change([0.106, 0.107, 0.105], [0.156, 0.157, 0.155])
+    assert few.verdict == "too few to judge"
+    said = timing.describe(few, "step", lambda s: f"{s * 1e3:.0f} ms")
+    assert said.endswith("too few samples to judge (2 more per side needed)")
+    assert timing.spread([3.0]) == timing.Spread(3.0, 3.0, 3.0, 1)
+    with pytest.raises(ValueError, match="no samples"):
+        timing.spread([])

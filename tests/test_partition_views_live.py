@@ -41,6 +41,9 @@ def test_the_editor_previews_applies_and_shows_the_new_balance(live4):
     assert "would move" in editor.status.value and not editor.apply_button.disabled
     editor.apply_button.click()
     assert "moved" in editor.status.value, editor.status.value
+    # 2 steps a side show no spread worth the name: no verdict on the step time
+    assert "2 samples) → " in editor.status.value
+    assert "too few samples to judge" in editor.status.value, editor.status.value
     on_ranks = dt.run(_stage_blocks)
     assert on_ranks == {
         0: ("embed",),
@@ -59,6 +62,7 @@ def test_dt_partition_magics(live4, ip, capsys):
     figure = ip.run_line_magic("dt_partition", "")
     shown = capsys.readouterr().out
     assert "stage 0: embed, blocks.0" in shown and "pipeline stages" in shown
+    assert "step time over the last 2 steps: median" in shown  # beside the one step's
     assert len(figure.data) >= 2  # time and memory bars per stage
     timeline = ip.run_line_magic("dt_partition", "--schedule")
     assert {bar.name for bar in timeline.data} == {"forward", "backward"}

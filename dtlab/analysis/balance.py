@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dtlab.analysis.timing import Change, describe
 from dtlab.records import Plan, PlanError
 from dtlab.records.stages import BlockCost, ScheduleEvent, StageReport
 
@@ -188,15 +189,17 @@ def measured_balance(plan: Plan, reports: Mapping[int, StageReport]) -> Balance:
     return Balance(plan, stages, microbatches, schedule, True, step_s, bubble, events)
 
 
-def compare(before: Balance, after: Balance) -> str:
-    """``"step 41.2 ms → 30.5 ms (1.35x faster); slowest stage 2 → 1; bubble 38% → 22%"``"""
-    step = f"step {_duration(before.step_s)} → {_duration(after.step_s)}"
-    if before.step_s and after.step_s:
-        ratio = before.step_s / after.step_s
-        if abs(ratio - 1) < 0.005:
-            step += " (no change)"
-        else:
-            step += f" ({ratio:.2f}x faster)" if ratio > 1 else f" ({1 / ratio:.2f}x slower)"
+def compare(before: Balance, after: Balance, steps: Change | None = None) -> str:
+    """``"step 41.2 ms (IQR ...) → 30.5 ms (IQR ...): 1.35x faster, beyond the spread;
+    slowest stage 2 → 1; bubble 38% → 22%"``. The step's change is judged only from
+    ``steps`` (several steps timed on each side: :func:`dtlab.analysis.timing.change`);
+    the one step a Balance holds per side gets no verdict."""
+    if steps is not None:
+        step = describe(steps, "step", _duration)
+    else:
+        step = f"step {_duration(before.step_s)} → {_duration(after.step_s)}"
+        if before.step_s and after.step_s:
+            step += " (one step each: no verdict)"
     slowest = f"slowest stage {_known(before.slowest_stage)} → {_known(after.slowest_stage)}"
     bubble = f"bubble {_percent(before.bubble)} → {_percent(after.bubble)}"
     return "; ".join([step, slowest, bubble])

@@ -21,6 +21,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
+from dtlab.analysis import timing
 from dtlab.analysis.partition import METHODS
 from dtlab.analysis.partition_export import to_deepspeed, to_megatron, to_torchtitan
 from dtlab.control.partitions import NotAPipeline
@@ -97,5 +98,12 @@ class PartitionMagics(Magics):
         if args.schedule:
             return schedule_figure(balance.events)
         print(balance.plan.describe())
-        display(balance_table(balance))
+        display(balance_table(balance, _recent_steps(dt)))
         return balance_figure(balance)
+
+
+def _recent_steps(dt, last: int = 10):
+    """The spread of the last steps' times (None before any step is recorded)."""
+    trace = dt.trace
+    times = timing.step_times(trace.records)[-last:] if trace is not None else []
+    return timing.spread(times) if times else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from dtlab.analysis.timing import Spread
 from dtlab.records import JobInfo
 from dtlab.views.tables import Table
 
@@ -18,8 +19,9 @@ def _mib(nbytes: int | None) -> str:
     return "-" if nbytes is None else f"{nbytes / MIB:.2f}"
 
 
-def balance_table(balance) -> Table:
-    """One row per stage: blocks, parameters, memory, time per micro-batch."""
+def balance_table(balance, recent: Spread | None = None) -> Table:
+    """One row per stage: blocks, parameters, memory, time per micro-batch; ``recent``:
+    the step time's spread over the last steps (one step's schedule is noisy)."""
     rows = tuple(
         (
             str(s.stage),
@@ -41,6 +43,11 @@ def balance_table(balance) -> Table:
         *balance_facts(balance, "slowest stage / mean"),
     ]
     notes = [f"{kind}: " + "; ".join(facts)]
+    if recent is not None:
+        notes.append(
+            f"step time over the last {recent.n} steps: median {_ms(recent.median)} ms "
+            f"(IQR {_ms(recent.low)}-{_ms(recent.high)} ms); the stage times are the last step's"
+        )
     if any(s.forward_s is None for s in balance.stages):
         notes.append("times per block come from profiling: %dt_partition --profile")
     headers = (

@@ -3,7 +3,8 @@
 Shows the model's blocks in order, coloured by stage; one slider per boundary (stage k
 starts at block ...); the predicted balance of the draft as it changes (from the blocks'
 measured costs: *Profile* measures them); *Auto* proposes the ``measured`` plan; *Apply*
-re-partitions the live job, runs a few steps and shows the measured balance after.
+re-partitions the live job and shows the measured balance after; the step time before
+and after is judged over several steps each, against its spread (within noise or not).
 
 Callbacks only call the session and the pure functions; their errors are shown in the
 panel (status line and Output) rather than lost.
@@ -15,11 +16,12 @@ import html
 
 import ipywidgets as widgets
 
+from dtlab.analysis import timing
 from dtlab.analysis.balance import compare, predict_balance
 from dtlab.records import Plan, PlanError
 from dtlab.views.partition_figures import balance_figure, stage_colour
 
-MEASURE_STEPS = 3  # steps run after Apply before the balance is measured
+MEASURE_STEPS = 8  # steps timed before and after Apply: enough for a spread (timing.py)
 
 
 class PartitionEditor:
@@ -135,8 +137,8 @@ class PartitionEditor:
 
     def apply(self) -> None:
         draft = self.draft()
-        self.status.value = "measuring the running plan..."
-        self.session.step(self.measure_steps)
+        self.status.value = f"measuring the running plan over {self.measure_steps} steps..."
+        before_times = self._timed_steps()
         self.before = self.session.balance()
         self.status.value = (
             f"moving {len(self.plan.moves_to(draft))} block(s), then "
@@ -145,12 +147,20 @@ class PartitionEditor:
         moved = self.session.repartition(draft)
         self.plan = draft  # it runs now, whatever the next steps do
         self.blocks.value = _block_strip(draft)
-        self.session.step(self.measure_steps)
+        after_times = self._timed_steps()
         self.after = self.session.balance()
         self._show(balance_figure(self.after))
         self.apply_button.disabled = True
         took = f"moved {len(moved['moved'])} block(s) in {moved['seconds'] * 1e3:.0f} ms"
-        self.status.value = f"{took}; {compare(self.before, self.after)}"
+        judged = timing.change(before_times, after_times)
+        self.status.value = f"{took}; {compare(self.before, self.after, judged)}"
+
+    def _timed_steps(self) -> list[float]:
+        """Run ``measure_steps`` steps; each one's time as the slowest stage saw it."""
+        self.session.step(self.measure_steps)
+        trace = self.session.trace
+        last = trace.last_step
+        return timing.step_times(trace.records, range(last - self.measure_steps + 1, last + 1))
 
 
 def _block_strip(plan: Plan) -> str:
