@@ -29,7 +29,7 @@ def test_the_slowest_rank_sets_the_time_and_busbw_follows_nccl_tests():
         dtype="float32",
     )
     line = compare_sweeps(sweep, faster)
-    assert line.startswith("B vs A") and "(2.00x)" in line
+    assert line.startswith("B vs A") and "(2.00x, no spread measured: no verdict)" in line
     table = bandwidth_table(sweep)
     assert table.rows[1] == (
         "1 MiB",
@@ -39,6 +39,19 @@ def test_the_slowest_rank_sets_the_time_and_busbw_follows_nccl_tests():
     )
     figure = bandwidth_figure([sweep, faster])
     assert [t.name for t in figure.data] == ["A", "B"] and figure.layout.xaxis.type == "log"
+
+
+def test_a_comparison_of_sweeps_is_judged_against_the_spread_of_their_timed_groups():
+    def sweep(label, small, large):  # seconds per all_reduce of each of 5 timed groups
+        rows = [(1024, sum(small) / 5, tuple(small)), (2**20, sum(large) / 5, tuple(large))]
+        return combine({0: rows, 1: rows}, label=label, backend="gloo", dtype="float32")
+
+    a = sweep("A", [1.0e-4, 1.1e-4, 0.9e-4, 1.0e-4, 1.2e-4], [1e-3, 1.1e-3, 0.9e-3, 1e-3, 1e-3])
+    noisy = sweep("B", [0.9e-4, 1.3e-4, 1.0e-4, 0.8e-4, 1.1e-4], [5e-4, 5.1e-4, 4.9e-4, 5e-4, 5e-4])
+    line = compare_sweeps(a, noisy)
+    assert "latency at 1024 B" in line and "x, within noise); bus bandwidth" in line
+    assert line.endswith("(2.00x, faster, beyond the spread)")
+    assert a.points[0].samples == (1.0e-4, 1.1e-4, 0.9e-4, 1.0e-4, 1.2e-4)
 
 
 def test_bad_sweeps_are_refused_with_the_reason():

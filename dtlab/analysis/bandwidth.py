@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dtlab.analysis import timing
+
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
@@ -19,6 +21,8 @@ class BandwidthPoint:
     time_s: float  # slowest rank's mean time per all_reduce
     algbw: float  # bytes per second
     busbw: float  # bytes per second
+    # seconds per all_reduce in each timed group, the slowest rank's per group: the spread
+    samples: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -34,13 +38,12 @@ class Sweep:
         return max((p.busbw for p in self.points), default=0.0)
 
 
-def combine(
-    times: Mapping[int, Sequence[tuple[int, float]]], *, label: str, backend: str, dtype: str
-) -> Sweep:
-    """{rank: [(bytes, seconds)]} from every rank -> one Sweep (slowest rank per size)."""
+def combine(times: Mapping[int, Sequence[tuple]], *, label: str, backend: str, dtype: str) -> Sweep:
+    """{rank: [(bytes, seconds, (seconds per timed group, ...))]} from every rank -> one
+    Sweep (the slowest rank per size, and per group); the groups may be left out."""
     if not times:
         raise ValueError("no rank reported a sweep")
-    sizes = {tuple(s for s, _ in rows) for rows in times.values()}
+    sizes = {tuple(row[0] for row in rows) for rows in times.values()}
     if len(sizes) != 1:
         raise ValueError(f"ranks swept different sizes: {sorted(sizes)}")
     n = len(times)
@@ -48,7 +51,9 @@ def combine(
     for i, size in enumerate(next(iter(sizes))):
         slowest = max(rows[i][1] for rows in times.values())
         algbw = size / slowest if slowest > 0 else float("inf")
-        points.append(BandwidthPoint(size, slowest, algbw, algbw * 2 * (n - 1) / n))
+        groups = [tuple(rows[i][2]) if len(rows[i]) > 2 else () for rows in times.values()]
+        samples = tuple(map(max, zip(*groups, strict=True))) if all(groups) else ()
+        points.append(BandwidthPoint(size, slowest, algbw, algbw * 2 * (n - 1) / n, samples))
     return Sweep(label, n, backend, dtype, tuple(points))
 
 
@@ -67,14 +72,29 @@ def sizes_between(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
 
 
 def compare_sweeps(a: Sweep, b: Sweep) -> str:
-    """One line: how B's bus bandwidth compares with A's at small and large messages."""
+    """One line: how B's latency (smallest message) and bus bandwidth (largest) compare
+    with A's, each judged against the spread of its timed groups (within noise or not)."""
     if [p.size for p in a.points] != [p.size for p in b.points]:
         raise ValueError("the two sweeps measured different message sizes")
     small, large = a.points[0], a.points[-1]
     small_b, large_b = b.points[0], b.points[-1]
     return (
         f"{b.label} vs {a.label}: latency at {small.size} B {small_b.time_s * 1e6:.0f} vs "
-        f"{small.time_s * 1e6:.0f} us ({small.time_s / small_b.time_s:.2f}x); bus bandwidth "
-        f"at {large.size / 2**20:g} MiB {large_b.busbw / 1e9:.2f} vs {large.busbw / 1e9:.2f}"
-        f" GB/s ({large_b.busbw / large.busbw:.2f}x)"
+        f"{small.time_s * 1e6:.0f} us ({small.time_s / small_b.time_s:.2f}x, "
+        f"{_verdict(small, small_b)}); bus bandwidth at {large.size / 2**20:g} MiB "
+        f"{large_b.busbw / 1e9:.2f} vs {large.busbw / 1e9:.2f} GB/s "
+        f"({large_b.busbw / large.busbw:.2f}x, {_verdict(large, large_b)})"
     )
+
+
+def _verdict(a: BandwidthPoint, b: BandwidthPoint) -> str:
+    """B's time against A's: "faster"/"slower" beyond the spread, "within noise", or why
+    there is no verdict."""
+    if not (a.samples and b.samples):
+        return "no spread measured: no verdict"
+    found = timing.change(a.samples, b.samples)
+    if found.verdict in ("faster", "slower"):
+        return f"{found.verdict}, beyond the spread"
+    if found.verdict == "within noise":
+        return "within noise"
+    return f"{min(len(a.samples), len(b.samples))} timed groups: too few to judge"
