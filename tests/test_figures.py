@@ -132,6 +132,16 @@ def test_heatmap_shows_non_finite_cells_at_the_top_of_the_scale():
 def test_heatmap_all_equal_and_bad_shape():
     fig = deviation_heatmap((0, 1), np.zeros((2, 3)), ["a", "b", "c"], step=1)
     assert fig.data[0].zmax > 0  # all white, not a degenerate 0..0 scale
+    # all white says why, with no colour bar whose first colour is not white
+    assert fig.data[0].showscale is False
+    assert any("all bitwise equal" in n.text for n in fig.layout.annotations)
+    differ = deviation_heatmap((0, 1), [[0, 0, 0], [0, 2.0, 0]], ["a", "b", "c"], step=1)
+    assert differ.data[0].showscale is not False and not differ.layout.annotations
+    assert differ.data[0].colorbar.ticktext[0] == "0 (equal, white)"
+    long_names = [f"encoder.layers.{i}.self_attention.query_key_value.weight" for i in range(3)]
+    tall = deviation_heatmap((0, 1), np.zeros((2, 3)), long_names, step=1)
+    # the names tilted below get room of their own: the rows are not squashed by them
+    assert tall.layout.height >= fig.layout.height + 250
     with pytest.raises(ValueError, match="shape"):
         deviation_heatmap((0, 1), np.zeros((2, 3)), ["a", "b"], step=1)
     empty = deviation_heatmap((), np.zeros((0, 0)), [], step=0)
@@ -240,6 +250,19 @@ def test_dashboard_live_update_in_place_matches_a_fresh_figure():
         for t, (x, y) in zip(fig.data, dashboard_series(trace), strict=True):
             t.x, t.y = x, y
     assert fig.to_plotly_json()["data"] == dashboard_figure(trace).to_plotly_json()["data"]
+
+
+def test_the_dashboard_says_when_every_rank_draws_the_same_line_and_fits_a_window():
+    from dtlab.views.figures import DASHBOARD_HEIGHT, dashboard_titles
+
+    trace = healthy_trace(num_ranks=4, num_steps=5)  # DDP: one gradient norm on all ranks
+    fig = dashboard_figure(trace)
+    titles = [a.text for a in fig.layout.annotations]
+    assert titles[1] == "Total gradient norm: identical on every rank"
+    assert titles[0] == "Loss: identical on every rank" and titles[2].startswith("Memory")
+    differ = trace_of(2, 3, loss=lambda r, s: r + s)
+    assert dashboard_titles(dashboard_series(differ), 2)[0] == "Loss"
+    assert fig.layout.height == DASHBOARD_HEIGHT <= 640  # + the controls: under 900 px
 
 
 def test_recording_off_leaves_grad_norm_panel_empty():

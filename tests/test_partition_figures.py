@@ -102,14 +102,24 @@ def test_balance_figure_marks_the_slowest_stage():
 
 
 def test_balance_title_says_measured_step_bubble_and_imbalance():
-    title = balance_figure(profiled()).layout.title.text
-    assert title.startswith("Measured balance (1f1b, 4 micro-batches)")
-    # imbalance: 45 ms against a mean of 35 ms
-    assert "step 120.0 ms" in title and "bubble 25%" in title and "imbalance 1.29x" in title
+    title = balance_figure(profiled()).layout.title
+    assert title.text == "Measured balance (1f1b, 4 micro-batches)"
+    # imbalance: 45 ms against a mean of 35 ms; a line of its own, so it is not clipped
+    facts = title.subtitle.text
+    assert "step 120.0 ms" in facts and "bubble 25%" in facts and "imbalance 1.29x" in facts
 
 
 def test_balance_figure_memory_stacks_in_mib():
-    traces = by_name(balance_figure(profiled()))
+    fig = balance_figure(profiled())
+    traces = by_name(fig)
+    # compute and memory series in two legends, each titled
+    assert {t.name: t.legend for t in fig.data if t.legend} == {
+        "parameters": "legend2",
+        "gradients": "legend2",
+        "optimizer": "legend2",
+        "activations": "legend2",
+    }
+    assert fig.layout.legend.title.text == "compute" and fig.layout.legend2.title.text == "memory"
     assert list(traces["parameters"].y) == pytest.approx([1, 2, 3])
     assert list(traces["gradients"].y) == pytest.approx([1, 2, 3])
     assert list(traces["optimizer"].y) == pytest.approx([2, 4, 6])
@@ -124,7 +134,8 @@ def test_unprofiled_balance_draws_no_time_bars_and_says_so():
     assert "compute not profiled yet" in annotation_texts(fig)
     assert "slowest" not in annotation_texts(fig)
     assert fig.layout.title.text.startswith("Predicted balance")
-    assert fig.layout.title.text.endswith("not profiled yet")
+    assert fig.layout.title.subtitle.text == "not profiled yet"
+    assert "activations not measured: %dt_partition --profile" in annotation_texts(fig)
 
 
 def test_one_stage_has_no_slowest_mark():
@@ -162,6 +173,9 @@ def test_schedule_figure_rows_stage_0_on_top_bars_not_offset():
     assert list(fig.layout.yaxis.categoryarray) == ["stage 0", "stage 1"]
     assert fig.layout.yaxis.autorange == "reversed"
     assert fig.layout.barmode == "overlay"
+    # a sliver's number is hidden, not shrunk to unreadable: its hover still names it
+    assert (fig.layout.uniformtext.mode, fig.layout.uniformtext.minsize) == ("hide", 10)
+    assert "micro-batch %{customdata[0]}" in fig.data[0].hovertemplate
     assert fig.layout.title.text == "Step 3"
     assert fig.layout.xaxis.title.text == "time from step start (ms)"
 

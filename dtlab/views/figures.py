@@ -38,6 +38,7 @@ _PHASE_COLORS = qualitative.Set2
 MEMORY_FIELDS = tuple(f.name for f in dataclasses.fields(StepMemory))
 PHASES = tuple(f.name for f in dataclasses.fields(StepTimes))  # data, forward, ..., record
 DASHBOARD_PANELS = ("loss", "grad_norm", "memory")
+DASHBOARD_HEIGHT = 600
 _PANEL_TITLES = ("Loss", "Total gradient norm", "Memory (RSS)")
 _PANEL_UNITS = ("loss", "L2 norm", "MiB")
 
@@ -160,13 +161,32 @@ def deviation_heatmap(
             colorscale=colorscale,
             xgap=1,
             ygap=1,
-            colorbar={"title": {"text": "deviation"}},
+            # white is 0 (bitwise equal); the scale's first tick says so
+            colorbar={
+                "title": {"text": "deviation"},
+                "tickvals": [0, zmax / 2, zmax],
+                "ticktext": ["0 (equal, white)", f"{zmax / 2:.2g}", f"{zmax:.2g}"],
+            },
             hovertemplate="%{y}<br>%{x}<br>%{text}<extra></extra>",
         )
     )
     fig.update_yaxes(autorange="reversed")  # rank 0 on top, as in a table
-    height = min(900, 260 + 28 * len(ranks))  # long parameter names take room below
+    if z.size and not np.any(shown):  # nothing to colour: say it, with no bar of colours
+        fig.update_traces(showscale=False)
+        fig.add_annotation(
+            text="all bitwise equal: every rank's gradients are the majority's",
+            x=0.5,
+            y=1.0,
+            xref="paper",
+            yref="paper",
+            yanchor="bottom",
+            showarrow=False,
+        )
+    # rows keep their height: long parameter names (tilted below) get room of their own
+    names_px = min(320, 6 * max((len(n) for n in names), default=0))
+    height = min(1400, 180 + 30 * max(len(ranks), 2) + names_px)
     title = f"Gradient deviation from the rank majority at step {step}"
+    fig.update_xaxes(tickangle=-45, automargin=True)
     return _layout(fig, title, "parameter", "rank", height, hovermode="closest")
 
 
@@ -252,6 +272,17 @@ def dashboard_series(trace: Trace, max_points: int = 2000) -> list[tuple[list, l
     ]
 
 
+def dashboard_titles(series: Sequence[tuple[list, list]], num_ranks: int) -> list[str]:
+    """Each panel's title; "identical on every rank" when the ranks' lines coincide (the
+    total gradient norm of a healthy DDP job: one visible line under a legend of many)."""
+    titles = []
+    for index, title in enumerate(_PANEL_TITLES):
+        lines = series[index * num_ranks : (index + 1) * num_ranks]
+        same = num_ranks > 1 and lines[0][1] and all(line == lines[0] for line in lines[1:])
+        titles.append(f"{title}: identical on every rank" if same else title)
+    return titles
+
+
 def dashboard_trace_index(panel: str, rank_position: int, num_ranks: int) -> int:
     """Index in ``fig.data`` of the dashboard trace of ``panel`` for the rank at
     ``rank_position`` (its position in the sorted ranks)."""
@@ -269,14 +300,15 @@ def dashboard_figure(trace: Trace, *, max_points: int = 2000) -> go.Figure:
     A rank's three traces share a legend group, so one click hides it in every panel.
     """
     ranks = _ranks(trace)
+    every = dashboard_series(trace, max_points)
     fig = make_subplots(
         rows=len(DASHBOARD_PANELS),
         cols=1,
         shared_xaxes=True,
         vertical_spacing=0.07,
-        subplot_titles=_PANEL_TITLES,
+        subplot_titles=dashboard_titles(every, len(ranks)),
     )
-    series = iter(dashboard_series(trace, max_points))
+    series = iter(every)
     for row, _panel in enumerate(DASHBOARD_PANELS, 1):
         for rank in ranks:
             x, y = next(series)
@@ -286,5 +318,12 @@ def dashboard_figure(trace: Trace, *, max_points: int = 2000) -> go.Figure:
     for row, unit in enumerate(_PANEL_UNITS, 1):
         fig.update_yaxes(title_text=unit, row=row, col=1)
     fig.update_xaxes(title_text="step", row=len(DASHBOARD_PANELS), col=1)
-    fig.update_layout(title="Training per rank", template=TEMPLATE, height=760, hovermode="x")
+    # with the controls above it, the dashboard fits a 900 px high window
+    fig.update_layout(
+        title="Training per rank",
+        template=TEMPLATE,
+        height=DASHBOARD_HEIGHT,
+        margin={"t": 60, "b": 40},
+        hovermode="x",
+    )
     return fig

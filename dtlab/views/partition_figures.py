@@ -64,13 +64,14 @@ def _blocks_text(blocks: Sequence[str], per_line: int = 4) -> str:
     return f"{len(blocks)} blocks:<br>" + "<br>".join(lines)
 
 
-def _summary(balance: Balance) -> str:
-    """E.g. ``Measured balance (1f1b, 8 micro-batches): step 12.0 ms, bubble 25%, imbalance
-    1.30x``; the facts not known yet are left out."""
+def _summary(balance: Balance) -> tuple[str, str]:
+    """The title and its subtitle, e.g. ``Measured balance (1f1b, 8 micro-batches)`` and
+    ``step 12.0 ms, bubble 25%, imbalance 1.30x`` (the facts not known yet left out): on
+    two lines, so that neither is clipped in a notebook-wide figure."""
     kind = "Measured" if balance.measured else "Predicted"
     facts = balance_facts(balance)
     head = f"{kind} balance ({balance.schedule}, {balance.microbatches} micro-batches)"
-    return f"{head}: {', '.join(facts) or NOT_PROFILED}"
+    return head, ", ".join(facts) or NOT_PROFILED
 
 
 def _slowest(stages: Sequence[StageBalance]) -> int | None:
@@ -133,13 +134,24 @@ def _add_memory_bars(fig: go.Figure, stages: Sequence[StageBalance]) -> None:
     hover = [_blocks_text(s.blocks) for s in stages]
     for name, (field, colour) in MEMORY_KINDS.items():
         values = [getattr(s, field) for s in stages]
-        if all(v is None for v in values):  # activations before profiling
+        if all(v is None for v in values):  # activations before profiling: say so, or the
+            fig.add_annotation(  # bars look smaller than a draft's that counts them
+                text=f"{name} not measured: %dt_partition --profile",
+                x=0.5,
+                y=1.0,
+                xref="x2 domain",
+                yref="y2 domain",
+                yanchor="bottom",
+                showarrow=False,
+                font={"size": 11, "color": "#6b7280"},
+            )
             continue
         fig.add_trace(
             go.Bar(
                 x=labels,
                 y=[None if v is None else v / MIB for v in values],
                 name=name,
+                legend="legend2",  # its own legend, beside the memory panel
                 marker_color=colour,
                 hovertext=hover,
                 hovertemplate=f"%{{x}}<br>{name}: %{{y:.1f}} MiB<br>%{{hovertext}}<extra></extra>",
@@ -166,8 +178,17 @@ def balance_figure(balance: Balance) -> go.Figure:
     _add_memory_bars(fig, balance.stages)
     fig.update_yaxes(title_text="time (ms)", row=1, col=1)
     fig.update_yaxes(title_text="memory (MiB)", row=1, col=2)
+    head, facts = _summary(balance)
     fig.update_layout(
-        title=_summary(balance), template=TEMPLATE, height=440, barmode="stack", hovermode="closest"
+        title={"text": head, "subtitle": {"text": facts}},
+        margin={"t": 100},
+        template=TEMPLATE,
+        height=440,
+        barmode="stack",
+        hovermode="closest",
+        # compute and memory are different quantities: one legend each, under its panel
+        legend={"title": {"text": "compute"}, "orientation": "h", "x": 0.0, "y": -0.12},
+        legend2={"title": {"text": "memory"}, "orientation": "h", "x": 0.56, "y": -0.12},
     )
     return fig
 
@@ -203,6 +224,7 @@ def schedule_figure(
                 text=[str(e.microbatch) for e in evs],
                 textposition="inside",
                 insidetextanchor="middle",
+                textangle=0,
                 customdata=[[e.microbatch, e.start * 1000, e.end * 1000] for e in evs],
                 hovertemplate=(
                     f"%{{y}}, micro-batch %{{customdata[0]}}, {phase}<br>"
@@ -213,7 +235,9 @@ def schedule_figure(
         )
     stages = sorted({e.stage for e in events})
     # forward and backward share a row: overlay, or plotly would offset them as a group
-    fig.update_layout(barmode="overlay", bargap=0.3)
+    # a bar too short for its micro-batch number shows none (hover gives it) rather than
+    # a sliver of shrunken, unreadable text
+    fig.update_layout(barmode="overlay", bargap=0.3, uniformtext={"minsize": 10, "mode": "hide"})
     fig.update_yaxes(
         categoryorder="array", categoryarray=[f"stage {s}" for s in stages], autorange="reversed"
     )

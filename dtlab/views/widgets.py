@@ -38,9 +38,7 @@ class Dashboard:
         )
         self.until = widgets.Text(placeholder="loss>5 | nonfinite | diverged | step>=100")
         self.until_button = widgets.Button(description="Run until")
-        self.pause_button = widgets.Button(
-            description="Pause", disabled=True, button_style="warning"
-        )
+        self.pause_button = widgets.Button(description="Pause", disabled=True)
         self.status = widgets.Label("idle")
         self.output = widgets.Output()  # callback errors land here, not in the void
         self.step_button.on_click(lambda _: self.start(1))
@@ -125,10 +123,11 @@ class Dashboard:
         for button in (self.step_button, self.run_button, self.until_button):
             button.disabled = running
         self.pause_button.disabled = not running
+        self.pause_button.button_style = "warning" if running else ""  # orange: it can act
 
     def refresh(self, force: bool = True) -> None:
         """Redraw the figure from the trace (one batched update)."""
-        from dtlab.views.figures import dashboard_series
+        from dtlab.views.figures import dashboard_series, dashboard_titles
 
         now = time.monotonic()
         trace = self.session.trace
@@ -139,6 +138,9 @@ class Dashboard:
         if len(series) != len(self.figure.data):
             self.status.value = "the number of ranks changed: run dt.dashboard() again"
             return
+        titles = dashboard_titles(series, len(trace.ranks))
         with self.figure.batch_update():
             for line, (x, y) in zip(self.figure.data, series, strict=True):
                 line.x, line.y = x, y
+            for note, title in zip(self.figure.layout.annotations, titles, strict=False):
+                note.text = title
