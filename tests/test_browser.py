@@ -44,6 +44,9 @@ PIPELINE_CELL = """%dt_demo --pipeline --microbatches 2 --set num_layers=6
 editor = dt.partition_editor()
 editor"""
 REPORT_CELL = 'report = dt.report("report.html")\nprint(report)'
+PLOTS = ("%dt_plot memory", "%dt_plot times", "%dt_plot spread")  # besides loss, deviation
+CHECKPOINT_CELL = "%dt_checkpoint\ndt.checkpoint_browser()"
+VIEWPORT = {"width": 1280, "height": 900}  # a laptop's screen: what must fit, fits here
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
@@ -122,10 +125,21 @@ def lab(tmp_path_factory):
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(timeout=10)
         log.close()
-        left = running(started)
+        # processes still exiting are not left behind: on a busy machine an engine's exit
+        # can take seconds after the cluster was told to stop; wait for them, bounded
+        procs = [p for p in map(_process, started) if p is not None]
+        _, alive = psutil.wait_procs(procs, timeout=30)
+        left = [p.pid for p in alive if p.pid in running([p.pid])]
         for pid in left:  # the cluster runs in sessions of its own: stop it by pid
             os.kill(pid, signal.SIGKILL)
         assert left == [], f"processes left behind by the notebook: {left}"
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
 
 
 def _wait_for(probe, timeout_s: float, message: str) -> None:
@@ -200,6 +214,25 @@ class Lab:
             .map(gd => ({points: (gd.data || []).map(t => (t.x || []).length),
                          title: ((gd.layout || {}).title || {}).text || ''}))""")
 
+    def wait_for_plots(self, at_least: int, timeout_s: float = 120) -> None:
+        """Until ``at_least`` plotly graphs are drawn, each with data and a title."""
+        self.page.wait_for_function(
+            f"""() => {{ const gds = [...document.querySelectorAll('.js-plotly-plot')];
+            return gds.length >= {at_least} && gds.every(gd => (gd.data || []).length > 0
+                && ((gd.layout || {{}}).title || {{}}).text); }}""",
+            timeout=timeout_s * 1000,
+        )
+
+    def check_titles_fit(self) -> None:
+        """Every graph's title (and subtitle) lies inside its graph: nothing clipped."""
+        outside = self.page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')]
+            .flatMap(gd => { const box = gd.getBoundingClientRect();
+              return [...gd.querySelectorAll('.gtitle, .gtitle-subtitle')].filter(t => {
+                const r = t.getBoundingClientRect();
+                return r.width > 0 && (r.left < box.left - 1 || r.right > box.right + 1); })
+              .map(t => t.textContent); })""")
+        assert outside == [], f"titles wider than their figure: {outside}"
+
     def shot(self, name: str) -> None:
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         self.page.screenshot(path=str(SCREENSHOTS / name), full_page=True)
@@ -213,7 +246,7 @@ def test_quickstart_dashboard_editor_and_report_in_a_real_browser(lab):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            page = browser.new_page(viewport=VIEWPORT)
             page.on("console", lambda m: m.type == "error" and errors.append(m.text))
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(f"{url}/lab/tree/01_quickstart.ipynb?reset")
@@ -221,12 +254,14 @@ def test_quickstart_dashboard_editor_and_report_in_a_real_browser(lab):
             nb.wait_for_kernel()
             _run_the_quickstart(nb)
             _step_from_the_dashboard(nb, page)
+            _every_plot_kind_and_the_checkpoint_browser(nb)
             _move_a_boundary_in_the_editor(nb, page)
             _open_the_report(nb, browser, work, errors)
             shutdown = nb.num_cells() - 1  # %dt_shutdown, the quick start's last cell
             nb.run("notebook:run-cell", shutdown)
             nb.wait_until_ran(shutdown, 120)
             assert "stopped 8 ranks" in nb.cell_text(shutdown)
+            _saved_restarted_and_reloaded(nb, page)
         finally:
             browser.close()
     assert errors == [], f"JavaScript errors in the console: {errors}"
@@ -243,8 +278,9 @@ def _run_the_quickstart(nb: Lab) -> None:
     )  # the launch's rank table, rendered
     assert table.count() >= 1 and table.first.locator("tbody tr").count() == 8
     nb.page.get_by_role("button", name="Step", exact=True).first.wait_for()
-    plots = nb.plots()
-    assert len(plots) >= 3 and all(sum(p["points"]) > 0 for p in plots), plots
+    nb.wait_for_plots(3)  # a busy machine draws late: wait on what the page shows
+    nb.check_titles_fit()
+    _dashboard_fits_the_window(nb.page)
 
 
 def _step_from_the_dashboard(nb: Lab, page) -> None:
@@ -274,7 +310,7 @@ def _move_a_boundary_in_the_editor(nb: Lab, page) -> None:
     page.keyboard.press("Enter")
     page.locator(".widget-html", has_text="would move").wait_for(timeout=30_000)
     page.locator(".widget-html", has_text="would move").scroll_into_view_if_needed()
-    nb.shot("03-editor-draft.png")
+    nb.shot("05-editor-draft.png")
     page.get_by_role("button", name="Apply", exact=True).click()
     page.locator(".widget-html", has_text="moved 1 block(s)").wait_for(timeout=120_000)
     page.wait_for_function(
@@ -283,7 +319,7 @@ def _move_a_boundary_in_the_editor(nb: Lab, page) -> None:
         timeout=30_000,
     )
     page.locator(".widget-html", has_text="moved 1 block(s)").scroll_into_view_if_needed()
-    nb.shot("04-editor-applied.png")
+    nb.shot("06-editor-applied.png")
 
 
 def _open_the_report(nb: Lab, browser, work: Path, errors: list[str]) -> None:
@@ -299,5 +335,51 @@ def _open_the_report(nb: Lab, browser, work: Path, errors: list[str]) -> None:
     drawn = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')]
         .map(gd => gd.querySelectorAll('.trace, .barlayer .point, .scatterlayer path').length)""")
     assert drawn and all(n > 0 for n in drawn), drawn
-    page.screenshot(path=str(SCREENSHOTS / "05-report.png"), full_page=True)
+    page.screenshot(path=str(SCREENSHOTS / "07-report.png"), full_page=True)
     page.close()
+
+
+def _dashboard_fits_the_window(page) -> None:
+    """Scrolled to its top, the dashboard shows its buttons and its whole figure at once."""
+    panel = page.locator(".widget-vbox", has=page.get_by_role("button", name="Pause")).first
+    panel.evaluate("node => node.scrollIntoView({block: 'start'})")
+    box = panel.bounding_box()
+    assert box is not None and box["height"] <= VIEWPORT["height"], box
+    pause = page.get_by_role("button", name="Pause").first
+    assert pause.is_disabled()  # idle: nothing to pause
+    klass = pause.get_attribute("class") or ""
+    assert "mod-warning" not in klass, klass  # not orange while idle
+
+
+def _every_plot_kind_and_the_checkpoint_browser(nb: Lab) -> None:
+    before = len(nb.plots())
+    at = nb.num_cells() - 2
+    for line in PLOTS:  # a cell shows its last value only: one cell each
+        nb.insert_and_run(at, line)
+        at += 1
+    nb.wait_for_plots(before + len(PLOTS))
+    nb.check_titles_fit()
+    nb.shot("03-plots.png")
+    nb.insert_and_run(at, CHECKPOINT_CELL)
+    assert "checkpoint of step " in nb.cell_text(at + 1), nb.cell_text(at + 1)
+    nb.page.get_by_role("button", name="Replay from here").first.wait_for()
+    nb.wait_for_plots(before + len(PLOTS) + 1)
+    nb.shot("04-checkpoint-browser.png")
+
+
+def _saved_restarted_and_reloaded(nb: Lab, page) -> None:
+    """Save, restart the kernel, reload the page: every output still reads (progress bars
+    and panels left text behind), none says 'Error displaying widget'."""
+    page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+    page.wait_for_function("() => !window.jupyterapp.shell.currentWidget.context.model.dirty")
+    page.evaluate("() => window.jupyterapp.shell.currentWidget.sessionContext.restartKernel()")
+    page.reload()
+    nb.wait_for_kernel()
+    page.wait_for_function(
+        "() => document.querySelectorAll('.jp-OutputArea-output').length > 10", timeout=60_000
+    )
+    nb.shot("08-reloaded.png")
+    broken = page.evaluate("""() => [...document.querySelectorAll('.jp-OutputArea-output')]
+        .map(o => o.textContent).filter(t => t.includes('Error displaying widget')
+                                             || t.includes('Error creating widget'))""")
+    assert broken == [], f"outputs that no longer display after a restart: {broken}"

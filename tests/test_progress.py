@@ -64,3 +64,25 @@ def test_the_bars_become_text_when_their_cell_ends_and_say_where_it_was_cut_off(
     assert lines[0].startswith("steps: 15/100 (") and lines[1] == "cut off (KeyboardInterrupt)"
     out = capsys.readouterr().out
     assert "cut off (KeyboardInterrupt)" in out  # what replaced the bars in the output
+
+
+def test_a_panel_becomes_text_when_the_session_shuts_down(ip, capsys):
+    import ipywidgets as widgets
+
+    from dtlab.views import panels
+
+    class Probe(panels.Panel):
+        title = "probe panel"
+
+        def __init__(self):
+            self.status = widgets.HTML("<b>steps 1-20</b> in 2.0 s")
+            self.widget = widgets.VBox([widgets.HBox([widgets.Button()]), self.status])
+
+    ip.user_ns["probe"] = probe = Probe()
+    ip.run_cell("probe")  # shown as a cell's value
+    assert probe in panels._LIVE
+    assert panels.retire_panels() == 1 and panels._LIVE == []
+    out = capsys.readouterr().out
+    assert "probe panel closed: the session was shut down; it last said: steps 1-20 in 2.0 s" in out
+    assert probe.widget.comm is None and probe.status.comm is None  # models gone
+    assert panels.retire_panels() == 0

@@ -12,10 +12,13 @@ import ipywidgets as widgets
 from dtlab.records.checkpoints import CheckpointInfo
 from dtlab.records.trace import Trace
 from dtlab.views.checkpoint_figures import checkpoint_loss_figure, replay_figure
+from dtlab.views.panels import Panel
 from dtlab.views.reports import replay_summary
 
 
-class CheckpointBrowser:
+class CheckpointBrowser(Panel):
+    title = "checkpoint browser"
+
     def __init__(self, session, *, resume_steps: int = 10):
         import plotly.graph_objects as go
 
@@ -35,9 +38,6 @@ class CheckpointBrowser:
         buttons = widgets.HBox([self.save_button, self.replay_button, self.resume_button])
         self.widget = widgets.VBox([buttons, self.status, self.figure, self.output])
         self.refresh()
-
-    def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
 
     def _guarded(self, action) -> None:
         try:

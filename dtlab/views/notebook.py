@@ -105,5 +105,8 @@ class NotebookSession(Session):
             server.server_close()
 
     def shutdown(self) -> None:
+        from dtlab.views.panels import retire_panels
+
         self.stop_metrics()
+        retire_panels()  # dashboards and editors become text: their ranks are gone
         super().shutdown()

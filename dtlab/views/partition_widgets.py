@@ -19,12 +19,15 @@ import ipywidgets as widgets
 from dtlab.analysis import timing
 from dtlab.analysis.balance import compare, predict_balance
 from dtlab.records import Plan, PlanError
+from dtlab.views.panels import Panel
 from dtlab.views.partition_figures import balance_figure, stage_colour
 
 MEASURE_STEPS = 8  # steps timed before and after Apply: enough for a spread (timing.py)
 
 
-class PartitionEditor:
+class PartitionEditor(Panel):
+    title = "partition editor"
+
     def __init__(self, session, *, measure_steps: int = MEASURE_STEPS):
         import plotly.graph_objects as go
 
@@ -62,9 +65,6 @@ class PartitionEditor:
             ]
         )
         self.preview()
-
-    def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
 
     def _slider(self, k: int) -> widgets.IntSlider:
         top = len(self.plan.blocks) - 1

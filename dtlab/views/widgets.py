@@ -7,8 +7,12 @@ import time
 
 import ipywidgets as widgets
 
+from dtlab.views.panels import Panel
 
-class Dashboard:
+
+class Dashboard(Panel):
+    title = "dashboard"
+
     """Step / Run N / Run until / Pause controls over one live plotly figure.
 
     Runs go through ``Stepper.run_async`` as a task on the kernel's event loop, so the
@@ -56,9 +60,6 @@ class Dashboard:
             ]
         )
         self.widget = widgets.VBox([controls, self.status, self.output, self.figure])
-
-    def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
 
     # --- controls ----------------------------------------------------------------------
     @property
