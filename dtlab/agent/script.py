@@ -47,9 +47,9 @@ import torch
 
 from dtlab.agent import job as jobs
 from dtlab.agent import recorder, rng, script_env, script_observe
+from dtlab.agent.state import RANK
 from dtlab.records import StepRecord, StepTimes
 
-_run: ScriptRun | None = None
 _real_signal = signal.signal
 
 
@@ -85,11 +85,10 @@ class Outcome:
 def start(path: str, argv: list[str], cwd: str | None, record: bool = True) -> dict:
     """Rank side of ``%dt_script``: run the script to its first step boundary or its end;
     returns ``status()``. A script still paused from before is stopped first."""
-    global _run
-    if _run is not None:
+    if RANK.script_run is not None:
         stop()
     run = ScriptRun(path, list(argv), cwd, record)
-    _run = run
+    RANK.script_run = run
     run.engine_ns["script"] = run.module
     run.engine_ns["script_locals"] = run.module.__dict__
     try:
@@ -101,8 +100,7 @@ def start(path: str, argv: list[str], cwd: str | None, record: bool = True) -> d
 
 def stop() -> dict | None:
     """End a paused script now (its ``finally`` blocks run); its status, or None."""
-    global _run
-    run, _run = _run, None
+    run, RANK.script_run = RANK.script_run, None
     if run is None:
         return None
     run.kill()
@@ -110,13 +108,15 @@ def stop() -> dict | None:
 
 
 def status() -> dict | None:
-    return _run.status() if _run is not None else None
+    run = RANK.script_run
+    return run.status() if run is not None else None
 
 
 def step_boundary() -> None:
     """The script marks a step boundary itself (``dtlab.step_boundary()``)."""
-    if _run is not None and not _run.over and script_observe._observer is not None:
-        script_observe._observer.explicit_boundary()
+    run, observer = RANK.script_run, RANK.observer
+    if run is not None and not run.over and observer is not None:
+        observer.explicit_boundary()
 
 
 class ScriptRun:

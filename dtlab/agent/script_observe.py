@@ -37,8 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-_observer: Observer | None = None
-_installed: dict = {}  # what install() replaced, to put back
+from dtlab.agent.state import RANK
 
 
 @dataclass
@@ -258,17 +257,16 @@ def _flat_indices(index) -> list[int]:
 
 def install(observer: Observer) -> None:
     """Observe this process's training through ``observer`` until ``uninstall()``."""
-    global _observer
-    if _observer is not None:
+    if RANK.observer is not None:
         raise RuntimeError("a script is already observed on this rank")
-    _observer = observer
+    RANK.observer = observer
     from torch.optim.optimizer import (
         register_optimizer_step_post_hook,
         register_optimizer_step_pre_hook,
     )
 
-    _installed["pre"] = register_optimizer_step_pre_hook(_pre_hook)
-    _installed["post"] = register_optimizer_step_post_hook(_post_hook)
+    RANK.observer_hooks["pre"] = register_optimizer_step_pre_hook(_pre_hook)
+    RANK.observer_hooks["post"] = register_optimizer_step_post_hook(_post_hook)
     _patch(torch.autograd, "backward", _backward)
     _patch_scalers()
     _patch_loader()
@@ -276,15 +274,14 @@ def install(observer: Observer) -> None:
 
 
 def uninstall() -> None:
-    global _observer
     for key in ("pre", "post", "fwd_pre", "fwd_post"):
-        handle = _installed.pop(key, None)
+        handle = RANK.observer_hooks.pop(key, None)
         if handle is not None:
             handle.remove()
-    for (owner, name), original in list(_installed.get("patched", {}).items()):
+    for (owner, name), original in list(RANK.observer_patched.items()):
         setattr(owner, name, original)
-    _installed.pop("patched", None)
-    _observer = None
+    RANK.observer_patched.clear()
+    RANK.observer = None
 
 
 def set_recording(on: bool) -> None:
@@ -294,50 +291,56 @@ def set_recording(on: bool) -> None:
         register_module_forward_pre_hook,
     )
 
-    if _observer is not None:
-        _observer.recording = on
-    if on and "fwd_pre" not in _installed:
-        _installed["fwd_pre"] = register_module_forward_pre_hook(_forward_pre)
-        _installed["fwd_post"] = register_module_forward_hook(_forward_post, always_call=True)
+    hooks = RANK.observer_hooks
+    if RANK.observer is not None:
+        RANK.observer.recording = on
+    if on and "fwd_pre" not in hooks:
+        hooks["fwd_pre"] = register_module_forward_pre_hook(_forward_pre)
+        hooks["fwd_post"] = register_module_forward_hook(_forward_post, always_call=True)
     elif not on:
         for key in ("fwd_pre", "fwd_post"):
-            handle = _installed.pop(key, None)
+            handle = hooks.pop(key, None)
             if handle is not None:
                 handle.remove()
 
 
 def _patch(owner, name: str, wrapper_factory) -> None:
     original = getattr(owner, name)
-    _installed.setdefault("patched", {})[(owner, name)] = original
+    RANK.observer_patched[(owner, name)] = original
     setattr(owner, name, wrapper_factory(original))
 
 
 def _pre_hook(optimizer, args, kwargs):
-    if _observer is not None:
-        _observer.on_pre_step(optimizer)
+    observer = RANK.observer
+    if observer is not None:
+        observer.on_pre_step(optimizer)
     return None  # never replace the step's arguments
 
 
 def _post_hook(optimizer, args, kwargs) -> None:
-    if _observer is not None:
-        _observer.on_post_step(optimizer)
+    observer = RANK.observer
+    if observer is not None:
+        observer.on_post_step(optimizer)
 
 
 def _forward_pre(module, inputs) -> None:
-    if _observer is not None:
-        _observer.on_forward_pre(module, inputs)
+    observer = RANK.observer
+    if observer is not None:
+        observer.on_forward_pre(module, inputs)
 
 
 def _forward_post(module, inputs, output) -> None:
-    if _observer is not None:
-        _observer.on_forward_post()
+    observer = RANK.observer
+    if observer is not None:
+        observer.on_forward_post()
 
 
 def _backward(original):
     def backward(tensors, *args, **kwargs):
-        if _observer is None:
+        observer = RANK.observer
+        if observer is None:
             return original(tensors, *args, **kwargs)
-        observer, t0 = _observer, time.perf_counter()
+        t0 = time.perf_counter()
         observer.enter_backward()
         try:
             out = original(tensors, *args, **kwargs)
@@ -359,13 +362,14 @@ def _patch_scalers() -> None:
 
 def _scaler_step(original):
     def step(self, optimizer, *args, **kwargs):
-        if _observer is None:
+        if RANK.observer is None:
             return original(self, optimizer, *args, **kwargs)
-        before = _observer._post_seen
+        before = RANK.observer._post_seen
         out = original(self, optimizer, *args, **kwargs)
-        if _observer is not None:
-            _observer.last_scale = _scale_of(self)
-            _observer.on_scaler_step_done(optimizer, before)
+        observer = RANK.observer  # read again: it may have been uninstalled meanwhile
+        if observer is not None:
+            observer.last_scale = _scale_of(self)
+            observer.on_scaler_step_done(optimizer, before)
         return out
 
     return step
@@ -374,11 +378,12 @@ def _scaler_step(original):
 def _scaler_scale(original):
     def scale(self, outputs):
         out = original(self, outputs)
-        if _observer is not None and isinstance(out, torch.Tensor) and out.numel() == 1:
+        observer = RANK.observer
+        if observer is not None and isinstance(out, torch.Tensor) and out.numel() == 1:
             value = _scale_of(self)
             if value:
-                _observer._scaled[id(out)] = value
-                _observer.last_scale = value
+                observer._scaled[id(out)] = value
+                observer.last_scale = value
         return out
 
     return scale
@@ -402,10 +407,11 @@ def _patch_loader() -> None:
 
 def _loader_init(original):
     def __init__(self, loader, *args, **kwargs):
-        if _observer is not None:  # before the original: worker prefetch draws indices
-            self._dtlab_pass = _observer.on_new_pass(loader)
+        observer = RANK.observer
+        if observer is not None:  # before the original: worker prefetch draws indices
+            self._dtlab_pass = observer.on_new_pass(loader)
             self._dtlab_indices = collections.deque()
-            _observer.iterators.add(self)
+            observer.iterators.add(self)
         original(self, loader, *args, **kwargs)
 
     return __init__
@@ -413,8 +419,9 @@ def _loader_init(original):
 
 def _loader_reset(original):
     def _reset(self, loader, first_iter=False):
-        if _observer is not None and not first_iter:  # persistent workers: a new pass
-            self._dtlab_pass = _observer.on_new_pass(loader)
+        observer = RANK.observer
+        if observer is not None and not first_iter:  # persistent workers: a new pass
+            self._dtlab_pass = observer.on_new_pass(loader)
             self._dtlab_indices = collections.deque()
         return original(self, loader, first_iter)
 
@@ -434,15 +441,16 @@ def _loader_next_index(original):
 
 def _loader_next(original):
     def __next__(self):
-        if _observer is None:
+        if RANK.observer is None:
             return original(self)
         t0 = time.perf_counter()
         data = original(self)
         spent = time.perf_counter() - t0
         queue = getattr(self, "_dtlab_indices", None)
         index = queue.popleft() if queue else None
-        if _observer is not None:
-            _observer.on_batch(index, getattr(self, "_dtlab_pass", 0), spent)
+        observer = RANK.observer  # read again: it may have been uninstalled meanwhile
+        if observer is not None:
+            observer.on_batch(index, getattr(self, "_dtlab_pass", 0), spent)
         return data
 
     return __next__
