@@ -46,7 +46,7 @@ from dataclasses import asdict
 import torch
 
 from dtlab.agent import job as jobs
-from dtlab.agent import script_env, script_observe
+from dtlab.agent import script_env, script_observe, step_observer
 from dtlab.agent.script_job import Outcome, ScriptEnded, ScriptJob
 from dtlab.agent.state import RANK
 
@@ -121,7 +121,7 @@ class ScriptRun:
         # the rank's interactive namespace (%%dt cells): the engine's __main__ module
         self.engine_ns = getattr(sys.modules.get("__main__"), "__dict__", {})
         self._modules_before = set(sys.modules)
-        self.observer = script_observe.Observer(self._on_boundary, note=self.notes.append)
+        self.observer = step_observer.Observer(self._on_boundary, note=self.notes.append)
         self.observer.recording = record
         self.glet = greenlet.greenlet(self._main)
         sys.path.insert(0, self.folder)

@@ -70,7 +70,7 @@ class RankState:
     # script.ScriptRun: the script running or paused (or over, until the next one); set by
     # script.start; cleared by script.stop
     script_run: Any = None
-    # script_observe.Observer receiving the optimizer/backward/forward/DataLoader events of
+    # step_observer.Observer receiving the optimizer/backward/forward/DataLoader events of
     # a script (or a StepFnJob's step); set by script_observe.install, cleared by uninstall
     observer: Any = None
     # handles of the hooks script_observe registered ("pre", "post", "fwd_pre",
