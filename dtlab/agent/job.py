@@ -306,7 +306,7 @@ class Job:
             self.records, self._stashed = self._stashed, None
 
     def _grad_fields(self) -> dict:
-        return grad_fields(*recorder.grad_summary([p.grad for p in self.params]))
+        return recorder.grad_fields(*recorder.grad_summary([p.grad for p in self.params]))
 
     def _param_fields(self) -> dict:
         fingerprints = tuple(recorder.fingerprints(self.params))
@@ -402,17 +402,3 @@ def _rank() -> int:
     from dtlab.agent.rendezvous import identity
 
     return identity().rank
-
-
-def grad_fields(norms, nonfinite, missing, prints) -> dict:
-    """A step record's gradient fields from the per-parameter summaries."""
-    fingerprints = tuple(prints)
-    return {
-        "grad_norms": tuple(norms),
-        "grad_fingerprints": fingerprints,
-        "nonfinite": tuple(nonfinite),
-        "missing_grads": tuple(missing),
-        "grad_norm": math.sqrt(math.fsum(n * n for n in norms if not math.isnan(n))),
-        "grad_fingerprint": combine_fingerprints(fingerprints),
-        "num_nonfinite": sum(nonfinite),
-    }

@@ -116,7 +116,7 @@ class ScriptJob(jobs.Job):
         for i in [i for i in missing if id(self.params[i]) in early]:
             norms[i], bad[i], prints[i] = early[id(self.params[i])]
             missing.remove(i)
-        return jobs.grad_fields(norms, bad, missing, prints)
+        return recorder.grad_fields(norms, bad, missing, prints)
 
     def finish_step(self, skipped: bool) -> StepRecord:
         """Inside the script, at its step boundary: what this step did, kept and returned."""
