@@ -99,15 +99,15 @@ def _plain_loop(steps: int) -> float:
 
     import torch.distributed as dist
 
-    from dtlab.agent import demo_job
     from dtlab.agent.demo_model import demo_step
     from dtlab.agent.job import current
+    from dtlab.agent.state import RANK
 
     job = current()  # its data iterator, so epochs roll over as under dtlab
     dist.barrier()
     start = time.perf_counter()
     for _ in range(steps):
-        demo_step(demo_job.last, job._next_batch())
+        demo_step(RANK.demo, job._next_batch())
     dist.barrier()
     return (time.perf_counter() - start) / steps * 1e3
 

@@ -8,13 +8,14 @@ import torch
 
 from dtlab.agent import job as jobs
 from dtlab.agent.attach import attach
+from dtlab.agent.state import RANK
 from tests.test_job_one_rank import batches, mse, small_job
 
 
 @pytest.fixture(autouse=True)
 def no_job_left():
     yield
-    jobs._job = None
+    RANK.reset()
 
 
 def reference(steps: int, clip: float | None = None, lr=None):

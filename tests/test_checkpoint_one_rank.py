@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dtlab.agent import checkpoint, restore, rng
 from dtlab.agent import job as jobs
 from dtlab.agent.attach import attach as attach_job
+from dtlab.agent.state import RANK
 from dtlab.records.checkpoints import MANIFEST, CheckpointError, catalogue
 
 # DCP says it assumes one process: it is one process
@@ -22,8 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.fixture(autouse=True)
 def no_job_left():
     yield
-    jobs._job = None
-    checkpoint.omitted.clear()
+    RANK.reset()
 
 
 def attach(shuffle=True, batch_size=4, lr=1e-2, optimizer=torch.optim.AdamW):
@@ -71,7 +71,7 @@ def test_a_checkpoint_without_the_epoch_rng_reshuffles(tmp_path):
     job = attach()
     for _ in range(13):
         job.step()
-    checkpoint.omitted.update({"torch"})  # the sampler's order comes from torch's RNG
+    RANK.fault_omitted_parts.add("torch")  # the sampler's order comes from torch's RNG
     saved = checkpoint.save(str(tmp_path), "t")
     expected = [r.indices for r in (job.step() for _ in range(3))]
     assert all(expected)
@@ -111,17 +111,17 @@ def test_refusals_name_the_problem_and_leave_the_job_as_it_was(tmp_path):
         restore.load(str(folder))
     assert same(before, unchanged(job))
 
-    jobs._job = None
+    RANK.job = None
     sgd = attach(optimizer=torch.optim.SGD)  # SGD state into an AdamW job: another optimizer
     sgd.optimizer.param_groups[0]["momentum"] = 0.9
     sgd.step()
     other = checkpoint.save(str(tmp_path), "u")
-    jobs._job = job
+    RANK.job = job
     with pytest.raises(CheckpointError, match="another optimizer"):
         restore.load(other["path"])
     assert same(before, unchanged(job))
 
-    jobs._job = None
+    RANK.job = None
     short = attach(batch_size=20)  # 2 batches an epoch, the checkpoint says batch 1 of 10
     with pytest.raises(CheckpointError, match="not the data it was saved with|cannot carry"):
         restore.load(saved["path"])

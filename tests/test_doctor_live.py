@@ -82,7 +82,7 @@ def test_a_different_learning_rate_on_rank_1_is_named(live4):
 def test_overlapping_shards_are_named_with_the_ranks_that_share_samples(live4):
     dt = live4
     demo.attach(dt)
-    dt.execute("import dtlab.agent.demo_job as d; d.last.sampler.rank = 0", ranks=[3])
+    dt.execute("from dtlab.agent.state import RANK as _r; _r.demo.sampler.rank = 0", ranks=[3])
     dt.step(3)
     found = [f for f in dt.doctor() if f.kind == "data_order"]
     assert [(f.ranks, f.step, f.severity) for f in found] == [((0, 3), 1, "error")]

@@ -21,6 +21,7 @@ import torch
 from dtlab.agent import checkpoint, restore
 from dtlab.agent import job as jobs
 from dtlab.agent.attach import attach
+from dtlab.agent.state import RANK
 from dtlab.records.checkpoints import MANIFEST, CheckpointError, catalogue, checksum_text
 from dtlab.records.checkpoints import file_checksum as checksum
 
@@ -33,8 +34,7 @@ pytestmark = [
 @pytest.fixture(autouse=True)
 def no_job_left():
     yield
-    jobs._job = None
-    checkpoint.omitted.clear()
+    RANK.reset()
 
 
 @pytest.fixture

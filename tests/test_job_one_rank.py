@@ -9,13 +9,14 @@ import torch
 from dtlab.agent import job as jobs
 from dtlab.agent import recorder
 from dtlab.agent.attach import attach
+from dtlab.agent.state import RANK
 from dtlab.agent.stepping import agree
 
 
 @pytest.fixture(autouse=True)
 def no_job_left():
     yield
-    jobs._job = None
+    RANK.reset()
 
 
 def test_fingerprints_tell_equal_bits_from_any_change():

@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dtlab.agent import job as jobs
 from dtlab.agent.demo_job import attach_demo
+from dtlab.agent.state import RANK
 from dtlab.records.trace import Trace
 from dtlab.views.prometheus_export import serve_metrics
 
@@ -16,7 +17,7 @@ from dtlab.views.prometheus_export import serve_metrics
 @pytest.fixture(autouse=True)
 def no_job_left():
     yield
-    jobs._job = None
+    RANK.reset()
 
 
 def scrape(url: str) -> dict:

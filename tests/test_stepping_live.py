@@ -165,7 +165,7 @@ def test_tensors_come_from_the_latest_step_only(live4):
 
 def test_stepping_without_a_job_says_how_to_attach_one(live4):
     dt = live4
-    dt.execute("import dtlab.agent.job as _j; _j._job = None")
+    dt.execute("from dtlab.agent.state import RANK as _r; _r.job = None")
     with pytest.raises(RankError, match="dtlab.attach") as info:
         dt.step(1)
     assert sorted(info.value.failures) == [0, 1, 2, 3]

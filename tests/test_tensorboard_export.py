@@ -6,6 +6,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from dtlab.agent import job as jobs
 from dtlab.agent.demo_job import attach_demo
+from dtlab.agent.state import RANK
 from dtlab.records.trace import Trace
 from dtlab.views.tb_export import export_tensorboard
 
@@ -13,7 +14,7 @@ from dtlab.views.tb_export import export_tensorboard
 @pytest.fixture(autouse=True)
 def no_job_left():
     yield
-    jobs._job = None
+    RANK.reset()
 
 
 def test_every_rank_is_a_run_with_its_own_scalars(tmp_path):

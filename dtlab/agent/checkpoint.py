@@ -29,6 +29,7 @@ from dtlab.agent import job as jobs
 from dtlab.agent.dcp_io import ChecksummingFileSystem
 from dtlab.agent.groups import control_group
 from dtlab.agent.rendezvous import identity
+from dtlab.agent.state import RANK
 from dtlab.analysis.ranks import label_ranks
 from dtlab.records.checkpoints import (
     FORMAT,
@@ -43,12 +44,6 @@ from dtlab.records.checkpoints import (
 from dtlab.records.checkpoints import commit as commit_folder
 
 PARTS = parts.PARTS
-
-# Fault injection (dtlab.inject): parts this rank leaves out of its saves, and a function
-# run between writing and committing (to die or stall mid-save on purpose).
-omitted: set[str] = set()
-before_commit: Callable[[], None] | None = None
-after_commit: Callable[[], None] | None = None  # dtlab.inject: between commit and the end
 
 _WRITE_SHORT = ("unexpected pos", "No space left", "File too large", "Disk quota exceeded")
 
@@ -98,7 +93,7 @@ def save(root: str, token: str, *, tag: str | None = None, commit: bool = True) 
     t0 = time.perf_counter()
     job, me = jobs.current(), identity()
     root_path = Path(root)
-    omit = set(omitted)
+    omit = set(RANK.fault_omitted_parts)  # dtlab.inject.checkpoint_without
     folder = root_path / partial_name(job.step_count, token)
     prepared, error = attempt(lambda: _prepare(job, folder, omit, me.rank), folder)
     said = parts.gather(
@@ -127,8 +122,8 @@ def save(root: str, token: str, *, tag: str | None = None, commit: bool = True) 
             shutil.rmtree(folder, ignore_errors=True)  # the earlier checkpoints stay as they are
         else:
             committed = _commit(root_path, folder, job, reports, tag, replicated, commit)
-    if after_commit is not None:
-        after_commit()
+    if RANK.fault_after_commit is not None:  # dtlab.inject: between commit and the end
+        RANK.fault_after_commit()
     path, why = parts.gather(committed or (None, None))[0]
     if failed or path is None:
         said = "; ".join(_by_error(failed)) or f"rank 0 could not commit it: {why}"
@@ -173,10 +168,10 @@ def _write(job, folder: Path, state: dict, extras: bytes, rank: int) -> dict:
     dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
     write_atomic(folder / f"rank-{rank}.pt", extras)
     written.sums[str(folder / f"rank-{rank}.pt")] = xxhash.xxh3_64_intdigest(extras)
-    if before_commit is not None:
-        before_commit()
+    if RANK.fault_before_commit is not None:  # dtlab.inject: to die or stall mid-save
+        RANK.fault_before_commit()
     data = None
-    if "data" not in omitted:
+    if "data" not in RANK.fault_omitted_parts:
         data = {
             "epoch": job.stream.epoch,
             "offset": job.stream.offset,

@@ -7,7 +7,6 @@ import torch
 from dtlab.agent.attach import attach
 from dtlab.agent.demo_model import (
     DemoConfig,
-    DemoJob,
     DemoLM,
     build_demo,
     next_token_loss,
@@ -16,9 +15,8 @@ from dtlab.agent.demo_model import (
     warmup_schedule,
 )
 from dtlab.agent.rendezvous import identity
+from dtlab.agent.state import RANK
 from dtlab.records import JobInfo
-
-last: DemoJob | None = None  # this rank's demo job, for a closer look from a %%dt cell
 
 
 def attach_demo(
@@ -36,9 +34,9 @@ def attach_demo(
     attach it. ``ddp`` wraps it in DistributedDataParallel when there is more than one rank;
     ``scaler`` adds a GradScaler; ``accumulate``/``no_sync`` as for dtlab.attach;
     ``sharding``: ``"fsdp2"`` or ``"zero"`` (see build_demo)."""
-    global last
     me = identity()
-    last = build_demo(
+    # kept for a closer look from a %%dt cell, and for dtlab.inject's data faults
+    RANK.demo = demo = build_demo(
         DemoConfig(**config),
         rank=me.rank,
         world_size=me.world_size,
@@ -50,14 +48,14 @@ def attach_demo(
     # a GradScaler as mixed-precision jobs use it (it scales the loss on CPU too)
     grad_scaler = torch.amp.GradScaler(me.device.split(":")[0], init_scale=2.0**10)
     return attach(
-        last.model,
-        last.optimizer,
-        last.data,
-        last.loss_fn,
-        scheduler=last.scheduler,
+        demo.model,
+        demo.optimizer,
+        demo.data,
+        demo.loss_fn,
+        scheduler=demo.scheduler,
         scaler=grad_scaler if scaler else None,
         record=record,
-        on_epoch=last.sampler.set_epoch,
+        on_epoch=demo.sampler.set_epoch,
         accumulate=accumulate,
         no_sync=no_sync,
     )

@@ -8,7 +8,7 @@ collective may be pending forever), and its name is kept so that hang reports le
 
 from __future__ import annotations
 
-_control: dict = {}  # {"world": the default group it was made for, "group": gloo group}
+from dtlab.agent.state import RANK
 
 
 def _group_name(group) -> str:
@@ -20,7 +20,7 @@ def _group_name(group) -> str:
 def retired_groups() -> set[str]:
     """Names of control groups replaced since (their last agreement may be pending
     forever: hang reports leave them out)."""
-    return set(_control.get("retired", ()))
+    return set(RANK.retired_groups)
 
 
 def control_group(rebuild: bool = False):
@@ -28,12 +28,12 @@ def control_group(rebuild: bool = False):
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    if _control.get("world") is not dist.group.WORLD:  # a new world: old groups went with it
-        _control.clear()
-    if rebuild or "group" not in _control:
-        if "group" in _control:  # left, not destroyed: its last collective may hang forever
-            _control.setdefault("retired", set()).add(_group_name(_control["group"]))
-        _control["world"] = dist.group.WORLD
+    if RANK.control_world is not dist.group.WORLD:  # a new world: old groups went with it
+        RANK.clear_control_groups()
+    if rebuild or RANK.control_group is None:
+        if RANK.control_group is not None:  # left, not destroyed: its last collective may hang
+            RANK.retired_groups.add(_group_name(RANK.control_group))
+        RANK.control_world = dist.group.WORLD
         # CPU tensors, NCCL jobs too; named so that hang reports can say whose it is
-        _control["group"] = dist.new_group(backend="gloo", group_desc="dtlab_control")
-    return _control["group"]
+        RANK.control_group = dist.new_group(backend="gloo", group_desc="dtlab_control")
+    return RANK.control_group

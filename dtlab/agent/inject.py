@@ -17,6 +17,7 @@ import time
 import torch
 
 from dtlab.agent.job import current
+from dtlab.agent.state import RANK
 
 
 def perturb_param(name: str, amount: float = 1e-3) -> None:
@@ -207,16 +208,13 @@ def checkpoint_without(*parts: str) -> None:
     unknown = set(parts) - set(checkpoint.PARTS)
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}; parts are {list(checkpoint.PARTS)}")
-    checkpoint.omitted.clear()
-    checkpoint.omitted.update(parts)
+    RANK.fault_omitted_parts = set(parts)
 
 
 def stall_save(seconds: float) -> None:
     """Wait ``seconds`` after writing this rank's files and before the checkpoint is
     committed (time to kill the rank mid-save); 0 stops it."""
-    from dtlab.agent import checkpoint
-
-    checkpoint.before_commit = (lambda: time.sleep(seconds)) if seconds else None
+    RANK.fault_before_commit = (lambda: time.sleep(seconds)) if seconds else None
 
 
 def kill_in_save(when: str = "after_commit") -> None:
@@ -225,11 +223,9 @@ def kill_in_save(when: str = "after_commit") -> None:
     finished by rank 0, before the ranks' last agreement)."""
     import signal
 
-    from dtlab.agent import checkpoint
-
     if when not in ("before_commit", "after_commit"):
         raise ValueError(f"when={when!r}: before_commit or after_commit")
-    setattr(checkpoint, when, lambda: os.kill(os.getpid(), signal.SIGKILL))
+    setattr(RANK, f"fault_{when}", lambda: os.kill(os.getpid(), signal.SIGKILL))
 
 
 def limit_file_size(num_bytes: int | None) -> None:
@@ -247,16 +243,12 @@ def limit_file_size(num_bytes: int | None) -> None:
 def fail_repartition() -> None:
     """The next live re-partition fails here while building the new stage (after the
     blocks arrived, before any rank commits)."""
-    from dtlab.agent import repartition
-
-    repartition._inject["fail_build"] = True
+    RANK.fault_repartition_build = True
 
 
 def die_in_repartition() -> None:
     """This rank is killed (SIGKILL) in the next live re-partition, mid-exchange."""
-    from dtlab.agent import repartition
-
-    repartition._inject["die"] = True
+    RANK.fault_repartition_die = True
 
 
 def _named(found: dict, name: str, what: str):
@@ -269,8 +261,6 @@ def _named(found: dict, name: str, what: str):
 
 
 def _demo_sampler():
-    from dtlab.agent import demo_job
-
-    if demo_job.last is None:
+    if RANK.demo is None:
         raise RuntimeError("this fault acts on the demo job's sampler: run %dt_demo first")
-    return demo_job.last.sampler
+    return RANK.demo.sampler

@@ -20,6 +20,7 @@ import torch
 from dtlab.agent import recorder, rng
 from dtlab.agent.data_stream import DataStream
 from dtlab.agent.hooks import CommCounter, ModuleWatcher, OutputRecorder, ReachedParams
+from dtlab.agent.state import RANK
 from dtlab.records import (
     InitialState,
     JobInfo,
@@ -32,35 +33,31 @@ from dtlab.records import (
 DEFAULT_CAPACITY = 1_000  # full step records kept on the rank: ~6 KB each for the demo,
 # ~150 KB for a model of 1,000 parameter tensors, so the default stays well under 200 MB
 
-_job: Job | None = None
-_attach_count = 0
-
 
 def install(job: Job) -> None:
     """Make ``job`` (built by another attach, e.g. a pipeline's) the attached job."""
-    global _job, _attach_count
-    _attach_count += 1
-    if _job is not None and _job is not job:
-        _job.reached.close()  # the job it replaces leaves no hook on its parameters
-    _job = job
+    RANK.attach_count += 1
+    if RANK.job is not None and RANK.job is not job:
+        RANK.job.reached.close()  # the job it replaces leaves no hook on its parameters
+    RANK.job = job
 
 
 def current() -> Job:
-    if _job is None:
+    if RANK.job is None:
         raise RuntimeError(
             "no job attached on this rank: call dtlab.attach(model, optimizer, data, loss_fn) "
             "on every rank first (or %dt_demo for the built-in demo job)"
         )
-    return _job
+    return RANK.job
 
 
 def attach_count() -> int:
-    return _attach_count
+    return RANK.attach_count
 
 
 def checkpoint_problem() -> str | None:
     """Why the attached job (if any) cannot be checkpointed or rebuilt, else None."""
-    return None if _job is None else _job.checkpoint_problem
+    return None if RANK.job is None else RANK.job.checkpoint_problem
 
 
 class JobEnded(Exception):
@@ -309,7 +306,7 @@ class Job:
             self.records, self._stashed = self._stashed, None
 
     def _grad_fields(self) -> dict:
-        return grad_fields(*recorder.grad_summary([p.grad for p in self.params]))
+        return recorder.grad_fields(*recorder.grad_summary([p.grad for p in self.params]))
 
     def _param_fields(self) -> dict:
         fingerprints = tuple(recorder.fingerprints(self.params))
@@ -405,17 +402,3 @@ def _rank() -> int:
     from dtlab.agent.rendezvous import identity
 
     return identity().rank
-
-
-def grad_fields(norms, nonfinite, missing, prints) -> dict:
-    """A step record's gradient fields from the per-parameter summaries."""
-    fingerprints = tuple(prints)
-    return {
-        "grad_norms": tuple(norms),
-        "grad_fingerprints": fingerprints,
-        "nonfinite": tuple(nonfinite),
-        "missing_grads": tuple(missing),
-        "grad_norm": math.sqrt(math.fsum(n * n for n in norms if not math.isnan(n))),
-        "grad_fingerprint": combine_fingerprints(fingerprints),
-        "num_nonfinite": sum(nonfinite),
-    }

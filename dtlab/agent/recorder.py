@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from dtlab.records import StepMemory
+from dtlab.records import StepMemory, combine_fingerprints
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads index bits
@@ -116,6 +116,20 @@ def grad_summary(grads: Sequence[torch.Tensor | None]):
             missing.append(i)
         prints.append(0 if one is None else fingerprint(one))
     return norms, nonfinite, missing, prints
+
+
+def grad_fields(norms, nonfinite, missing, prints) -> dict:
+    """A step record's gradient fields from the per-parameter summaries."""
+    grad_prints = tuple(prints)  # not "fingerprints": that is this module's function
+    return {
+        "grad_norms": tuple(norms),
+        "grad_fingerprints": grad_prints,
+        "nonfinite": tuple(nonfinite),
+        "missing_grads": tuple(missing),
+        "grad_norm": math.sqrt(math.fsum(n * n for n in norms if not math.isnan(n))),
+        "grad_fingerprint": combine_fingerprints(grad_prints),
+        "num_nonfinite": sum(nonfinite),
+    }
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

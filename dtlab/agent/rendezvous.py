@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from dtlab.agent.identity import describe_rank
+from dtlab.agent.state import RANK
 from dtlab.agent.threads import thread_env, use_threads
 from dtlab.records import RankInfo, RankPlan
 
@@ -25,8 +26,6 @@ from dtlab.records import RankInfo, RankPlan
 # reports; torch reads the size when a group is made
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 FR_BUFFER_SIZE = "2000"  # entries per rank: ~0.2 MB, and room for hours of DDP buckets
-
-_state: dict = {}  # this process's rank: {"store": TCPStore, "plan": RankPlan, "device": ...}
 
 
 def open_store(port: int, world_size: int, timeout_s: float, bind: str = "") -> int:
@@ -37,12 +36,12 @@ def open_store(port: int, world_size: int, timeout_s: float, bind: str = "") -> 
     The new store listens before the old group is left, so a port that is taken leaves the
     live group as it was.
     """
-    old = _state.get("store")
+    old = RANK.store
     if old is not None and port and old.port == port:
         leave()  # the old store holds this very port
     store = _listen(port, world_size, timeout_s, bind)
     leave()
-    _state["store"] = store
+    RANK.store = store
     return store.port
 
 
@@ -118,7 +117,9 @@ def join(plan: RankPlan) -> RankInfo:
         dist.destroy_process_group()
     timeout = timedelta(seconds=plan.timeout_s)
     if plan.rank == 0:
-        store = _state["store"]
+        store = RANK.store
+        if store is None:
+            raise RuntimeError("rank 0 has no rendezvous store: open_store comes before join")
     else:
         store = dist.TCPStore(
             plan.master_addr, plan.master_port, plan.world_size, is_master=False, timeout=timeout
@@ -140,15 +141,15 @@ def join(plan: RankPlan) -> RankInfo:
         dist.init_process_group(
             "gloo", store=store, rank=plan.rank, world_size=plan.world_size, timeout=timeout
         )
-    _state.update(store=store, plan=plan, device=device)
-    _state["allreduce_sum"] = check_group()
-    return describe_rank(plan, str(device), _state["allreduce_sum"])
+    RANK.store, RANK.plan, RANK.device = store, plan, device
+    RANK.allreduce_sum = check_group()
+    return describe_rank(plan, str(device), RANK.allreduce_sum)
 
 
 def describe_now() -> RankInfo:
     """This rank as it is now (environment variables may have changed since the launch).
     No collective: it must answer even when the group is stuck."""
-    return describe_rank(_state["plan"], str(_state["device"]), _state["allreduce_sum"])
+    return describe_rank(_joined(), str(RANK.device), RANK.allreduce_sum)
 
 
 def check_group() -> int:
@@ -158,10 +159,16 @@ def check_group() -> int:
 
     if not dist.is_initialized():
         raise RuntimeError("this engine has no process group; run %dt_launch first")
-    device = _state.get("device", torch.device("cpu"))
+    device = RANK.device if RANK.device is not None else torch.device("cpu")
     ids = torch.tensor([dist.get_rank()], dtype=torch.int64, device=device)
     dist.all_reduce(ids)
     return int(ids.item())
+
+
+def _joined() -> RankPlan:
+    if RANK.plan is None:
+        raise RuntimeError("this engine has not joined a group; run %dt_launch first")
+    return RANK.plan
 
 
 @dataclass(frozen=True)
@@ -174,9 +181,9 @@ class Identity:
 def identity() -> Identity:
     """This process's rank, as joined by dtlab (computed once, in ``join``); a process
     grouped some other way (torchrun) answers from torch.distributed; else rank 0 of 1."""
-    plan: RankPlan | None = _state.get("plan")
+    plan: RankPlan | None = RANK.plan
     if plan is not None:
-        return Identity(plan.rank, plan.world_size, str(_state["device"]))
+        return Identity(plan.rank, plan.world_size, str(RANK.device))
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -192,13 +199,13 @@ def rank_namespace() -> dict:
 
     import dtlab
 
-    plan: RankPlan = _state["plan"]
+    plan = _joined()
     return {
         "rank": plan.rank,
         "world_size": plan.world_size,
         "local_rank": plan.local_rank,
         "local_world_size": plan.local_world_size,
-        "device": _state["device"],
+        "device": RANK.device,
         "torch": torch,
         "dist": dist,
         "dtlab": dtlab,
@@ -211,4 +218,4 @@ def leave() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    _state.clear()
+    RANK.clear_rendezvous()

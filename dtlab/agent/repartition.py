@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from dtlab.agent.pipeline_job import PipelineJob, current
 from dtlab.agent.pipeline_stage import StageModule
+from dtlab.agent.state import RANK
 from dtlab.records import Plan
 
 MOVE_TIMEOUT_S = 120.0
@@ -38,7 +39,6 @@ STALLED = (
     "a rank died or hangs; nothing moved on this rank. Restart from the last "
     "checkpoint (%dt_restart --from-checkpoint)"
 )
-_inject: dict = {}  # faults made on purpose (dtlab.inject): {"fail_build", "die"}: True
 
 
 class MoveFailed(RuntimeError):
@@ -206,7 +206,8 @@ def _exchange(
         if size:
             incoming[src] = torch.empty(size, dtype=torch.uint8)
             ops.append(dist.P2POp(dist.irecv, incoming[src], _peer(src, group), group=group))
-    if _inject.pop("die", False):
+    if RANK.fault_repartition_die:  # dtlab.inject.die_in_repartition
+        RANK.fault_repartition_die = False
         os.kill(os.getpid(), signal.SIGKILL)  # as a crash between prepare and commit
     for work in dist.batch_isend_irecv(ops) if ops else []:
         # gloo's send/recv works never report completion to polling: wait, with a limit
@@ -227,7 +228,8 @@ def _build(job: PipelineJob, new: Plan, incoming: dict[int, bytes], rank: int):
     for data in incoming.values():
         # from this job's own ranks over its process group: the same trust as the job
         received.update(torch.load(io.BytesIO(data), weights_only=False, map_location=job.device))
-    if _inject.pop("fail_build", False):
+    if RANK.fault_repartition_build:  # dtlab.inject.fail_repartition
+        RANK.fault_repartition_build = False
         raise RuntimeError("injected failure while building the new stage")
     blocks = []
     for name in new.stage_blocks(rank):

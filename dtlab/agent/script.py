@@ -23,8 +23,9 @@ Stages on each rank:
    bind its module as ``script`` in the rank's namespace, run it until the first
    optimizer step is about to update the parameters (step 0: set-up done, the first
    gradients computed) or until it ends;
-2. ``ScriptJob.step`` (the stepping channel's ``job.step``): run to the next boundary and
-   return its StepRecord; ScriptEnded when the script is over;
+2. ``ScriptJob.step`` (the stepping channel's ``job.step``; :mod:`dtlab.agent.script_job`,
+   with how the script's model is found): run to the next boundary and return its
+   StepRecord; ScriptEnded when the script is over;
 3. at its end: the hooks and patches come off, DataLoader workers are shut down, the
    modules it imported from its own folder are forgotten (an edit takes effect next run).
 """
@@ -32,7 +33,6 @@ Stages on each rank:
 from __future__ import annotations
 
 import builtins
-import gc
 import io
 import os
 import signal
@@ -41,55 +41,25 @@ import time
 import traceback
 import types
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
 from dtlab.agent import job as jobs
-from dtlab.agent import recorder, rng, script_env, script_observe
-from dtlab.records import StepRecord, StepTimes
+from dtlab.agent import script_env, script_observe, step_observer
+from dtlab.agent.script_job import Outcome, ScriptEnded, ScriptJob
+from dtlab.agent.state import RANK
 
-_run: ScriptRun | None = None
 _real_signal = signal.signal
-
-
-class ScriptEnded(jobs.JobEnded):
-    """The script is over (finished, exited or failed); nothing more to step."""
-
-
-class ScriptFailed(RuntimeError):
-    """The script raised; carries its own exception name and traceback."""
-
-    def __init__(self, outcome: Outcome, step: int):
-        self.ename = outcome.ename
-        self.script_traceback = outcome.traceback
-        where = f"{os.path.basename(outcome.file)}:{outcome.line}" if outcome.line else ""
-        super().__init__(
-            f"{outcome.evalue} (in the script at step {step}" + (f", {where})" if where else ")")
-        )
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How the script ended: "finished", "exited" (sys.exit) or "failed" (an exception)."""
-
-    kind: str
-    code: int | None = None
-    ename: str = ""
-    evalue: str = ""
-    traceback: str = ""
-    file: str = ""
-    line: int | None = None
 
 
 def start(path: str, argv: list[str], cwd: str | None, record: bool = True) -> dict:
     """Rank side of ``%dt_script``: run the script to its first step boundary or its end;
     returns ``status()``. A script still paused from before is stopped first."""
-    global _run
-    if _run is not None:
+    if RANK.script_run is not None:
         stop()
     run = ScriptRun(path, list(argv), cwd, record)
-    _run = run
+    RANK.script_run = run
     run.engine_ns["script"] = run.module
     run.engine_ns["script_locals"] = run.module.__dict__
     try:
@@ -101,8 +71,7 @@ def start(path: str, argv: list[str], cwd: str | None, record: bool = True) -> d
 
 def stop() -> dict | None:
     """End a paused script now (its ``finally`` blocks run); its status, or None."""
-    global _run
-    run, _run = _run, None
+    run, RANK.script_run = RANK.script_run, None
     if run is None:
         return None
     run.kill()
@@ -110,13 +79,15 @@ def stop() -> dict | None:
 
 
 def status() -> dict | None:
-    return _run.status() if _run is not None else None
+    run = RANK.script_run
+    return run.status() if run is not None else None
 
 
 def step_boundary() -> None:
     """The script marks a step boundary itself (``dtlab.step_boundary()``)."""
-    if _run is not None and not _run.over and script_observe._observer is not None:
-        script_observe._observer.explicit_boundary()
+    run, observer = RANK.script_run, RANK.observer
+    if run is not None and not run.over and observer is not None:
+        observer.explicit_boundary()
 
 
 class ScriptRun:
@@ -150,7 +121,7 @@ class ScriptRun:
         # the rank's interactive namespace (%%dt cells): the engine's __main__ module
         self.engine_ns = getattr(sys.modules.get("__main__"), "__dict__", {})
         self._modules_before = set(sys.modules)
-        self.observer = script_observe.Observer(self._on_boundary, note=self.notes.append)
+        self.observer = step_observer.Observer(self._on_boundary, note=self.notes.append)
         self.observer.recording = record
         self.glet = greenlet.greenlet(self._main)
         sys.path.insert(0, self.folder)
@@ -328,117 +299,6 @@ class ScriptRun:
         }
 
 
-SCRIPT_CHECKPOINTS = (
-    "checkpoints of a script job are not supported yet: dtlab cannot restore where the "
-    "script's own loop and data are (its iterator, its step counter), so a resume would "
-    "be silently wrong. %dt_restart and %dt_resume_check run the script again to the "
-    "step it was at instead (and check it got there); use the script's own "
-    "checkpointing otherwise. dt.checkpoint() and replays work on attached jobs"
-)
-
-
-class ScriptJob(jobs.Job):
-    """The job a script runs, as the stepping channel and the doctor see it: found at the
-    first optimizer step (the model that owns the optimizer's parameters, seen through
-    DDP / FSDP / compile wrappers), stepped by running the script to its next boundary."""
-
-    def __init__(self, run: ScriptRun, optimizer):
-        model = _find_model(run, optimizer)
-        super().__init__(
-            model,
-            optimizer or _ParamsOnly.no_optimizer(model),
-            (),
-            lambda m, b: None,
-            scheduler=_find_scheduler(run, optimizer),
-            scaler=_find_instance(run, torch.amp.GradScaler),
-            record=run.record,
-        )
-        self.run = run
-        self.checkpoint_problem = SCRIPT_CHECKPOINTS
-        self.output: list[str] = []
-        self.initial = self._initial_state()
-        self._rngs = rng.fingerprints() if run.record else ()
-
-    def step(self, record: bool | None = None) -> StepRecord:
-        record = self.record if record is None else record
-        self.watcher.reset()
-        self.outputs.reset()
-        self._recording, self._buffer_prints = record, ()
-        self._rngs = rng.fingerprints() if record else ()  # as the step begins
-        script_observe.set_recording(record)
-        self.run.capture = self.output  # no ipyparallel request carries it: the reply does
-        try:
-            return self.run.resume()
-        except ScriptEnded:
-            o = self.run.outcome
-            if o is not None and o.kind == "failed":
-                raise ScriptFailed(o, self.step_count) from None
-            raise
-        finally:
-            self.run.capture = None
-
-    def take_output(self) -> str:
-        """What the script printed since the last call (stdout and stderr, in order)."""
-        text, self.output[:] = "".join(self.output), []
-        return text
-
-    def _grad_fields(self, early: dict | None = None) -> dict:
-        """The gradients the step used: each as it is now, or, for a parameter whose
-        optimizer stepped inside backward() and dropped it, as it was then."""
-        norms, bad, missing, prints = recorder.grad_summary([p.grad for p in self.params])
-        early = early or {}
-        for i in [i for i in missing if id(self.params[i]) in early]:
-            norms[i], bad[i], prints[i] = early[id(self.params[i])]
-            missing.remove(i)
-        return jobs.grad_fields(norms, bad, missing, prints)
-
-    def finish_step(self, skipped: bool) -> StepRecord:
-        """Inside the script, at its step boundary: what this step did, kept and returned."""
-        observer = self.run.observer
-        draft = observer.take_draft()
-        record = observer.recording
-        t0 = time.perf_counter()
-        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
-        grads = self._grad_fields(draft.early_grads) if record else {}
-        unreached = self.reached.stop()  # watched from the last boundary (not step 1's)
-        self.step_count += 1
-        params = self._param_fields() if record else {}
-        epoch = draft.passes[0][1] if draft.passes else getattr(self, "_epoch", 0)
-        self._epoch = draft.passes[-1][1] if draft.passes else epoch
-        rec = StepRecord(
-            step=self.step_count,
-            time=time.time(),
-            loss=observer.loss(draft),
-            lr=float(lr) if isinstance(lr, (int, float)) else None,
-            scale=getattr(observer, "last_scale", None),
-            skipped=skipped,
-            times=StepTimes(
-                draft.data_s,
-                draft.forward_s,
-                draft.backward_s,
-                observer.optimizer_s,
-                time.perf_counter() - t0,
-            ),
-            memory=recorder.memory(self.params, self.optimizer, self.device, self._buffer_bytes()),
-            indices=tuple(draft.indices),
-            epoch=epoch,
-            epoch_starts=tuple(pos for pos, _ in draft.passes[1:]),
-            nonfinite_module=self.watcher.first_bad,
-            micro_batches=draft.backward_calls,
-            synced_micro_batches=draft.synced_calls if draft.ddp_seen else None,
-            input_fingerprints=tuple(draft.input_prints),
-            unreached=unreached,
-            rng=self._rngs,
-            module_outputs=tuple(self.outputs.prints) if self.recording_outputs else (),
-            **grads,
-            **params,
-        )
-        self.records.append(rec)
-        if observer.recording:
-            self.reached.start()  # the next step's backward
-        return rec
-
-
 class _Capture(io.TextIOBase):
     """A text stream that keeps what is written (the script's prints while stepped)."""
 
@@ -451,86 +311,6 @@ class _Capture(io.TextIOBase):
 
     def writable(self) -> bool:
         return True
-
-
-# --- finding what the script made ----------------------------------------------------------
-
-
-def _frames_objects(run: ScriptRun):
-    """Objects the script can reach from where it is now: the locals of every frame of
-    the script's greenlet, the script's globals, and one attribute level below them (a
-    Trainer's ``self.model``)."""
-    seen: dict[int, object] = {}
-
-    def add(value, depth: int) -> None:
-        if id(value) in seen or isinstance(value, (type, types.ModuleType, types.FunctionType)):
-            return
-        seen[id(value)] = value
-        if depth and not isinstance(value, torch.nn.Module) and hasattr(value, "__dict__"):
-            for inner in list(vars(value).values())[:200]:
-                add(inner, depth - 1)
-
-    frame = sys._getframe()
-    while frame is not None:
-        for value in list(frame.f_locals.values()):
-            add(value, 1)
-        frame = frame.f_back
-    for value in list(run.module.__dict__.values()):
-        add(value, 1)
-    return list(seen.values())
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    return getattr(module, "_orig_mod", module)  # torch.compile's wrapper
-
-
-def _find_model(run: ScriptRun, optimizer) -> torch.nn.Module:
-    """The module owning most of the optimizer's parameters; the outermost such (DDP
-    around the model), so that the job sees the wrapper and names the inner model's."""
-    wanted = {id(p) for g in (optimizer.param_groups if optimizer else []) for p in g["params"]}
-    found = [o for o in _frames_objects(run) if isinstance(o, torch.nn.Module)]
-    if wanted and not any(id(p) in wanted for m in found for p in m.parameters()):
-        found = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]  # slow, once
-
-    def score(m):
-        params = list(m.parameters())
-        return (sum(id(p) in wanted for p in params) if wanted else len(params), len(params))
-
-    best = max(found, key=score, default=None)
-    if best is None or (wanted and score(best)[0] == 0):
-        return _ParamsOnly(optimizer)
-    for m in found:  # a wrapper holding exactly it (DDP's .module, compile's _orig_mod)
-        if getattr(m, "module", None) is best or getattr(m, "_orig_mod", None) is best:
-            return _unwrap(m) if getattr(m, "_orig_mod", None) is best else m
-    return _unwrap(best)
-
-
-def _find_scheduler(run: ScriptRun, optimizer):
-    from torch.optim.lr_scheduler import LRScheduler
-
-    for o in _frames_objects(run):
-        if isinstance(o, LRScheduler) and getattr(o, "optimizer", None) is optimizer:
-            return o
-    return None
-
-
-def _find_instance(run: ScriptRun, cls):
-    return next((o for o in _frames_objects(run) if isinstance(o, cls)), None)
-
-
-class _ParamsOnly(torch.nn.Module):
-    """The optimizer's parameters under names of their place in it, when no module of
-    the script owns them."""
-
-    def __init__(self, optimizer):
-        super().__init__()
-        for g, group in enumerate(optimizer.param_groups):
-            for i, p in enumerate(group["params"]):
-                self.register_parameter(f"group{g}_param{i}", p)
-
-    @staticmethod
-    def no_optimizer(model):
-        return torch.optim.SGD(model.parameters(), lr=0.0)
 
 
 # --- reading the script ---------------------------------------------------------------------

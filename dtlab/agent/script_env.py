@@ -23,7 +23,7 @@ correct afterwards.
 
 from __future__ import annotations
 
-_state: dict = {}  # "notes": list the current script's messages go to; "patched": originals
+from dtlab.agent.state import RANK
 
 
 class ScriptWorldError(RuntimeError):
@@ -38,12 +38,12 @@ def install(notes: list[str], folder: str = "") -> None:
     import torch.distributed.distributed_c10d as c10d
     import torch.multiprocessing as tmp
 
-    _state["notes"] = notes
-    _state["said"] = set()
-    _state["exits"] = []
-    _state["folder"] = folder
-    _state["start_method"] = multiprocessing.get_start_method(allow_none=True)
-    if "patched" in _state:
+    RANK.script_notes = notes
+    RANK.script_said = set()
+    RANK.script_exits = []
+    RANK.script_folder = folder
+    RANK.script_start_method = multiprocessing.get_start_method(allow_none=True)
+    if RANK.script_env_patched is not None:
         return
     atexit.register = _atexit_wrapper(atexit.register)
     start_method = _start_method_wrapper(multiprocessing.set_start_method)
@@ -54,7 +54,7 @@ def install(notes: list[str], folder: str = "") -> None:
         "spawn": tmp.spawn,
         "start_processes": tmp.start_processes,
     }
-    _state["patched"] = originals
+    RANK.script_env_patched = originals
     init = _init_wrapper(originals["init"])
     destroy = _destroy_wrapper(originals["destroy"])
     for owner in (dist, c10d):
@@ -68,8 +68,8 @@ def uninstall() -> None:
     """The script is over: the engine's start method back (the next job expects it)."""
     import multiprocessing
 
-    _state.pop("notes", None)
-    before = _state.pop("start_method", None)
+    before = RANK.script_start_method
+    RANK.script_notes = RANK.script_start_method = None
     if multiprocessing.get_start_method(allow_none=True) != before:
         multiprocessing.set_start_method(before, force=True)
 
@@ -78,7 +78,8 @@ def run_exit_handlers() -> list[str]:
     """The script's own atexit functions, last registered first (as at a process's end);
     -> what each that raised said."""
     said = []
-    for func, args, kwargs in reversed(_state.pop("exits", [])):
+    exits, RANK.script_exits = RANK.script_exits, []
+    for func, args, kwargs in reversed(exits):
         try:
             func(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - reported, as Python reports them
@@ -91,14 +92,14 @@ def run_exit_handlers() -> list[str]:
 
 def _own(func) -> bool:
     code = getattr(func, "__code__", None)
-    folder = _state.get("folder")
+    folder = RANK.script_folder
     return bool(folder and code and code.co_filename.startswith(folder))
 
 
 def _atexit_wrapper(original):
     def register(func, *args, **kwargs):
         if active() and _own(func):
-            _state["exits"].append((func, args, kwargs))
+            RANK.script_exits.append((func, args, kwargs))
             return func
         return original(func, *args, **kwargs)
 
@@ -121,13 +122,13 @@ def _start_method_wrapper(original):
 
 
 def active() -> bool:
-    return "notes" in _state
+    return RANK.script_notes is not None
 
 
 def _note_once(key: str, text: str) -> None:
-    if key not in _state["said"]:
-        _state["said"].add(key)
-        _state["notes"].append(text)
+    if key not in RANK.script_said:
+        RANK.script_said.add(key)
+        RANK.script_notes.append(text)
 
 
 def _asked_backends(backend) -> set[str]:

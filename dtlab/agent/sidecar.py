@@ -23,21 +23,22 @@ import sys
 import threading
 import traceback
 
+from dtlab.agent.state import RANK
+
 KEEP_PER_GROUP = 6  # collectives reported per process group (the last ones)
 POLL_MS = 200
-
-_sidecar: Sidecar | None = None
 
 
 def start(address: str, key: str, rank: int) -> None:
     """Start (or restart, for a new notebook channel) this rank's sidecar thread."""
-    global _sidecar
-    if _sidecar is not None:
-        _sidecar.stopping.set()
-        _sidecar.join(timeout=2)
-    _sidecar = Sidecar(address, key, rank, threading.main_thread().ident)
-    _sidecar.watermark = _last_record_id()  # entries of groups this rank had before
-    _sidecar.start()
+    old = RANK.sidecar
+    if old is not None:
+        old.stopping.set()
+        old.join(timeout=2)
+    sidecar = Sidecar(address, key, rank, threading.main_thread().ident)
+    sidecar.watermark = _last_record_id()  # entries of groups this rank had before
+    RANK.sidecar = sidecar
+    sidecar.start()
 
 
 class Sidecar(threading.Thread):
@@ -98,9 +99,8 @@ def report(main_ident: int, watermark: int = -1) -> dict:
 
 
 def _step() -> int | None:
-    from dtlab.agent import job
-
-    return job._job.step_count if job._job is not None else None
+    job = RANK.job  # once: the main thread may attach another meanwhile
+    return job.step_count if job is not None else None
 
 
 def _entries() -> list[dict]:

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from dtlab.agent import recorder, rng, script_observe
+from dtlab.agent import recorder, rng, script_observe, step_observer
 from dtlab.agent.job import Job
 from dtlab.records import StepRecord, StepTimes
 
@@ -40,7 +40,7 @@ class StepFnJob(Job):
         batch = self._next_batch()
         data_s = self._now() - t0
         grads: dict = {}
-        observer = script_observe.Observer(lambda kind, opt: self._boundary(kind, opt, grads))
+        observer = step_observer.Observer(lambda kind, opt: self._boundary(kind, opt, grads))
         observer.started, observer.marker, observer.recording = True, self.optimizer, record
         script_observe.install(observer)
         try:

@@ -30,6 +30,7 @@ import torch
 
 from dtlab.agent import job as jobs
 from dtlab.agent.groups import control_group
+from dtlab.agent.state import RANK
 from dtlab.records import Condition, RemoteFailure, StepRecord, step_record_to_dict
 from dtlab.records.wire import PauseRequest, RankReply, RunRequest, decode_request, encode
 
@@ -39,25 +40,21 @@ AGREE_S = 1.0  # in a plain run, ranks agree (pause?) about this often: one agre
 MAX_AGREE_EVERY = 1000
 AGREE_POLL_S = 0.0005  # polling the agreement keeps SIGINT deliverable
 
-_server: StepServer | None = None
-
 
 def serve(address: str, key: str, rank: int) -> int:
     """Connect this rank to the notebook's channel (replacing an older connection).
     Called on every rank at once, so the control group is made here (a collective)."""
-    global _server
-    if _server is not None:
-        _server.close()
+    if RANK.step_server is not None:
+        RANK.step_server.close()
     control_group(rebuild=True)
-    _server = StepServer(address, key, rank)
+    RANK.step_server = StepServer(address, key, rank)
     return jobs.attach_count()
 
 
 def stop_serving() -> None:
-    global _server
-    if _server is not None:
-        _server.close()
-        _server = None
+    if RANK.step_server is not None:
+        RANK.step_server.close()
+        RANK.step_server = None
 
 
 def condition_holds(cond: Condition | None, rec: StepRecord) -> bool:
