@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dtlab.analysis.errors import InputError
+
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
@@ -55,7 +57,7 @@ def combine(
 def sizes_between(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
     """min, min*factor, ... up to max (nccl-tests' -b/-e/-f)."""
     if min_bytes < 1 or max_bytes < min_bytes or factor < 2:
-        raise ValueError(
+        raise InputError(
             f"need 1 <= min_bytes <= max_bytes and factor >= 2, got {min_bytes}, {max_bytes}, "
             f"{factor}"
         )

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
+from dtlab.analysis.errors import InputError
 from dtlab.analysis.partition_search import measured_bounds, min_max_bounds, uniform_bounds
 from dtlab.stage_records import BlockCost
 
@@ -29,7 +30,7 @@ _FORMS = (
 )
 
 
-class PlanError(ValueError):
+class PlanError(InputError):
     """A partition plan that cannot be used; the message says what is wrong and the fix."""
 
 

@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from dtlab.control.errors import OptionError
 from dtlab.control.launchers import LAUNCHERS
 from dtlab.control.network import is_loopback, listen_address
 
@@ -24,7 +25,7 @@ def checked_timeout(value, what: str = "timeout") -> float | None:
         return None
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not number or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{what} must be a positive number of seconds, got {value!r}")
+        raise OptionError(f"{what} must be a positive number of seconds, got {value!r}")
     return float(value)
 
 
@@ -34,7 +35,7 @@ def parse_env(items: Iterable[str]) -> dict[str, str]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key or not key.replace("_", "a").isalnum() or key[0].isdigit():
-            raise ValueError(f"bad --env item {item!r}: expected KEY=VALUE, e.g. NCCL_DEBUG=INFO")
+            raise OptionError(f"bad --env item {item!r}: expected KEY=VALUE, e.g. NCCL_DEBUG=INFO")
         env[key] = value
     return env
 
@@ -63,44 +64,46 @@ class LaunchConfig:
 
     def __post_init__(self):
         if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
-            raise ValueError(f"number of ranks must be a whole number >= 1, got {self.num_ranks!r}")
+            raise OptionError(
+                f"number of ranks must be a whole number >= 1, got {self.num_ranks!r}"
+            )
         if self.backend not in BACKENDS:
-            raise ValueError(
+            raise OptionError(
                 f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}"
             )
         if self.launcher not in LAUNCHERS:
-            raise ValueError(
+            raise OptionError(
                 f"unknown launcher {self.launcher!r}; choose one of {', '.join(LAUNCHERS)}"
             )
         checked_timeout(self.timeout_s, "--timeout")
         if self.threads is not None and self.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {self.threads!r}")
+            raise OptionError(f"--threads must be >= 1, got {self.threads!r}")
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be 0 (any free port) or 1-65535, got {self.port!r}")
+            raise OptionError(f"--port must be 0 (any free port) or 1-65535, got {self.port!r}")
         checked_timeout(self.pg_timeout_s, "the process-group timeout (--pg-timeout)")
-        address = listen_address(self.listen)  # ValueError names the interfaces
+        address = listen_address(self.listen)  # OptionError names the interfaces
         if self.launcher == "local" and not is_loopback(address):
-            raise ValueError(
+            raise OptionError(
                 "--listen is for ranks on other hosts; the local launcher's are "
                 "all on this one and stay on 127.0.0.1"
             )
         engines = self.launcher_config.get("SSHEngineSetLauncher", {}).get("engines")
         if self.launcher == "ssh" and not engines:
-            raise ValueError("the ssh launcher needs hosts: --hosts node1:4,node2:4")
+            raise OptionError("the ssh launcher needs hosts: --hosts node1:4,node2:4")
         if self.launcher == "ssh" and is_loopback(address) and set(engines) - LOCAL_NAMES:
-            raise ValueError(
+            raise OptionError(
                 "engines on other hosts cannot reach a controller on 127.0.0.1: add --listen "
                 "<interface or address of this machine> (e.g. --listen eth0)"
             )
         too_many = oversubscription(self)
         if too_many and not self.force and self.num_ranks > MAX_RANKS_PER_CORE * _cores():
-            raise ValueError(
+            raise OptionError(
                 f"{too_many}; dtlab refuses more than {MAX_RANKS_PER_CORE} "
                 "ranks per core unless asked to (--force, or force=True)"
             )
         omp = self.env.get("OMP_NUM_THREADS", "1")
         if not (omp.isdigit() and int(omp) >= 1):
-            raise ValueError(f"--env OMP_NUM_THREADS must be a whole number >= 1, got {omp!r}")
+            raise OptionError(f"--env OMP_NUM_THREADS must be a whole number >= 1, got {omp!r}")
 
     def engine_settings(self) -> str:
         """What the engine processes are started with; a change means new engines (the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from dtlab.analysis.errors import InputError
 from dtlab.analysis.grouping import group_by_value
 from dtlab.analysis.ranks import label_ranks
 from dtlab.records import RemoteFailure
@@ -22,6 +23,12 @@ class DtlabError(Exception):
     def _render_traceback_(self) -> list[str]:
         lines = str(self).splitlines()
         return [f"{type(self).__name__}: {lines[0]}", *lines[1:]]
+
+
+class OptionError(DtlabError, InputError):
+    """An argument or option the user gave is refused: its message names it and says what
+    would do. A ValueError (code catching ValueError still works); every magic shows it as
+    IPython's UsageError, in one place (``views/magic_support.py: dtlab_magics``)."""
 
 
 class LaunchError(DtlabError):

@@ -18,7 +18,7 @@ from dtlab.analysis.divergence import (
 )
 from dtlab.analysis.doctor import all_findings, run_checks
 from dtlab.analysis.evidence import CheckResult, Evidence
-from dtlab.control.errors import DtlabError
+from dtlab.control.errors import DtlabError, OptionError
 from dtlab.records import Condition, Finding, RunResult
 
 DEFAULT_MAX_STEPS = 100_000
@@ -114,7 +114,7 @@ class Training:
     def _tensors(self, name: str, what: str, ranks, step: int | None) -> dict:
         last = self.session.trace.last_step if self.session.trace is not None else 0
         if step is not None and step != last:
-            raise ValueError(
+            raise OptionError(
                 f"ranks keep only the tensors of the latest step ({last}), not step {step}; "
                 f"use %dt_run --until step>={step} to stop there and look"
             )
