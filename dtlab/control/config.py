@@ -9,12 +9,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from dtlab.control.errors import OptionError
-from dtlab.control.launchers import LAUNCHERS
+from dtlab.control.launchers import LAUNCHERS, parse_hosts, slurm_config, ssh_config
 from dtlab.control.network import is_loopback, listen_address
+from dtlab.control.options import option
 
 LOCAL_NAMES = {"localhost", "127.0.0.1"}
 
 BACKENDS = ("auto", "gloo", "nccl")
+
+MAX_RANKS_PER_CORE = 16  # beyond this a local launch is refused unless forced
 
 
 def checked_timeout(value, what: str = "timeout") -> float | None:
@@ -29,10 +32,19 @@ def checked_timeout(value, what: str = "timeout") -> float | None:
     return float(value)
 
 
+def seconds(text: str) -> float:
+    """A flag's text -> a positive number of seconds: the type of every timeout flag."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = text  # refused below, with what a timeout must be
+    return checked_timeout(value, "a timeout")
+
+
 def parse_env(items: Iterable[str]) -> dict[str, str]:
     """``["NCCL_DEBUG=INFO", "A=b=c"]`` -> ``{"NCCL_DEBUG": "INFO", "A": "b=c"}``."""
     env = {}
-    for item in items:
+    for item in [items] if isinstance(items, str) else items:
         key, sep, value = item.partition("=")
         if not sep or not key or not key.replace("_", "a").isalnum() or key[0].isdigit():
             raise OptionError(f"bad --env item {item!r}: expected KEY=VALUE, e.g. NCCL_DEBUG=INFO")
@@ -41,8 +53,117 @@ def parse_env(items: Iterable[str]) -> dict[str, str]:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    """What ``%dt_launch`` and ``dtlab.launch`` take, declared once: each field is a
+    keyword of ``dtlab.launch`` and, unless Python only, a flag of the magic
+    (``control/options.py``). ``launch_config`` makes the LaunchConfig, which checks them."""
+
+    num_ranks: int = option(
+        help="number of ranks (one ipyparallel engine each)", positional=True, type=int
+    )
+    backend: str = option(
+        "auto", help=f"one of {', '.join(BACKENDS)}; auto picks nccl when every rank has a GPU"
+    )
+    launcher: str = option(
+        "local", help=f"ipyparallel engine launcher: one of {', '.join(LAUNCHERS)}"
+    )
+    timeout: float = option(
+        120.0,
+        help="seconds for engines to register and ranks to join (default 120)",
+        type=seconds,
+    )
+    threads: int | None = option(
+        None, help="torch threads per rank (default: the host's cores / ranks on it)", type=int
+    )
+    env: Mapping[str, str] | Iterable[str] | None = option(
+        None,
+        help="environment variables for every rank, e.g. --env NCCL_DEBUG=INFO (from "
+        "Python: a dict, or KEY=VALUE strings)",
+        nargs="+",
+        action="extend",
+        metavar="KEY=VAL",
+    )
+    port: int = option(
+        0, help="rendezvous port on rank 0's host (default: any free port)", type=int
+    )
+    pg_timeout: float = option(
+        600.0,
+        help="process-group timeout in seconds: frees ranks stuck in a collective",
+        type=seconds,
+    )
+    hosts: str | Mapping[str, int] | None = option(
+        None,
+        help="ssh launcher: hosts and engines per host, e.g. node1:4,node2:4 (from Python "
+        "also {'node1': 4, ...})",
+    )
+    partition: str | None = option(None, help="slurm launcher: the partition to submit to")
+    sbatch_args: Iterable[str] = option(
+        (),
+        help="slurm launcher: an sbatch option for the engines' job, e.g. "
+        "--sbatch-arg=--cpus-per-task=1 (repeatable)",
+        flag="--sbatch-arg",
+        action="append",
+        metavar="OPTION",
+    )
+    listen: str = option(
+        "", help="interface or address to listen on for ranks on other hosts (eth0, ib0, *)"
+    )
+    restart: bool = option(
+        False,
+        help="start fresh engines even if a live session with N ranks exists",
+        action="store_true",
+    )
+    force: bool = option(
+        False,
+        help=f"start more than {MAX_RANKS_PER_CORE} ranks per core of this host (refused "
+        "otherwise)",
+        action="store_true",
+    )
+    profile: str = option(
+        "", help="the ipyparallel profile the cluster runs in (default: ipyparallel's)"
+    )
+    launcher_config: Mapping[str, Mapping[str, object]] | None = option(
+        None,
+        help="traitlets settings for ipyparallel's launchers, e.g. "
+        "{'SlurmEngineSetLauncher': {'queue': 'gpu'}}",
+        flag=None,
+    )
+
+
+def launch_config(options: LaunchOptions) -> LaunchConfig:
+    """The LaunchConfig ``options`` ask for: ``env`` items read, ``hosts`` and the slurm
+    options turned into settings of ipyparallel's launchers (``launcher_config`` wins where
+    both set one); every value checked on the way (OptionError)."""
+    env = options.env or {}
+    env = dict(env) if isinstance(env, Mapping) else parse_env(env)
+    launcher_config = dict(options.launcher_config or {})
+    if options.hosts:
+        hosts = options.hosts
+        engines = parse_hosts(hosts) if isinstance(hosts, str) else dict(hosts)
+        launcher_config = {**ssh_config(engines), **launcher_config}
+    if options.partition or options.sbatch_args:
+        slurm = slurm_config(options.partition, tuple(options.sbatch_args))
+        launcher_config = {**slurm, **launcher_config}
+    return LaunchConfig(
+        num_ranks=options.num_ranks,
+        backend=options.backend,
+        launcher=options.launcher,
+        timeout_s=options.timeout,
+        threads=options.threads,
+        env=env,
+        port=options.port,
+        pg_timeout_s=options.pg_timeout,
+        profile=options.profile,
+        launcher_config=launcher_config,
+        listen=options.listen,
+        force=options.force,
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
-    """Options of ``%dt_launch`` / ``dtlab.launch``.
+    """What a launch is made with (``launch_config`` makes it from the LaunchOptions a
+    user gave), checked as it is made: a bad value raises OptionError naming the flag.
 
     ``timeout_s`` bounds the whole launch (engines registering, ranks joining);
     ``pg_timeout_s`` is the process-group timeout, the only thing that frees a rank blocked
@@ -122,9 +243,6 @@ class LaunchConfig:
         """What the process group is built from besides the backend; a change means
         rebuilding the group on the same engines."""
         return (self.threads, self.port, self.pg_timeout_s)
-
-
-MAX_RANKS_PER_CORE = 16  # beyond this a local launch is refused unless forced
 
 
 def _cores() -> int:
