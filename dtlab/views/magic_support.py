@@ -1,9 +1,13 @@
 """What every group of magics needs: the live session (or a UsageError saying how to get
-one), and arguments made from an option set's fields.
+one), arguments made from an option set's fields, and the one place where a refused input
+becomes IPython's UsageError.
 
 A magic's options are declared once, as an option set (``control/options.py``; e.g.
 ``config.LaunchOptions``), whose fields ``option_arguments`` turns into the magic's
-argparse arguments.
+argparse arguments. Input is checked where it is used, in control/ or analysis/, which
+raise OptionError (analysis: its base, InputError); ``dtlab_magics`` makes every magic of
+a class show that as a UsageError: one line, no traceback. Any other error, a ValueError
+from a bug included, passes through unchanged.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import MISSING
 
 from IPython.core.error import UsageError
+from IPython.core.magic import magics_class
 from IPython.core.magic_arguments import argument
 
 from dtlab.analysis.errors import InputError
@@ -77,3 +82,25 @@ def option_arguments(options: type) -> Callable:
         return func
 
     return decorate
+
+
+def _refusals_as_usage_errors(method):
+    @functools.wraps(method)  # keeps the `parser` that parse_argstring reads
+    def magic(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except InputError as e:  # OptionError included: input refused where it was checked
+            raise UsageError(str(e)) from None
+
+    return magic
+
+
+def dtlab_magics(cls):
+    """Class decorator for dtlab's Magics classes, in place of IPython's ``magics_class``:
+    registers the magics, and makes each show a refused input (InputError, so OptionError
+    too) as a UsageError. The one place that turns such errors into UsageError."""
+    cls = magics_class(cls)
+    methods = {m for table in cls.magics.values() for m in table.values() if isinstance(m, str)}
+    for name in methods:  # a line-and-cell magic is one method, wrapped once
+        setattr(cls, name, _refusals_as_usage_errors(getattr(cls, name)))
+    return cls

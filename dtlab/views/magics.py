@@ -15,7 +15,7 @@ import sys
 import time
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
@@ -24,7 +24,7 @@ from dtlab.control import lifecycle
 from dtlab.control.config import LaunchOptions
 from dtlab.control.errors import NoSessionError, RankError
 from dtlab.views.cells import collate_cell
-from dtlab.views.magic_support import current_session, option_arguments, seconds
+from dtlab.views.magic_support import current_session, dtlab_magics, option_arguments, seconds
 from dtlab.views.tables import launch_summary, rank_table, status_table
 
 
@@ -39,7 +39,7 @@ def show_cell(outputs) -> None:
     sys.stdout.flush()
 
 
-@magics_class
+@dtlab_magics
 class DtlabMagics(Magics):
     @line_magic
     @magic_arguments()
@@ -49,10 +49,7 @@ class DtlabMagics(Magics):
         args = parse_argstring(self.dt_launch, line)
         start = time.monotonic()
         previous = lifecycle.current_or_none()
-        try:
-            session = dtlab.launch(**vars(args))  # the flags are LaunchOptions' fields
-        except ValueError as e:  # raised by validation, before anything starts
-            raise UsageError(str(e)) from None
+        session = dtlab.launch(**vars(args))  # the flags are LaunchOptions' fields
         self.shell.user_ns["dt"] = session
         print(launch_summary(session, time.monotonic() - start, reused=session is previous))
         display(rank_table(session.infos, session.inconsistencies()))
@@ -76,8 +73,6 @@ class DtlabMagics(Magics):
         session = current_session()
         try:
             outputs = session.execute(code, ranks=ranks, timeout=timeout)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
         except RankError as e:
             show_cell(getattr(e, "outputs", {}))
             raise
@@ -90,10 +85,7 @@ class DtlabMagics(Magics):
     def dt_pull(self, line):
         """`%dt_pull NAME` -> {rank: value of NAME on that rank}."""
         args = parse_argstring(self.dt_pull, line)
-        try:
-            return current_session().pull(args.name, ranks=args.ranks)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        return current_session().pull(args.name, ranks=args.ranks)
 
     @line_magic
     @magic_arguments()
@@ -105,10 +97,7 @@ class DtlabMagics(Magics):
         missing = [n for n in args.names if n not in self.shell.user_ns]
         if missing:
             raise UsageError(f"no notebook variable named {', '.join(missing)}; define it first")
-        try:
-            current_session().push({n: self.shell.user_ns[n] for n in args.names}, ranks=args.ranks)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        current_session().push({n: self.shell.user_ns[n] for n in args.names}, ranks=args.ranks)
 
     @line_magic
     def dt_status(self, line):
