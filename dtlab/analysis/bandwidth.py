@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dtlab.analysis import timing
+from dtlab.records.errors import InputError
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
@@ -60,7 +61,7 @@ def combine(times: Mapping[int, Sequence[tuple]], *, label: str, backend: str, d
 def sizes_between(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
     """min, min*factor, ... up to max (nccl-tests' -b/-e/-f)."""
     if min_bytes < 1 or max_bytes < min_bytes or factor < 2:
-        raise ValueError(
+        raise InputError(
             f"need 1 <= min_bytes <= max_bytes and factor >= 2, got {min_bytes}, {max_bytes}, "
             f"{factor}"
         )

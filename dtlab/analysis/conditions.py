@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 from dtlab.records import Condition
+from dtlab.records.errors import InputError
 
 _FORMS = "step>=N, loss>X, loss<X, nonfinite, diverged"
 _COMPARISON = re.compile(r"^(step|loss)\s*(>=|>|<)\s*([-+0-9.eE]+)$")
@@ -18,20 +19,20 @@ _KINDS = {("step", ">="): "step", ("loss", ">"): "loss_above", ("loss", "<"): "l
 
 
 def parse_condition(text: str) -> Condition:
-    """Parse one condition; ValueError names the text and the forms understood."""
+    """Parse one condition; InputError names the text and the forms understood."""
     cleaned = text.strip().lower().replace(" ", "")
     if cleaned in ("nonfinite", "diverged"):
         return Condition(cleaned)
     match = _COMPARISON.match(cleaned)
     kind = _KINDS.get((match.group(1), match.group(2))) if match else None
     if kind is None:
-        raise ValueError(f"cannot read the condition {text!r}; write one of: {_FORMS}")
+        raise InputError(f"cannot read the condition {text!r}; write one of: {_FORMS}")
     try:
         value = float(match.group(3))
     except ValueError:
-        raise ValueError(f"{match.group(3)!r} in {text!r} is not a number") from None
+        raise InputError(f"{match.group(3)!r} in {text!r} is not a number") from None
     if kind == "step" and (value != int(value) or value < 1):
-        raise ValueError(f"step>=N needs a whole number of steps >= 1, got {match.group(3)}")
+        raise InputError(f"step>=N needs a whole number of steps >= 1, got {match.group(3)}")
     return Condition(kind, value)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from dtlab.records.errors import InputError
+
 _NAMED = {
     "all": lambda n: range(n),
     "even": lambda n: range(0, n, 2),
@@ -15,7 +17,7 @@ def parse_rank_spec(spec: str, world_size: int) -> tuple[int, ...]:
     """Ranks named by ``spec`` in a world of ``world_size``, sorted and unique.
 
     Accepts ``all``, ``even``, ``odd``, and comma-separated ranks and ranges: ``0,3``,
-    ``0-3``, ``1,4-6``. Raises ValueError naming the bad part and the valid ranks.
+    ``0-3``, ``1,4-6``. Raises InputError naming the bad part and the valid ranks.
     """
     text = spec.strip().lower()
     valid = f"valid ranks are 0-{world_size - 1}" if world_size > 1 else "the only rank is 0"
@@ -26,15 +28,15 @@ def parse_rank_spec(spec: str, world_size: int) -> tuple[int, ...]:
         part = part.strip()
         lo, sep, hi = part.partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(
+            raise InputError(
                 f"bad rank spec {spec!r}: {part!r} is not a rank or a range like 0-3; "
                 "use e.g. 0,3 or 0-3 or all / even / odd"
             )
         first, last = int(lo), int(hi) if sep else int(lo)
         if first > last:
-            raise ValueError(f"bad rank range {part!r} in {spec!r}: write it low-high")
+            raise InputError(f"bad rank range {part!r} in {spec!r}: write it low-high")
         if last >= world_size:
-            raise ValueError(f"rank {last} in {spec!r} does not exist: {valid}")
+            raise InputError(f"rank {last} in {spec!r} does not exist: {valid}")
         ranks.update(range(first, last + 1))
     return tuple(sorted(ranks))
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dtlab.agent import api
-from dtlab.control.errors import DtlabError, RankError
+from dtlab.control.errors import DtlabError, OptionError, RankError
 from dtlab.records.checkpoints import CheckpointInfo, catalogue, commit, describe, remove_partial
 from dtlab.records.trace import RUNS_DIR_ENV
 
@@ -74,7 +74,7 @@ class Checkpointing:
         """Save every ``steps`` steps during runs (None or 0: stop). A failed save stops
         the run with its error; the job stays as it was after the step."""
         if steps is not None and steps < 0:
-            raise ValueError(f"steps must be positive (or 0/None to stop), got {steps}")
+            raise OptionError(f"steps must be positive (or 0/None to stop), got {steps}")
         self.session.run(api.set_autosave, str(self.checkpoint_root), steps or None)
         self.autosave_every = steps or None  # re-applied where dtlab rebuilds the job
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dtlab.agent import api
 from dtlab.analysis.bandwidth import Sweep, combine, sizes_between
+from dtlab.control.errors import OptionError
 
 SWEEP_TIMEOUT_S = 600.0
 
@@ -34,7 +35,9 @@ class Comm:
         process group (nccl-tests' all_reduce_perf, on whatever backend is up). Sweeps are
         kept in ``dt.sweeps`` to compare settings (A/B)."""
         if iters < 1 or warmup < 0:  # said here, not as a traceback from every rank
-            raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
+            raise OptionError(
+                f"need iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}"
+            )
         sizes = sizes_between(min_bytes, max_bytes, factor)
         times = self.session.run(
             api.bandwidth_sweep, sizes, iters, warmup, dtype, timeout=SWEEP_TIMEOUT_S

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from dtlab.analysis.grouping import group_by_value
 from dtlab.analysis.ranks import label_ranks
 from dtlab.records import RemoteFailure
+from dtlab.records.errors import InputError
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # IPython's colours in engine tracebacks
 
@@ -25,6 +26,12 @@ class DtlabError(Exception):
     def _render_traceback_(self) -> list[str]:
         lines = str(self).splitlines()
         return [f"{type(self).__name__}: {lines[0]}", *lines[1:]]
+
+
+class OptionError(DtlabError, InputError):
+    """An argument or option the user gave is refused: its message names it and says what
+    would do. A ValueError (code catching ValueError still works); every magic shows it as
+    IPython's UsageError, in one place (``views/magic_support.py: dtlab_magics``)."""
 
 
 class LaunchError(DtlabError):

@@ -18,6 +18,8 @@ import sys
 from ipyparallel.cluster.launcher import LocalEngineLauncher
 from traitlets import Integer
 
+from dtlab.control.errors import OptionError
+
 # "local" is ours; the others are ipyparallel's `ipyparallel.engine_launchers` entry points
 LAUNCHERS = ("local", "mpi", "slurm", "ssh")
 
@@ -100,10 +102,10 @@ def parse_hosts(text: str) -> dict[str, int]:
     for item in filter(None, (part.strip() for part in text.split(","))):
         host, _, count = item.partition(":")
         if not host or (count and not (count.isdigit() and int(count) >= 1)):
-            raise ValueError(f"bad --hosts item {item!r}: expected HOST or HOST:N, e.g. node1:4")
+            raise OptionError(f"bad --hosts item {item!r}: expected HOST or HOST:N, e.g. node1:4")
         hosts[host] = hosts.get(host, 0) + (int(count) if count else 1)
     if not hosts:
-        raise ValueError("--hosts is empty: expected e.g. node1:4,node2:4")
+        raise OptionError("--hosts is empty: expected e.g. node1:4,node2:4")
     return hosts
 
 
@@ -133,7 +135,7 @@ def slurm_config(partition: str | None = None, sbatch_args: tuple[str, ...] = ()
     lines = [f"#SBATCH --partition={partition}"] if partition else []
     for arg in sbatch_args:
         if not arg.startswith("-") or "\n" in arg:
-            raise ValueError(
+            raise OptionError(
                 f"bad --sbatch-arg {arg!r}: expected an sbatch option like --cpus-per-task=1"
             )
         lines.append(f"#SBATCH {arg}".replace("{", "{{").replace("}", "}}"))

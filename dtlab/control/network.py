@@ -14,13 +14,15 @@ import socket
 
 import psutil
 
+from dtlab.control.errors import OptionError
+
 LOOPBACK = "127.0.0.1"
 EVERYWHERE = "0.0.0.0"
 
 
 def listen_address(listen: str) -> str:
     """``""`` -> 127.0.0.1; ``*``/``0.0.0.0`` -> 0.0.0.0; an IPv4 address -> itself; an
-    interface name -> its IPv4 address. ValueError names the interfaces there are."""
+    interface name -> its IPv4 address. OptionError names the interfaces there are."""
     if not listen:
         return LOOPBACK
     if listen in ("*", EVERYWHERE):
@@ -34,9 +36,9 @@ def listen_address(listen: str) -> str:
         for addr in interfaces[listen]:
             if addr.family == socket.AF_INET:
                 return addr.address
-        raise ValueError(f"--listen {listen}: that interface has no IPv4 address")
+        raise OptionError(f"--listen {listen}: that interface has no IPv4 address")
     names = ", ".join(sorted(interfaces))
-    raise ValueError(
+    raise OptionError(
         f"--listen {listen!r} is neither an IPv4 address nor an interface here ({names}), "
         "nor * for all"
     )

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from dtlab.agent import api
 from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.resume import Comparison, compare_runs, first_module_difference
-from dtlab.control.errors import DtlabError
+from dtlab.control.errors import DtlabError, OptionError
 from dtlab.records.checkpoints import CheckpointInfo
 from dtlab.records.trace import Trace
 
@@ -103,7 +103,7 @@ class Replays:
         (``fresh=False``: the live ones), run the same steps and compare every step's loss,
         fingerprints, LR, scale, data and RNG state with the run that never stopped."""
         if steps < 1:
-            raise ValueError(f"steps must be at least 1, got {steps}")
+            raise OptionError(f"steps must be at least 1, got {steps}")
         if self.session.checkpointing.job_setup is None and self.session.scripts.is_current():
             return self.session.scripts.resume_check(steps, fresh=fresh, progress=progress)
         if fresh and self.session.checkpointing.job_setup is None:
@@ -158,7 +158,7 @@ class Replays:
         now = trace.last_step
         to_step = now if to_step is None else to_step
         if not 1 <= from_step <= to_step <= now:
-            raise ValueError(
+            raise OptionError(
                 f"replay needs 1 <= from_step <= to_step <= {now} (the last "
                 f"step run), got {from_step}..{to_step}"
             )
@@ -244,7 +244,7 @@ class Replays:
         step from state the checkpoint did not hold.
         """
         if not good_step < bad_step:
-            raise ValueError(f"good_step must be before bad_step, got {good_step}, {bad_step}")
+            raise OptionError(f"good_step must be before bad_step, got {good_step}, {bad_step}")
         if against == "ranks":
             return self._bisect_ranks(good_step, bad_step)
         if isinstance(against, Trace):
@@ -262,7 +262,7 @@ class Replays:
                 verdict=comparison.summary(),
             )
         if against != "replay":
-            raise ValueError(f"against must be 'replay', 'ranks' or a Trace, got {against!r}")
+            raise OptionError(f"against must be 'replay', 'ranks' or a Trace, got {against!r}")
         return self._bisect_replay(good_step, bad_step)
 
     def _bisect_ranks(self, good_step: int, bad_step: int) -> BisectResult:

@@ -21,7 +21,7 @@ from dtlab.agent import api
 from dtlab.analysis.hangs import diagnose
 from dtlab.analysis.ranks import label_ranks
 from dtlab.control.channel import Channel
-from dtlab.control.errors import DtlabError
+from dtlab.control.errors import DtlabError, OptionError
 from dtlab.records import HangReport, RankReport
 
 REPORT_TIMEOUT_S = 2.0  # a sidecar answers in ms; one that does not in 2 s will not
@@ -210,7 +210,7 @@ class Recovery:
         (``dt.restart(from_checkpoint)``) and go on to the step it was asked to reach, up
         to ``max_restarts`` times (0: off). Each restart is kept in the trace's meta."""
         if max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+            raise OptionError(f"max_restarts must be >= 0, got {max_restarts}")
         if max_restarts and from_checkpoint not in (None, "latest"):
             self.session.checkpointing.find_checkpoint(
                 from_checkpoint

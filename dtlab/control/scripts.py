@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from dtlab.agent import api
 from dtlab.analysis.ranks import label_ranks
-from dtlab.control.errors import DtlabError, RankError
+from dtlab.control.errors import DtlabError, OptionError, RankError
 from dtlab.records import RemoteFailure, RunResult, ScriptStatus
 
 OUTPUT_WAIT_S = 2.0
@@ -68,7 +68,7 @@ class Scripts:
         """Run ``path`` as torchrun would on every rank, until each is paused at step 0
         (set-up done, about to make the first optimizer step) or the script ended."""
         if not isinstance(path, str) or not path:
-            raise ValueError(f"the script's path must be a non-empty string, got {path!r}")
+            raise OptionError(f"the script's path must be a non-empty string, got {path!r}")
         argv = [str(a) for a in argv]
         session = self.session
         session.stepper._connect()

@@ -21,7 +21,7 @@ from dtlab.control.checkpointing import Checkpointing
 from dtlab.control.cluster import EngineCluster
 from dtlab.control.comm_bench import Comm
 from dtlab.control.config import LaunchConfig, checked_timeout, keeping_threads
-from dtlab.control.errors import DtlabError, RankError
+from dtlab.control.errors import DtlabError, OptionError, RankError
 from dtlab.control.partitions import Pipeline
 from dtlab.control.rankmap import RankMap
 from dtlab.control.replays import Replays
@@ -218,7 +218,7 @@ class Session:
         chosen = sorted(set(ranks))
         bad = [r for r in chosen if not 0 <= r < self.world_size]
         if bad:
-            raise ValueError(
+            raise OptionError(
                 f"{label_ranks(bad)} not in this session: valid ranks are 0-{self.world_size - 1}"
             )
         return chosen

@@ -29,7 +29,7 @@ from dtlab.analysis.ranks import label_ranks
 from dtlab.control.calls import counted_interrupts
 from dtlab.control.channel import Channel
 from dtlab.control.config import checked_timeout
-from dtlab.control.errors import DtlabError
+from dtlab.control.errors import DtlabError, OptionError
 from dtlab.control.network import EVERYWHERE, LOOPBACK, is_loopback, listen_address, route_ip
 from dtlab.control.runs import FAILURE_GRACE_S, POLL_S, Run
 from dtlab.records import Condition, RunResult
@@ -200,13 +200,13 @@ class Stepper:
         self, steps: int, until: Condition | None, record: bool | None, timeout: float | None
     ) -> Run:
         if steps < 1:
-            raise ValueError(f"the number of steps must be at least 1, got {steps}")
+            raise OptionError(f"the number of steps must be at least 1, got {steps}")
         timeout = checked_timeout(timeout)
         self._connect()
         self.session.check_ready(self.session.client(), self.session.ranks, "step")
         self._sync_job()
         if until is not None and until.kind == "step" and until.value <= self.trace.last_step:
-            raise ValueError(
+            raise OptionError(
                 f"{describe_condition(until)} holds already: the job is at step "
                 f"{self.trace.last_step}"
             )

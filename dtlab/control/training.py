@@ -17,7 +17,7 @@ from dtlab.analysis.divergence import (
     tensor_diff,
 )
 from dtlab.analysis.doctor import all_findings, run_checks
-from dtlab.control.errors import DtlabError
+from dtlab.control.errors import DtlabError, OptionError
 from dtlab.records import CheckResult, Condition, Evidence, Finding, RunResult
 
 DEFAULT_MAX_STEPS = 100_000
@@ -113,7 +113,7 @@ class Training:
     def _tensors(self, name: str, what: str, ranks, step: int | None) -> dict:
         last = self.session.trace.last_step if self.session.trace is not None else 0
         if step is not None and step != last:
-            raise ValueError(
+            raise OptionError(
                 f"ranks keep only the tensors of the latest step ({last}), not step {step}; "
                 f"use %dt_run --until step>={step} to stop there and look"
             )

@@ -13,8 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
+from dtlab.records.errors import InputError
 
-class PlanError(ValueError):
+
+class PlanError(InputError):
     """A partition plan that cannot be used; the message says what is wrong and the fix."""
 
 

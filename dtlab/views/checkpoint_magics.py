@@ -12,11 +12,11 @@
 from __future__ import annotations
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import Magics, line_magic
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from dtlab.views.magic_support import current_session
+from dtlab.views.magic_support import current_session, dtlab_magics
 from dtlab.views.progress import delayed_progress
 from dtlab.views.reports import checkpoints_table, replay_summary
 
@@ -31,7 +31,7 @@ def which_checkpoint(text: str):
         return text  # a folder path
 
 
-@magics_class
+@dtlab_magics
 class CheckpointMagics(Magics):
     @line_magic
     @magic_arguments()
@@ -122,10 +122,7 @@ class CheckpointMagics(Magics):
     def dt_replay(self, line):
         """Re-run steps from the newest checkpoint before them and compare with the run."""
         args = parse_argstring(self.dt_replay, line)
-        try:
-            result = current_session().replay(args.first, args.last)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        result = current_session().replay(args.first, args.last)
         print(replay_summary(result))
         return result
 
@@ -142,9 +139,6 @@ class CheckpointMagics(Magics):
     def dt_bisect(self, line):
         """The first step after GOOD whose outcome differs, and within it the module."""
         args = parse_argstring(self.dt_bisect, line)
-        try:
-            found = current_session().bisect(args.good, args.bad, against=args.against)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        found = current_session().bisect(args.good, args.bad, against=args.against)
         print(found.verdict if found.step else f"no difference: {found.verdict}")
         return found

@@ -8,13 +8,13 @@
 from __future__ import annotations
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import Magics, line_magic
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
 from dtlab.analysis.bandwidth import DTYPE_NAMES, compare_sweeps
 from dtlab.views.bandwidth_views import bandwidth_figure, bandwidth_table
-from dtlab.views.magic_support import current_session
+from dtlab.views.magic_support import current_session, dtlab_magics
 
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -32,7 +32,7 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-@magics_class
+@dtlab_magics
 class CommMagics(Magics):
     @line_magic
     @magic_arguments()
@@ -56,17 +56,13 @@ class CommMagics(Magics):
                 except ValueError as e:  # swept other sizes: the figure still shows both
                     print(f"{sweep.label} vs {dt.sweeps[0].label}: {e}")
             return bandwidth_figure(dt.sweeps)
-        try:
-            low, high = parse_size(args.min), parse_size(args.max)
-            sweep = dt.bandwidth_sweep(
-                min_bytes=low,
-                max_bytes=high,
-                factor=args.factor,
-                iters=args.iters,
-                dtype=args.dtype,
-                label=args.label,
-            )
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        sweep = dt.bandwidth_sweep(
+            min_bytes=parse_size(args.min),
+            max_bytes=parse_size(args.max),
+            factor=args.factor,
+            iters=args.iters,
+            dtype=args.dtype,
+            label=args.label,
+        )
         display(bandwidth_table(sweep))
         return bandwidth_figure([sweep])

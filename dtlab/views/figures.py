@@ -28,6 +28,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative, sequential
 from plotly.subplots import make_subplots
 
+from dtlab.control.errors import OptionError
 from dtlab.records import StepMemory, StepRecord, StepTimes
 from dtlab.records.trace import Trace
 
@@ -205,7 +206,7 @@ def memory_figure(trace: Trace, *, field: str = "rss", max_points: int = 2000) -
     that recorded steps but never the field.
     """
     if field not in MEMORY_FIELDS:
-        raise ValueError(f"no memory field {field!r}; valid fields: {', '.join(MEMORY_FIELDS)}")
+        raise OptionError(f"no memory field {field!r}; valid fields: {', '.join(MEMORY_FIELDS)}")
     fig = go.Figure()
     for rank in _ranks(trace):
         x, y = _series(trace.records[rank], _memory_mib(field), max_points)

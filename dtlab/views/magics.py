@@ -15,17 +15,16 @@ import sys
 import time
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
 import dtlab
 from dtlab.control import lifecycle
-from dtlab.control.config import BACKENDS, parse_env
+from dtlab.control.config import LaunchOptions
 from dtlab.control.errors import NoSessionError, RankError
-from dtlab.control.launchers import LAUNCHERS
 from dtlab.views.cells import collate_cell
-from dtlab.views.magic_support import current_session, seconds
+from dtlab.views.magic_support import current_session, dtlab_magics, option_arguments, seconds
 from dtlab.views.tables import launch_summary, rank_table, status_table
 
 
@@ -40,107 +39,17 @@ def show_cell(outputs) -> None:
     sys.stdout.flush()
 
 
-@magics_class
+@dtlab_magics
 class DtlabMagics(Magics):
     @line_magic
     @magic_arguments()
-    @argument("num_ranks", type=int, help="number of ranks (one ipyparallel engine each)")
-    @argument(
-        "--backend",
-        default="auto",
-        help=f"one of {', '.join(BACKENDS)}; auto picks nccl when every rank has a GPU",
-    )
-    @argument(
-        "--launcher",
-        default="local",
-        help=f"ipyparallel engine launcher: one of {', '.join(LAUNCHERS)}",
-    )
-    @argument(
-        "--timeout",
-        type=seconds,
-        default=120.0,
-        help="seconds for engines to register and ranks to join (default 120)",
-    )
-    @argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads per rank (default: the host's cores / ranks on it)",
-    )
-    @argument(
-        "--env",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="KEY=VAL",
-        help="environment variables for every rank, e.g. --env NCCL_DEBUG=INFO",
-    )
-    @argument(
-        "--port",
-        type=int,
-        default=0,
-        help="rendezvous port on rank 0's host (default: any free port)",
-    )
-    @argument(
-        "--pg-timeout",
-        type=seconds,
-        default=600.0,
-        help="process-group timeout in seconds: frees ranks stuck in a collective",
-    )
-    @argument(
-        "--hosts",
-        default=None,
-        help="ssh launcher: hosts and engines per host, e.g. node1:4,node2:4",
-    )
-    @argument("--partition", default=None, help="slurm launcher: the partition to submit to")
-    @argument(
-        "--sbatch-arg",
-        action="append",
-        default=[],
-        metavar="OPTION",
-        help="slurm launcher: an sbatch option for the engines' job, e.g. "
-        "--sbatch-arg=--cpus-per-task=1 (repeatable)",
-    )
-    @argument(
-        "--listen",
-        default="",
-        help="interface or address to listen on for ranks on other hosts (eth0, ib0, *)",
-    )
-    @argument(
-        "--restart",
-        action="store_true",
-        help="start fresh engines even if a live session with N ranks exists",
-    )
-    @argument(
-        "--force",
-        action="store_true",
-        help="start more than 16 ranks per core of this host (refused otherwise)",
-    )
+    @option_arguments(LaunchOptions)
     def dt_launch(self, line):
         """Start N ranks (or reuse the live ones) and show the rank table."""
         args = parse_argstring(self.dt_launch, line)
         start = time.monotonic()
         previous = lifecycle.current_or_none()
-        try:
-            env = parse_env(args.env)
-            session = dtlab.launch(
-                args.num_ranks,
-                backend=args.backend,
-                launcher=args.launcher,
-                timeout=args.timeout,
-                threads=args.threads,
-                env=env,
-                port=args.port,
-                pg_timeout=args.pg_timeout,
-                restart=args.restart,
-                hosts=args.hosts,
-                listen=args.listen,
-                partition=args.partition,
-                sbatch_args=tuple(args.sbatch_arg),
-                force=args.force,
-            )
-        except ValueError as e:  # raised by validation, before anything starts
-            raise UsageError(str(e)) from None
+        session = dtlab.launch(**vars(args))  # the flags are LaunchOptions' fields
         self.shell.user_ns["dt"] = session
         print(launch_summary(session, time.monotonic() - start, reused=session is previous))
         display(rank_table(session.infos, session.inconsistencies()))
@@ -164,8 +73,6 @@ class DtlabMagics(Magics):
         session = current_session()
         try:
             outputs = session.execute(code, ranks=ranks, timeout=timeout)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
         except RankError as e:
             show_cell(getattr(e, "outputs", {}))
             raise
@@ -178,10 +85,7 @@ class DtlabMagics(Magics):
     def dt_pull(self, line):
         """`%dt_pull NAME` -> {rank: value of NAME on that rank}."""
         args = parse_argstring(self.dt_pull, line)
-        try:
-            return current_session().pull(args.name, ranks=args.ranks)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        return current_session().pull(args.name, ranks=args.ranks)
 
     @line_magic
     @magic_arguments()
@@ -193,10 +97,7 @@ class DtlabMagics(Magics):
         missing = [n for n in args.names if n not in self.shell.user_ns]
         if missing:
             raise UsageError(f"no notebook variable named {', '.join(missing)}; define it first")
-        try:
-            current_session().push({n: self.shell.user_ns[n] for n in args.names}, ranks=args.ranks)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        current_session().push({n: self.shell.user_ns[n] for n in args.names}, ranks=args.ranks)
 
     @line_magic
     def dt_status(self, line):

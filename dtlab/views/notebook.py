@@ -3,14 +3,19 @@
 control/ never imports views (its Session runs ranks and holds what they said); what a
 person looks at (the dashboard, the partition editor, the checkpoint browser, the HTML
 report, TensorBoard files, Prometheus gauges) is made here, from data control/ hands over.
-``dtlab.launch`` / ``%dt_launch`` give a NotebookSession.
+``launch`` (``dtlab.launch``; ``%dt_launch`` calls it) gives a NotebookSession.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
+from dtlab.control import lifecycle
+from dtlab.control.config import LaunchOptions, launch_config, oversubscription
+from dtlab.control.options import describe, given, signature
 from dtlab.control.session import Session
+from dtlab.views.progress import auto_progress
 
 
 class NotebookSession(Session):
@@ -110,3 +115,29 @@ class NotebookSession(Session):
         self.stop_metrics()
         retire_panels()  # dashboards and editors become text: their ranks are gone
         super().shutdown()
+
+
+def launch(
+    num_ranks: int, *, progress: Callable[[str, int, int], None] | None = None, **options
+) -> NotebookSession:
+    """Start ``num_ranks`` ranks (or reuse the live session) and return the Session.
+
+    The options are ``%dt_launch``'s, as keywords (``--pg-timeout 60``: ``pg_timeout=60``);
+    an unknown one is a TypeError naming them, a bad value an OptionError saying what
+    would do. ``progress(phase, done, total)`` is called as engines register and ranks join
+    (default: a widget in a notebook, text elsewhere). More local ranks than cores is
+    warned about.
+
+    Options (declared once, in ``dtlab.control.config.LaunchOptions``):
+    """
+    chosen = given(LaunchOptions, "dtlab.launch()", {"num_ranks": num_ranks, **options})
+    config = launch_config(chosen)
+    if note := oversubscription(config):
+        warnings.warn(f"{note}; the doctor says when timings are too noisy to judge", stacklevel=2)
+    return lifecycle.launch(
+        config, progress or auto_progress(), restart=chosen.restart, session_class=NotebookSession
+    )
+
+
+launch.__doc__ = f"{launch.__doc__.rstrip()}\n\n{describe(LaunchOptions, skip=('num_ranks',))}\n"
+launch.__signature__ = signature(LaunchOptions, positional=("num_ranks",), extra={"progress": None})

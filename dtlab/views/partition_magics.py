@@ -17,7 +17,7 @@ the blocks of each stage (``embed,blocks.0|blocks.1,blocks.2|...``). Regexes per
 from __future__ import annotations
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import Magics, line_magic
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
@@ -25,8 +25,7 @@ from dtlab.analysis import timing
 from dtlab.analysis.partition import METHODS
 from dtlab.analysis.partition_export import to_deepspeed, to_megatron, to_torchtitan
 from dtlab.control.partitions import NotAPipeline
-from dtlab.records import PlanError
-from dtlab.views.magic_support import current_session
+from dtlab.views.magic_support import current_session, dtlab_magics
 from dtlab.views.partition_figures import balance_figure, schedule_figure
 from dtlab.views.partition_tables import balance_table
 
@@ -51,7 +50,7 @@ def plan_from_text(text: str):
     )
 
 
-@magics_class
+@dtlab_magics
 class PartitionMagics(Magics):
     @line_magic
     @magic_arguments()
@@ -78,22 +77,19 @@ class PartitionMagics(Magics):
         if args.export:
             print(EXPORTS[args.export](dt.partition()))
             return None
-        try:
-            if args.predict:
-                predicted = dt.predict(plan_from_text(args.predict))
-                print(f"predicted: {predicted.plan.describe()}")
-                display(balance_table(predicted))
-                return balance_figure(predicted)
-            if args.apply:
-                moved = dt.repartition(plan_from_text(args.apply))
-                print(
-                    f"moved {len(moved['moved'])} block(s) in {moved['seconds'] * 1e3:.0f} ms: "
-                    f"{moved['plan'].describe()}; %dt_step a few steps, then %dt_partition "
-                    "shows the measured balance"
-                )
-                return None
-        except PlanError as e:
-            raise UsageError(str(e)) from None
+        if args.predict:
+            predicted = dt.predict(plan_from_text(args.predict))
+            print(f"predicted: {predicted.plan.describe()}")
+            display(balance_table(predicted))
+            return balance_figure(predicted)
+        if args.apply:
+            moved = dt.repartition(plan_from_text(args.apply))
+            print(
+                f"moved {len(moved['moved'])} block(s) in {moved['seconds'] * 1e3:.0f} ms: "
+                f"{moved['plan'].describe()}; %dt_step a few steps, then %dt_partition "
+                "shows the measured balance"
+            )
+            return None
         balance = dt.balance()
         if args.schedule:
             return schedule_figure(balance.events)

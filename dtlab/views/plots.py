@@ -8,6 +8,7 @@ import plotly.graph_objects as go
 
 from dtlab.analysis.divergence import deviation_matrix
 from dtlab.analysis.trends import grad_norm_spread
+from dtlab.control.errors import OptionError
 from dtlab.records import StepRecord
 from dtlab.records.trace import Trace
 from dtlab.views import figures
@@ -28,7 +29,7 @@ def figure_for(
     ``field`` the memory counter, ``other`` a second run to overlay on "loss"; "deviation"
     needs ``details``, the per-parameter records of one step (``dt.step_details(step)``)."""
     if kind not in KINDS:
-        raise ValueError(f"no plot {kind!r}; choose one of {', '.join(KINDS)}")
+        raise OptionError(f"no plot {kind!r}; choose one of {', '.join(KINDS)}")
     if kind == "loss":
         return figures.loss_figure(trace, other)
     if kind == "memory":

@@ -8,13 +8,13 @@
 from __future__ import annotations
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import Magics, line_magic
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
 from dtlab.analysis.ranks import label_ranks
 from dtlab.views.checkpoint_magics import which_checkpoint
-from dtlab.views.magic_support import current_session
+from dtlab.views.magic_support import current_session, dtlab_magics
 from dtlab.views.progress import delayed_progress
 from dtlab.views.reports import hang_table
 
@@ -36,7 +36,7 @@ def rerun_summary(world_size: int, event: dict) -> str:
     return f"{line} (not compared with the first run: it was not recorded at that step)"
 
 
-@magics_class
+@dtlab_magics
 class RecoveryMagics(Magics):
     @line_magic
     def dt_stacks(self, line):

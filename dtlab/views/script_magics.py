@@ -12,12 +12,12 @@ import argparse
 import sys
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import Magics, line_magic
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from dtlab.control.errors import RankError
 from dtlab.views.cells import collate
-from dtlab.views.magic_support import current_session, seconds
+from dtlab.views.magic_support import current_session, dtlab_magics, seconds
 from dtlab.views.progress import delayed_progress
 from dtlab.views.reports import run_summary, script_summary
 
@@ -36,7 +36,7 @@ def show_other_ranks(session) -> None:
         print(f"printed on other ranks:\n{text}", end="")
 
 
-@magics_class
+@dtlab_magics
 class ScriptMagics(Magics):
     @line_magic
     @magic_arguments()

@@ -11,18 +11,18 @@
 from __future__ import annotations
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import Magics, line_magic
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
 from dtlab import demo
 from dtlab.analysis.conditions import parse_condition
 from dtlab.analysis.doctor import all_findings
-from dtlab.control.errors import RankError
+from dtlab.control.errors import OptionError, RankError
 from dtlab.control.training import DEFAULT_MAX_STEPS
 from dtlab.records import PlanError
 from dtlab.records.trace import Trace
-from dtlab.views.magic_support import current_session, seconds
+from dtlab.views.magic_support import current_session, dtlab_magics, seconds
 from dtlab.views.partition_magics import plan_from_text
 from dtlab.views.plots import KINDS, figure_for
 from dtlab.views.progress import delayed_progress
@@ -61,7 +61,7 @@ def _script_end(session, result) -> None:
             print(script_summary(status))
 
 
-@magics_class
+@dtlab_magics
 class TrainingMagics(Magics):
     @line_magic
     @magic_arguments()
@@ -127,8 +127,8 @@ class TrainingMagics(Magics):
                     accumulate=args.accumulate,
                     **config,
                 )
-        except PlanError as e:
-            raise UsageError(f"--plan: {e}") from None
+        except PlanError as e:  # said with the flag it came from
+            raise OptionError(f"--plan: {e}") from None
         except RankError as e:  # a bad --set value fails the same way on every rank
             kinds = {f.ename for f in e.failures.values()}
             if kinds <= {"ValueError", "TypeError"} and not (e.finished or e.stuck):
@@ -174,10 +174,7 @@ class TrainingMagics(Magics):
     def dt_run(self, line):
         """Step until a condition holds on some rank; every rank pauses at the same step."""
         args = parse_argstring(self.dt_run, line)
-        try:
-            condition = parse_condition(args.until)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+        condition = parse_condition(args.until)
         if args.max_steps < 1:
             raise UsageError(f"--max-steps must be at least 1, got {args.max_steps}")
         session = current_session()
@@ -233,9 +230,8 @@ class TrainingMagics(Magics):
         details = session.step_details(step) if args.kind == "deviation" else None
         try:
             other = Trace.load(args.compare) if args.compare else None
-            figure = figure_for(
-                trace, args.kind, step=step, field=args.field, other=other, details=details
-            )
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-        return figure  # shown as the cell's result, and usable as a value
+        except ValueError as e:  # not a run folder, or a damaged one: the user's input
+            raise OptionError(f"--compare {args.compare}: {e}") from None
+        return figure_for(
+            trace, args.kind, step=step, field=args.field, other=other, details=details
+        )  # shown as the cell's result, and usable as a value
