@@ -354,6 +354,7 @@ def _progress_of(run: Run, steps: int, until: Condition | None) -> tuple[str, in
         return "steps", steps
     phase = f"steps until {describe_condition(until)}"
     if until.kind == "step":
+        assert until.value is not None  # a "step" condition always has its step
         return phase, max(int(until.value) - run.first_step, 1)
     return phase, 0
 
