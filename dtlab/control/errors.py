@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 
 from dtlab.analysis.grouping import group_by_value
 from dtlab.analysis.ranks import label_ranks
-from dtlab.records import RemoteFailure
+from dtlab.records import CellOutput, RemoteFailure
 
 STUCK_HINT = (
     "still busy after SIGINT: probably blocked in a collective, which SIGINT cannot break; "
@@ -57,6 +57,8 @@ class RankError(DtlabError):
     Ranks still running a second after the first failure were sent SIGINT: ``stopped``
     obeyed, ``stuck`` did not (and will not take new work until they are free).
     """
+
+    outputs: dict[int, CellOutput]  # a failed %%dt cell: what the ranks printed (only then)
 
     def __init__(
         self,
