@@ -10,6 +10,7 @@ import pytest
 
 from dtlab.analysis.checks_data import check_data_order
 from dtlab.analysis.checks_learning import MIN_STEPS, check_learning
+from dtlab.analysis.checks_state import check_buffers
 from dtlab.analysis.checks_sync import check_gradient_sync
 from dtlab.analysis.doctor import run_checks
 from dtlab.records import Evidence, InitialState
@@ -245,3 +246,32 @@ def test_a_rank_ten_times_slower_is_still_found_through_the_noise():
 
     result = check_stragglers(evidence(noisy_job(slow_rank=5, slower=10.0)))
     assert [f.ranks for f in result.findings] == [(5,)]
+
+
+# --- buffers -------------------------------------------------------------------------------
+
+
+def buffer_job(prints_by_rank):
+    """Two steps per rank whose buffers have these per-buffer fingerprints."""
+    records = {
+        r: [
+            step_record(s, r, buffer_fingerprints=prints, buffer_fingerprint=hash(prints) or 1)
+            for s in (1, 2)
+        ]
+        for r, prints in prints_by_rank.items()
+    }
+    jobs = {r: job_info(r, buffers=("bn.running_mean", "bn.running_var")) for r in records}
+    return replace(evidence(records), details=records, jobs=jobs)
+
+
+def test_a_buffer_that_drifts_is_named():
+    result = check_buffers(buffer_job({0: (7, 8), 1: (7, 8), 2: (7, 9)}))
+    (finding,) = result.findings
+    assert finding.ranks == (2,) and finding.evidence["first"] == "bn.running_var"
+
+
+def test_ranks_holding_different_numbers_of_buffers_are_not_a_drift():
+    # the first rank's buffers are a prefix of the others': no buffer differs to be named
+    # (this raised TypeError: _first_difference found none)
+    result = check_buffers(buffer_job({0: (7,), 1: (7, 8)}))
+    assert result.findings == () and "different numbers of buffers" in result.passed_because

@@ -69,6 +69,7 @@ def test_frames_that_are_not_ours_are_dropped():
     assert decode_request(b"not json", KEY) is None
     assert decode_request(json.dumps([KEY]).encode(), KEY) is None
     assert decode_request(json.dumps({"key": KEY, "op": "format_disk"}).encode(), KEY) is None
+    assert decode_request(json.dumps({"key": KEY, "op": ["run"]}).encode(), KEY) is None
     odd = {"key": KEY, "op": "run", "id": "x", "steps": 1}
     assert decode_request(json.dumps(odd).encode(), KEY) is None
     assert decode_reply(json.dumps({"key": KEY, "kind": "done"}).encode(), KEY) is None

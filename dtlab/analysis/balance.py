@@ -66,15 +66,15 @@ class Balance:
     @property
     def imbalance(self) -> float | None:
         """Slowest stage's compute over the mean stage's (1.0: perfectly balanced)."""
-        times = [s.compute_s for s in self.stages]
-        if not times or any(t is None for t in times) or sum(times) == 0:
+        times = [s.compute_s for s in self.stages if s.compute_s is not None]
+        if not times or len(times) < len(self.stages) or sum(times) == 0:
             return None
         return max(times) / (sum(times) / len(times))
 
     @property
     def slowest_stage(self) -> int | None:
-        times = [s.compute_s for s in self.stages]
-        if not times or any(t is None for t in times):
+        times = [s.compute_s for s in self.stages if s.compute_s is not None]
+        if not times or len(times) < len(self.stages):
             return None
         return self.stages[times.index(max(times))].stage
 
@@ -162,9 +162,10 @@ def predict_balance(
     )
     if any(st.compute_s is None for st in stages):
         return Balance(plan, stages, microbatches, schedule, False, None, None)
-    events = simulate_schedule(
-        [st.forward_s for st in stages], [st.backward_s for st in stages], microbatches, schedule
-    )
+    # every stage is timed from here on (compute_s is None when either time is)
+    forward = [st.forward_s for st in stages if st.forward_s is not None]
+    backward = [st.backward_s for st in stages if st.backward_s is not None]
+    events = simulate_schedule(forward, backward, microbatches, schedule)
     step_s = max(e.end for e in events) - min(e.start for e in events)
     bubble = bubble_fraction(events, plan.num_stages)
     return Balance(plan, stages, microbatches, schedule, False, step_s, bubble, events)
@@ -251,7 +252,7 @@ def _predicted_stage(
     blocks = plan.stage_blocks(stage)
     held = [costs[b] for b in blocks]
     param_bytes = sum(c.param_bytes for c in held)
-    acts = [c.activation_bytes for c in held]
+    acts = [c.activation_bytes for c in held if c.activation_bytes is not None]
     in_flight = microbatches_in_flight(stage, plan.num_stages, microbatches, schedule)
     timed = all(c.measured for c in held)
     return StageBalance(
@@ -262,9 +263,9 @@ def _predicted_stage(
         param_bytes=param_bytes,
         grad_bytes=param_bytes,
         optimizer_bytes=round(param_bytes * optimizer_ratio),
-        activation_bytes=None if None in acts else sum(acts) * in_flight,
-        forward_s=sum(c.forward_s for c in held) if timed else None,
-        backward_s=sum(c.backward_s for c in held) if timed else None,
+        activation_bytes=sum(acts) * in_flight if len(acts) == len(held) else None,
+        forward_s=sum(c.forward_s for c in held if c.forward_s is not None) if timed else None,
+        backward_s=sum(c.backward_s for c in held if c.backward_s is not None) if timed else None,
     )
 
 

@@ -121,9 +121,9 @@ def _same_inputs_findings(records: Records) -> list[Finding]:
         groups: dict[tuple, list[int]] = {}
         for rank, rec in sorted(at.items()):
             groups.setdefault(rec.input_fingerprints, []).append(rank)
-        for ranks in groups.values():
-            if len(ranks) > 1:
-                shared.setdefault(tuple(ranks), []).append(step)
+        for group in groups.values():
+            if len(group) > 1:
+                shared.setdefault(tuple(group), []).append(step)
     found = []
     for ranks, at_steps in sorted(shared.items()):
         if len(at_steps) >= max(2, len(steps) / 2):
@@ -268,7 +268,7 @@ def _same_order_findings(records: Records) -> list[Finding]:
         f"{label_ranks(ranks)} read epoch {epoch} in the same order as epoch {epoch - 1} "
         f"(the first {n} batches match, from step {step}): the sampler's set_epoch is not called"
     )
-    evidence = {
+    evidence: dict[str, object] = {
         "repeated": {
             r: {"epoch": e, "step": s, "num_steps": k} for r, (e, s, k) in repeated.items()
         }
@@ -303,7 +303,7 @@ def _data_wait_findings(records: Records) -> list[Finding]:
     what = f"waiting for data takes a large share of each step (median): {shares}"
     if len(slow) == len(records):
         what += ": the input pipeline is the bottleneck"
-    evidence = {
+    evidence: dict[str, object] = {
         "data_fraction": {r: v[0] for r, v in slow.items()},
         "data_seconds": {r: v[1] for r, v in slow.items()},
     }

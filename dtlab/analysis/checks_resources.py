@@ -77,8 +77,13 @@ def _imbalance(evidence: Evidence) -> list[Finding]:
     if len(evidence.records) < 2 or not steps:
         return []
     step, at = steps[-1]
-    cuda = all(rec.memory.cuda_allocated is not None for rec in at.values())
-    held = {r: rec.memory.cuda_allocated if cuda else rec.memory.rss for r, rec in at.items()}
+    allocated = {
+        r: rec.memory.cuda_allocated
+        for r, rec in at.items()
+        if rec.memory.cuda_allocated is not None
+    }
+    cuda = len(allocated) == len(at)
+    held = allocated if cuda else {r: rec.memory.rss for r, rec in at.items()}
     state = {
         r: rec.memory.param_bytes + rec.memory.grad_bytes + rec.memory.optimizer_bytes
         for r, rec in at.items()

@@ -107,7 +107,11 @@ def check_buffers(evidence: Evidence) -> CheckResult:
         why = "no buffers" if not names else "every rank's buffers stayed bitwise equal"
         return CheckResult("buffers", "Buffers equal across ranks", (), looked, why)
     prints = {rank: recs[0].buffer_fingerprints for rank, recs in details.items()}
-    name, groups, count = _first_difference(prints, names)
+    found = _first_difference(prints, names)
+    if found is None:  # the fingerprints agree as far as the first rank's go: it has fewer
+        why = "the ranks hold different numbers of buffers (different models), not a drift"
+        return CheckResult("buffers", "Buffers equal across ranks", (), looked, why)
+    name, groups, count = found
     outliers = tuple(sorted(r for ranks, _ in groups[1:] for r in ranks))
     summary = (
         f"buffers drift apart from step {step}: {name} on {label_ranks(outliers)} differs "

@@ -61,7 +61,10 @@ def _missing_gradients(evidence: Evidence) -> list[Finding]:
     never: dict[int, set[int]] = {}  # parameter index -> ranks where it never had one
     watched = all(at[rank].unreached is not None for _, at in steps for rank in at)
     for rank in evidence.records:
-        per_step = [at[rank].unreached if watched else at[rank].missing_grads for _, at in steps]
+        per_step = [
+            (at[rank].unreached or ()) if watched else at[rank].missing_grads  # watched: not None
+            for _, at in steps
+        ]
         for index in set.intersection(*(set(missing) for missing in per_step)):
             never.setdefault(index, set()).add(rank)
     findings = []
@@ -135,7 +138,7 @@ def check_accumulation(evidence: Evidence) -> CheckResult:
         )
     median = {rank: statistics.median(values) for rank, values in ratios.items()}
     chatty = tuple(sorted(r for r, x in median.items() if x > ACCUMULATION_RATIO))
-    findings = ()
+    findings: tuple[Finding, ...] = ()
     if chatty:
         first = min(
             rec.step for r in chatty for rec in evidence.records[r] if rec.micro_batches > 1

@@ -110,18 +110,18 @@ def _nonfinite_findings(records: Records) -> list[Finding]:
 
 def _scaler_trouble(recs: Sequence[StepRecord]) -> dict | None:
     skipped = [r.step for r in recs if r.skipped]
-    runs = []  # [first, last] step of each run of consecutive skips
+    runs: list[list[int]] = []  # [first, last] step of each run of consecutive skips
     for s in skipped:
         if runs and runs[-1][1] == s - 1:
             runs[-1][1] = s
         else:
             runs.append([s, s])
     long = [a for a, b in runs if b - a + 1 > MAX_SKIP_RUN and b > SCALER_WARMUP_STEPS]
-    scaled = [r for r in recs if r.scale is not None]
-    low = [r.step for r in scaled if r.scale < MIN_SCALE]
+    scaled = [(r.step, r.scale) for r in recs if r.scale is not None]
+    low = [step for step, scale in scaled if scale < MIN_SCALE]
     if not long and not low:
         return None
-    scales = [r.scale for r in scaled]
+    scales = [scale for _, scale in scaled]
     return {
         "first_step": min(long + low[:1]),
         "num_skipped": len(skipped),
@@ -219,12 +219,15 @@ def _lr_outliers(at: Mapping[int, StepRecord]) -> tuple[tuple[int, ...], float |
 
 
 def _batch_table(records: Records, lr: float | None) -> str:
-    sizes = []
+    unknown = "global batch unknown (sample indices not recorded)"
+    sizes: list[int] = []
     for recs in records.values():
         lengths = Counter(len(r.indices) for r in recs if r.indices)
-        sizes.append(lengths.most_common(1)[0][0] if lengths else None)
-    if not sizes or None in sizes:
-        return "global batch unknown (sample indices not recorded)"
+        if not lengths:
+            return unknown
+        sizes.append(lengths.most_common(1)[0][0])
+    if not sizes:
+        return unknown
     total = sum(sizes)
     each = (
         f"{len(sizes)} ranks x {sizes[0]}" if len(set(sizes)) == 1 else " + ".join(map(str, sizes))

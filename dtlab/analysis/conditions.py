@@ -25,7 +25,7 @@ def parse_condition(text: str) -> Condition:
         return Condition(cleaned)
     match = _COMPARISON.match(cleaned)
     kind = _KINDS.get((match.group(1), match.group(2))) if match else None
-    if kind is None:
+    if match is None or kind is None:
         raise InputError(f"cannot read the condition {text!r}; write one of: {_FORMS}")
     try:
         value = float(match.group(3))
@@ -39,6 +39,7 @@ def parse_condition(text: str) -> Condition:
 def describe_condition(cond: Condition) -> str:
     """The condition as the user would write it."""
     if cond.kind == "step":
+        assert cond.value is not None  # a "step" condition always has its step
         return f"step>={int(cond.value)}"
     if cond.kind == "loss_above":
         return f"loss>{cond.value:g}"

@@ -236,10 +236,9 @@ def divergence_findings(
     if grad is not None:
         found.append(_finding(grad, GRAD_FIX))
     if param is not None:
-        follows = grad is not None and grad.step <= param.step
         fix = (
             f"follows from the gradient divergence at step {grad.step}: fix that first"
-            if follows
+            if grad is not None and grad.step <= param.step
             else PARAM_FIX
         )
         found.append(_finding(param, fix))

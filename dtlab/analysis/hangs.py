@@ -101,7 +101,11 @@ def _calls(reports) -> dict[tuple[str, int], dict[int, CollectiveCall]]:
     return by_key
 
 
-def _mismatch(reports):
+# (verdict, the call, ranks waiting in it, ranks missing from it, a mismatch?)
+_Found = tuple[str, CollectiveCall, tuple[int, ...], tuple[int, ...], bool]
+
+
+def _mismatch(reports: Mapping[int, RankReport | None]) -> _Found | None:
     """The first collective, still pending on some rank, that ranks called differently."""
     for key, calls in sorted(_calls(reports).items(), key=lambda kv: kv[0][1]):
         if all(c.done for c in calls.values()):
@@ -126,12 +130,13 @@ def _mismatch(reports):
             "some ranks and blocks others)"
         )
         blocked = tuple(sorted(r for r, c in calls.items() if not c.done))
-        odd = tuple(sorted(min(shapes.values(), key=len)))
+        fewest = min(shapes.values(), key=len)
+        odd = tuple(sorted(fewest))
         return text, first, blocked, odd, True
     return None
 
 
-def _blocked(reports, dead):
+def _blocked(reports: Mapping[int, RankReport | None], dead: Mapping[int, str]) -> _Found | None:
     pending: dict[str, dict[int, CollectiveCall]] = {}  # group -> {rank: oldest not done}
     for rank, report in reports.items():
         for call in report.collectives if report else ():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from dtlab.analysis.partition_search import measured_bounds, min_max_bounds, uniform_bounds
 from dtlab.records import BlockCost, Plan, PlanError
@@ -119,7 +120,7 @@ def _from_ints(ints: list[int], blocks: tuple[str, ...], num_stages: int) -> Pla
     )
 
 
-def _from_names(spec: Sequence[object], blocks: tuple[str, ...]) -> Plan:
+def _from_names(spec: Sequence[Sequence[Any]], blocks: tuple[str, ...]) -> Plan:
     for s, names in enumerate(spec):
         if not all(isinstance(name, str) for name in names):
             raise PlanError(f"stage {s}: expected a list of block names (str), got {names!r}")

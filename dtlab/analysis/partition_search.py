@@ -41,10 +41,15 @@ def min_max_bounds(weights: Sequence[float], num_stages: int) -> tuple[int, ...]
     return _most_even(prefix, num_stages, _within(prefix, _min_max(prefix, num_stages, _any)))
 
 
+def _measured_s(cost: BlockCost) -> float:
+    assert cost.forward_s is not None and cost.backward_s is not None  # the caller checks
+    return cost.forward_s + cost.backward_s
+
+
 def measured_bounds(costs: Sequence[BlockCost], num_stages: int) -> tuple[int, ...]:
     """Fastest split (within :data:`TIME_TOLERANCE`), then the one lightest on its heaviest
     stage's memory, then the most even in time; every cost measured (the caller checks)."""
-    time = _prefix([c.forward_s + c.backward_s for c in costs])
+    time = _prefix([_measured_s(c) for c in costs])
     memory = _prefix(
         [c.param_bytes * STATE_BYTES_PER_PARAM_BYTE + (c.activation_bytes or 0) for c in costs]
     )

@@ -182,7 +182,7 @@ def _straggler_finding(
         phase: float(np.median(phases[:, i, k]) - np.median(phases[:, others, k])) * 1000
         for k, phase in enumerate(COMPUTE_PHASES)
     }
-    worst = max(excess_ms, key=excess_ms.get)
+    worst = max(excess_ms, key=excess_ms.__getitem__)
     # What the others spend waiting for it: their backward beyond this rank's.
     wait_ms = float(np.median(np.median(backward[:, others], axis=1) - backward[:, i])) * 1000
     num_steps = phases.shape[0]

@@ -34,7 +34,8 @@ CHECK_EVERY_S = 0.5  # how often ``check`` (is the cluster still there?) runs wh
 FAILURE_GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks
 INTERRUPT_GRACE_S = 2.0  # after SIGINT, how long to wait before calling a rank stuck
 
-Submit = Callable[[list[int]], Mapping[int, object]]  # ranks -> {rank: AsyncResult}
+# ranks -> {rank: AsyncResult} (an ipyparallel AsyncResult is a concurrent.futures.Future)
+Submit = Callable[[list[int]], Mapping[int, concurrent.futures.Future]]
 
 
 def to_failure(exc: BaseException) -> RemoteFailure:
@@ -48,7 +49,7 @@ class _Round:
 
     def __init__(self, submit: Submit):
         self.submit = submit
-        self.pending: dict[int, object] = {}
+        self.pending: dict[int, concurrent.futures.Future] = {}
         self.values: dict[int, object] = {}
         self.failures: dict[int, RemoteFailure] = {}
         self.resent: set[int] = set()

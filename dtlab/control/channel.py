@@ -25,10 +25,10 @@ class Channel:
     def __init__(self, host: str = "127.0.0.1", advertised: str | None = None):
         """Listen on ``host`` ("*": every interface); ranks connect to ``advertised``."""
         self.key = secrets.token_hex(16)
-        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown rank -> error, not a drop
-        port = self.socket.bind_to_random_port(f"tcp://{host}")
+        port: int = self.socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{advertised or host}:{port}"
         self.connected: set[int] = set()
         self._lock = threading.Lock()  # a zmq socket must not be used by two threads at once

@@ -36,7 +36,7 @@ class Checkpointing:
     """Checkpoints of the attached job, and how to build the job again on fresh engines
     (``dt.checkpointing``; ``dt.checkpoint`` is ``dt.checkpointing.checkpoint``)."""
 
-    def __init__(self, session):
+    def __init__(self, session) -> None:
         self.session = session
         # how to build the job again on fresh engines: (setup, args, kwargs)
         self.job_setup: tuple[Callable | str, tuple, dict] | None = None
@@ -68,7 +68,9 @@ class Checkpointing:
             remove_partial(root, token)
             raise
         final = commit(root, Path(saved[0]["path"]), saved[0]["step"])
-        return describe(final)
+        info = describe(final)
+        assert info is not None  # commit gave it a checkpoint's name
+        return info
 
     def checkpoint_every(self, steps: int | None) -> None:
         """Save every ``steps`` steps during runs (None or 0: stop). A failed save stops

@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import ipyparallel as ipp
 import psutil
@@ -203,6 +204,7 @@ class EngineCluster:
         """``Client.queue_status()`` with a time limit; ipyparallel 9 waits without one,
         which would hang the notebook on a stalled controller."""
         client = self.client
+        assert client is not None  # asked by a session, connected since start()
         future = client._send(
             client._query_stream, "queue_request", content={"targets": None, "verbose": False}
         )
@@ -239,7 +241,7 @@ class EngineCluster:
         """The last lines each launcher's process wrote (engines first)."""
         if launchers is None:
             launchers = [*self.cluster.engines.values(), self.cluster.controller]
-        parts = []
+        parts: list[str] = []
         for launcher in launchers:
             if launcher is not None:
                 text = launcher.get_output() or ""
@@ -299,7 +301,9 @@ class EngineCluster:
             asking.start()
             deadline = time.monotonic() + ENGINE_EXIT_WAIT_S
             asking.join(ENGINE_EXIT_WAIT_S)
-            processes = [getattr(s, "process", None) for s in self.cluster.engines.values()]
+            processes: list[Any] = [
+                getattr(s, "process", None) for s in self.cluster.engines.values()
+            ]
             processes = [p for p in processes if p is not None and hasattr(p, "poll")]
             while time.monotonic() < deadline and any(p.poll() is None for p in processes):
                 time.sleep(0.05)
@@ -308,7 +312,9 @@ class EngineCluster:
 
     def _shutdown_request(self) -> None:
         try:
-            self.client.shutdown(targets="all", hub=False, block=True)
+            client = self.client
+            if client is not None:  # (None: stop() is past it already)
+                client.shutdown(targets="all", hub=False, block=True)
         except Exception:  # engines already gone: nothing to ask
             pass
 

@@ -16,7 +16,7 @@ SWEEP_TIMEOUT_S = 600.0
 class Comm:
     """Bandwidth sweeps on the job's process group (``dt.comm``)."""
 
-    def __init__(self, session):
+    def __init__(self, session) -> None:
         self.session = session
         self.sweeps: list[Sweep] = []  # dt.bandwidth_sweep() results, oldest first
 

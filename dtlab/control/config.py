@@ -35,10 +35,12 @@ def checked_timeout(value, what: str = "timeout") -> float | None:
 def seconds(text: str) -> float:
     """A flag's text -> a positive number of seconds: the type of every timeout flag."""
     try:
-        value = float(text)
+        value: object = float(text)
     except ValueError:
         value = text  # refused below, with what a timeout must be
-    return checked_timeout(value, "a timeout")
+    checked = checked_timeout(value, "a timeout")
+    assert checked is not None  # (a value was given: None only for no value)
+    return checked
 
 
 def parse_env(items: Iterable[str]) -> dict[str, str]:

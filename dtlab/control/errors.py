@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 
 from dtlab.analysis.grouping import group_by_value
 from dtlab.analysis.ranks import label_ranks
-from dtlab.records import RemoteFailure
+from dtlab.records import CellOutput, RemoteFailure
 from dtlab.records.errors import InputError
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # IPython's colours in engine tracebacks
@@ -71,6 +71,8 @@ class RankError(DtlabError):
     Ranks still running a second after the first failure were sent SIGINT: ``stopped``
     obeyed, ``stuck`` did not (and will not take new work until they are free).
     """
+
+    outputs: dict[int, CellOutput]  # a failed %%dt cell: what the ranks printed (only then)
 
     def __init__(
         self,

@@ -142,6 +142,7 @@ def start(
 
 def _describe_engines(engines: EngineCluster, deadline: float):
     client = engines.client
+    assert client is not None  # connected by engines.start()
     ars = {eid: client[eid].apply_async(api.describe_engine) for eid in client.ids}
     try:
         return {

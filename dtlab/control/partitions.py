@@ -36,7 +36,7 @@ class RepartitionFailed(DtlabError):
 class Pipeline:
     """Pipeline partitions: balance, plans, profiles and live moves (``dt.pipeline``)."""
 
-    def __init__(self, session):
+    def __init__(self, session) -> None:
         self.session = session
         self.block_costs: dict[str, BlockCost] | None = None  # measured, by block name
 

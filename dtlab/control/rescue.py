@@ -47,7 +47,7 @@ class Recovery:
     """Hang reports, death causes and restarts (``dt.recovery``). Owns each rank's sidecar
     channel, which answers while the rank's main thread is stuck."""
 
-    def __init__(self, session):
+    def __init__(self, session) -> None:
         self.session = session
         self.sidecars: Channel | None = None
         self.sidecar_problem: str | None = None  # why the sidecars could not be started
@@ -135,6 +135,7 @@ class Recovery:
         return HangReport(verdict, reports, causes, time.time())
 
     def _ask(self, ranks: list[int], timeout: float) -> dict[int, RankReport]:
+        assert self.sidecars is not None  # hang_report asks only when they are there
         self._report_id += 1
         asked = self._report_id
         self.sidecars.receive(0)  # late answers of an earlier question
@@ -181,7 +182,7 @@ class Recovery:
         if self.session.checkpointing.job_setup is None and chosen is not None:
             self.session.checkpointing.set_up_job()  # raises, saying how to give the job setup
         self.session.renew(progress)
-        loaded = {}
+        loaded: dict = {}
         if (
             self.session.checkpointing.job_setup is not None
         ):  # else no job to rebuild: the fresh ranks are all

@@ -74,7 +74,7 @@ class Run:
             for recs in (host.trace.records.values() if host.trace else [[]])
         }
         self.started = self.last_check = self.last_reply = self.next_look = time.monotonic()
-        self.hang = None  # the HangReport taken when the run stopped progressing
+        self.hang: HangReport | None = None  # the HangReport taken when the run stopped progressing
         self.first_failure: float | None = None
         self.pause_reason: str | None = None
         self.pause_deadline: float | None = None
@@ -194,7 +194,9 @@ class Run:
         elif self.pause_reason is not None and self.pause_reason.startswith("timed out"):
             how = "timeout"
         else:
-            how = stopped.pop()
+            ended = stopped.pop()
+            assert ended is not None  # a "done" reply always says how its run stopped
+            how = ended
         return RunResult(
             first_step=self.first_step,
             last_step=max(last),

@@ -17,11 +17,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from dtlab.agent import api
 from dtlab.analysis.ranks import label_ranks
 from dtlab.control.errors import DtlabError, OptionError, RankError
 from dtlab.records import RemoteFailure, RunResult, ScriptStatus
+
+if TYPE_CHECKING:
+    from dtlab.analysis.resume import Comparison
 
 OUTPUT_WAIT_S = 2.0
 TO_THE_END = 10**12  # steps of a run that only the script's end (or a pause) stops
@@ -30,7 +34,7 @@ TO_THE_END = 10**12  # steps of a run that only the script's end (or a pause) st
 class Scripts:
     """Scripts run on one Session's ranks (``dt.scripts``)."""
 
-    def __init__(self, session):
+    def __init__(self, session) -> None:
         self.session = session
         self.last: ScriptStatus | None = None
         self.output: dict[int, str] = {}  # what each rank's script printed, this run
@@ -143,6 +147,7 @@ class Scripts:
     def _run_to(self, step: int, *, fresh: bool, progress=None) -> None:
         """The script from its start again (on fresh engines when ``fresh``), stepped to
         ``step``: recording off but for the last one."""
+        assert self.last is not None  # only for the current script (is_current): it ran
         session, path, argv = self.session, self.last.path, self.last.argv
         if fresh:
             session.renew(progress)
@@ -214,7 +219,7 @@ class ScriptResumeReport:
     step: int
     steps: int
     fresh: bool
-    comparison: object  # dtlab.analysis.resume.Comparison
+    comparison: Comparison
     seconds: float = 0.0
 
     @property

@@ -298,7 +298,7 @@ class Session:
 
     def submit(
         self,
-        request: Callable[[Any], Any],
+        request: Callable[[Any, int], Any],
         ranks: Ranks = None,
         *,
         what: str,

@@ -47,7 +47,7 @@ Progress = Callable[[str, int, int], None]
 class Stepper:
     """The notebook side of stepping, for one Session (``session.stepper``)."""
 
-    def __init__(self, session):
+    def __init__(self, session) -> None:
         self.session = session
         self.channel: Channel | None = None
         self.trace: Trace | None = None
@@ -121,6 +121,7 @@ class Stepper:
         """Start the job's trace afresh (a checkpoint was loaded: a new timeline).
         ``describe``: ask the ranks what they hold now (a pipeline's stages moved)."""
         self._sync_job()
+        assert self.trace is not None  # _sync_job starts one
         self.trace.close()
         jobs = self.trace.jobs
         if describe:
@@ -156,7 +157,8 @@ class Stepper:
             self.on_output(reply.rank, reply.output)
         if reply.attach != self.attach_counts.get(reply.rank):
             self._calls_seen = -1  # attached behind our back: look again before the next run
-        if reply.records:
+        if reply.records:  # only a run's replies carry records: it started the trace
+            assert self.trace is not None
             self.trace.add_lines(reply.rank, reply.records)
 
     # --- what a Run asks of it (runs.RunHost) ------------------------------------------
@@ -168,6 +170,7 @@ class Stepper:
         return self.session.recovery.current_step()
 
     def receive(self, timeout: float) -> None:
+        assert self.channel is not None  # asked by a run, or by read_late_replies: connected
         replies = (reply_from(data) for data in self.channel.receive(timeout))
         self.dispatch([reply for reply in replies if reply is not None])
 
@@ -205,7 +208,13 @@ class Stepper:
         self._connect()
         self.session.check_ready(self.session.client(), self.session.ranks, "step")
         self._sync_job()
-        if until is not None and until.kind == "step" and until.value <= self.trace.last_step:
+        assert self.channel is not None and self.trace is not None  # connected, synced
+        if (
+            until is not None
+            and until.kind == "step"
+            and until.value is not None  # (always: a step condition has its step)
+            and until.value <= self.trace.last_step
+        ):
             raise OptionError(
                 f"{describe_condition(until)} holds already: the job is at step "
                 f"{self.trace.last_step}"
@@ -239,6 +248,8 @@ class Stepper:
         return run
 
     def step_s(self) -> float | None:
+        if self.trace is None:  # no job synced yet: no step timed
+            return None
         recent = [r for recs in self.trace.records.values() for r in recs[-10:]]
         return statistics.median(r.times.total for r in recent) if recent else None
 
@@ -354,6 +365,7 @@ def _progress_of(run: Run, steps: int, until: Condition | None) -> tuple[str, in
         return "steps", steps
     phase = f"steps until {describe_condition(until)}"
     if until.kind == "step":
+        assert until.value is not None  # a "step" condition always has its step
         return phase, max(int(until.value) - run.first_step, 1)
     return phase, 0
 

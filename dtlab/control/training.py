@@ -161,7 +161,7 @@ class Training:
             else {first_divergent_step(trace.records, kind=kind) for kind in kinds}
         )
         details: dict[int, list] = {rank: [] for rank in trace.ranks}
-        for step in sorted(steps - {None}):
+        for step in sorted(s for s in steps if s is not None):
             try:
                 found = self.step_details(step)
             except DtlabError:  # evicted from a rank's buffer: the summaries still tell

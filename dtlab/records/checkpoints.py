@@ -25,6 +25,7 @@ import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 import xxhash
 
@@ -152,7 +153,7 @@ def read_manifest(folder: Path) -> dict:
     return manifest
 
 
-def _is_int(value, low: int = 0) -> bool:
+def _is_int(value, low: int = 0) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 

@@ -12,6 +12,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import TypeGuard
 
 from dtlab.records.errors import InputError
 
@@ -74,7 +75,7 @@ class Plan:
         return {b: (old[b], new[b]) for b in self.blocks if old[b] != new[b]}
 
 
-def is_int(x: object) -> bool:
+def is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -125,7 +126,7 @@ def compact(names: Sequence[str]) -> str:
         match = _NUMBERED.fullmatch(name) if name is not None else None
         last = _NUMBERED.fullmatch(run[-1]) if run else None
         if match and last and match[1] == last[1] and int(match[2]) == int(last[2]) + 1:
-            run.append(name)
+            run.append(match.string)  # the name (a full match)
             continue
         parts.extend([f"{run[0]}-{run[-1]}"] if len(run) > 1 else run)
         run = [name] if name is not None else []

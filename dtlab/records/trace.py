@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import TextIO
 
 from dtlab.records import (
     JobInfo,
@@ -75,7 +76,7 @@ class Trace:
         self.records: dict[int, list[StepRecord]] = {rank: [] for rank in self.jobs}
         self.checks: list = []  # the last %dt_doctor results (CheckResult), kept with the run
         self.folder = Path(folder) if folder is not None else None
-        self._steps_file = None
+        self._steps_file: TextIO | None = None
         if self.folder is not None:
             self._write_header()
 
@@ -184,6 +185,7 @@ class Trace:
 
     # --- files --------------------------------------------------------------------------
     def _write_header(self) -> None:
+        assert self.folder is not None  # called only for a trace with a folder
         self.folder.mkdir(parents=True, exist_ok=True)
         header = {
             "format": FORMAT,

@@ -156,7 +156,10 @@ def encode(message: Request | RankReply, key: str) -> bytes:
 def decode_request(frame: bytes, key: str) -> Request | None:
     """A request from the notebook, or None for a frame that is not one of ours."""
     data = _checked(frame, key)
-    kind = REQUESTS.get(data.get("op")) if data is not None else None
+    if data is None:
+        return None
+    op = data.get("op")
+    kind = REQUESTS.get(op) if isinstance(op, str) else None  # an unhashable op: dropped too
     try:
         return kind.from_dict(data) if kind is not None else None
     except (KeyError, TypeError, ValueError, AttributeError):
