@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from dtlab.agent import recorder, rng
+from dtlab.agent import nonfinite, recorder, rng
 from dtlab.agent.data_stream import DataStream
 from dtlab.agent.hooks import CommCounter, ModuleWatcher, OutputRecorder, ReachedParams
 from dtlab.agent.state import RANK
@@ -121,6 +121,7 @@ class Job:
         self._buffer_prints: tuple[int, ...] = ()
         self._input_prints: tuple[int, ...] = ()  # this step's batches' tensors
         self._epoch_starts: tuple[int, ...] = ()
+        self._bad_micro: nonfinite.BadMicroBatch | None = None  # this step's, if any
         if any(True for _ in self.module.buffers()):
             self.module.register_forward_pre_hook(self._snapshot_buffers)
         self.initial: InitialState | None = None
@@ -173,6 +174,7 @@ class Job:
             loss, indices, epoch, (data_s, forward_s, backward_s) = self._accumulate()
         finally:
             unreached = self.reached.stop()
+        source, how = self._nonfinite_source()  # before the optimizer moves anything
         t3 = self._now()
         lr = self.optimizer.param_groups[0].get("lr")
         scale = float(self.scaler.get_scale()) if self.scaler is not None else None
@@ -201,7 +203,8 @@ class Job:
             indices=indices,
             epoch=epoch,
             epoch_starts=self._epoch_starts,
-            nonfinite_module=self.watcher.first_bad,
+            nonfinite_module=source,
+            nonfinite_found=how,
             micro_batches=self.accumulate,
             input_fingerprints=self._input_prints,
             unreached=unreached,
@@ -221,8 +224,10 @@ class Job:
         losses, indices, epoch, times = [], [], None, [0.0, 0.0, 0.0]
         inputs: list[int] = []  # fingerprints of the batches' tensors, when recording
         starts = []  # where in ``indices`` a new epoch began (accumulation across the end)
+        self._bad_micro = None
         for micro in range(self.accumulate):
             t0 = self._now()
+            start_rng = nonfinite.rng_state(self.device)  # to re-run it, should it blow up
             before = self.stream.epoch
             batch = self._next_batch()
             if epoch is None:
@@ -240,11 +245,23 @@ class Job:
             for i, spent in enumerate((t1 - t0, t2 - t1, t3 - t2)):
                 times[i] += spent
             losses.append(float(loss.detach()))
+            if self._bad_micro is None and not math.isfinite(losses[-1]):
+                self._bad_micro = nonfinite.BadMicroBatch(micro, batch, start_rng)
             indices.extend(int(i) for i in self.indices(batch))
             if self._recording:
                 inputs.extend(recorder.input_fingerprints(batch))
         self._epoch_starts, self._input_prints = tuple(starts), tuple(inputs)
         return math.fsum(losses) / len(losses), tuple(indices), epoch, times
+
+    def _nonfinite_source(self) -> tuple[str | None, str]:
+        """The first module with a non-finite output: seen while watching, or else found
+        by re-running the first micro-batch whose loss was not finite (agent/nonfinite.py)."""
+        if self.watcher.first_bad is not None:
+            return self.watcher.first_bad, "watched during the step"
+        if self._bad_micro is None:
+            return None, ""
+        bad, self._bad_micro = self._bad_micro, None
+        return nonfinite.locate(self.module, self.loss_fn, bad, self.device)
 
     def _buffer_bytes(self) -> int:
         """About what the record buffer holds: records x the size of the newest one

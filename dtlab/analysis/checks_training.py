@@ -28,10 +28,13 @@ SCALER_WARMUP_STEPS = 10  # ... unless the run ends while the scaler calibrates
 MIN_SCALE = 1.0  # a scale under 1 shrinks gradients: the overflow is not the scaler's
 LR_REL_TOL = 1e-12
 
+NONFINITE_REMEDY = (
+    "with fp16 use torch.amp.GradScaler (it skips overflowing steps); else lower the LR "
+    "(or add warm-up / clipping)"
+)
 NONFINITE_FIX = (
     "find the module whose output turns inf/nan first: dt.watch_modules() or %dt_run --until "
-    "nonfinite names it; with fp16 use torch.amp.GradScaler (it skips overflowing steps); "
-    "else lower the LR (or add warm-up / clipping)"
+    f"nonfinite names it; {NONFINITE_REMEDY}"
 )
 SCALER_FIX = (
     "gradients overflow even at a small scale, so they are inf/nan before scaling: find the "
@@ -96,16 +99,27 @@ def _nonfinite_findings(records: Records) -> list[Finding]:
         summary += (
             f"; {label_ranks(received)} only received inf/nan gradients (through the all-reduce)"
         )
-    modules = {r: at[r].nonfinite_module for r in ranks if at[r].nonfinite_module}
-    if modules:  # modules were watched: where the first inf/nan came from, per rank
+    modules = {r: m for r in ranks if (m := at[r].nonfinite_module)}
+    hows = {r: at[r].nonfinite_found for r in ranks if at[r].nonfinite_found}
+    if modules:  # where the first inf/nan came from, per rank, and how dtlab knows
         first = ", ".join(f"{m} on rank {r}" for r, m in modules.items())
-        summary += f"; first non-finite output: {first}"
+        ways = sorted({hows[r] for r in modules if r in hows})
+        summary += f"; first non-finite output: {first}" + (f" ({'; '.join(ways)})" if ways else "")
+    elif hows:  # looked, and could not name one: say why
+        summary += f"; no module named: {'; '.join(sorted(set(hows.values())))}"
+    fix = (
+        f"look at what {', '.join(sorted(set(modules.values())))} computes at step {step} "
+        "(its inputs and weights: %%dt on the rank, or dt.replay to the step); " + NONFINITE_REMEDY
+        if modules
+        else NONFINITE_FIX
+    )
     evidence = {
         "loss": {r: rec.loss for r, rec in at.items()},
         "num_nonfinite": {r: rec.num_nonfinite for r, rec in at.items()},
         "module": modules,
+        "found": hows,
     }
-    return [Finding("numerics", ranks, summary, step, evidence, NONFINITE_FIX, "error")]
+    return [Finding("numerics", ranks, summary, step, evidence, fix, "error")]
 
 
 def _scaler_trouble(recs: Sequence[StepRecord]) -> dict | None:

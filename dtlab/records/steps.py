@@ -97,8 +97,10 @@ class StepRecord:
     indices: tuple[int, ...] = ()  # sample indices this rank consumed
     epoch: int = 0  # passes over the data before this batch (0 during the first)
     epoch_starts: tuple[int, ...] = ()  # positions in ``indices`` where a new epoch began
-    # while modules are watched: the first module whose forward output was not finite
+    # the first module whose forward output was not finite: seen while modules were
+    # watched, or found by re-running the micro-batch whose loss was not (agent/nonfinite)
     nonfinite_module: str | None = None
+    nonfinite_found: str = ""  # how it was found, or why it could not be ("": no inf/nan)
     grad_norms: tuple[float, ...] = ()  # L2 norm per parameter (nan: no gradient)
     grad_fingerprints: tuple[int, ...] = ()  # 0: no gradient
     param_fingerprints: tuple[int, ...] = ()
