@@ -12,7 +12,7 @@ from dtlab.analysis.checks_training import (
     check_numerics,
 )
 from dtlab.records import Evidence, StepTimes
-from tests.fakes import PARAMS, healthy_trace, step_record
+from tests.fakes import PARAMS, healthy_trace, job_info, step_record
 
 NUM_RANKS, NUM_EPOCHS, STEPS_PER_EPOCH, BATCH = 4, 3, 5, 8
 
@@ -356,3 +356,18 @@ def test_different_inputs_on_every_rank_pass_and_say_what_was_looked_at():
     assert result.findings == ()
     assert "model input fingerprints" in result.looked_at
     assert "no two ranks fed their model the same inputs" in result.passed_because
+
+
+def test_the_fix_for_shared_data_follows_how_the_ranks_draw_batches():
+    from dtlab.analysis.checks_data import OVERLAP_FIX, SAME_SHARD_FIX, data_fix
+
+    def jobs(*kinds):
+        return {r: job_info(r, data=kind) for r, kind in enumerate(kinds)}
+
+    assert data_fix(jobs("DataLoader, DistributedSampler"), OVERLAP_FIX) == SAME_SHARD_FIX
+    assert "DistributedSampler(dataset" in data_fix(jobs("DataLoader, SequentialSampler"), "")
+    assert "seed the sampling with the rank" in data_fix(jobs("no DataLoader: generator"), "")
+    # not known, or ranks that draw differently: the general advice, both ways open
+    assert data_fix(jobs("", ""), OVERLAP_FIX) == OVERLAP_FIX
+    mixed = jobs("DataLoader, DistributedSampler", "no DataLoader: list")
+    assert data_fix(mixed, OVERLAP_FIX) == OVERLAP_FIX

@@ -46,7 +46,36 @@ def test_every_rank_fed_the_same_tuple_batches_is_found_without_sample_indices(l
     assert result.outcome == "found"
     (finding,) = result.findings
     assert finding.ranks == (0, 1, 2, 3) and finding.step == 1
-    assert "same inputs" in finding.summary and "seed" in finding.fix
+    assert "same inputs" in finding.summary
+    # advice from the evidence: a list, not a DataLoader, the same on every rank
+    assert (
+        finding.fix.startswith("batches come from list, not a DataLoader") and "seed" in finding.fix
+    )
+    assert dt.trace.jobs[0].data == "no DataLoader: list"
+
+
+LOADER_JOB = """
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+g = torch.Generator().manual_seed(0)
+dataset = TensorDataset(torch.randn(640, 8, generator=g), torch.randn(640, 1, generator=g))
+data = DataLoader(dataset, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(1))
+dtlab.attach(model, opt, data, lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+"""
+
+
+def test_a_dataloader_that_is_not_sharded_gets_the_sampler_advice(live4):
+    dt = live4
+    dt.execute(LOADER_JOB)  # shuffled, the same seed everywhere: no DistributedSampler
+    dt.step(6)
+    (finding,) = by_check(dt)["data_order"].findings
+    assert finding.ranks == (0, 1, 2, 3) and "same inputs" in finding.summary
+    assert finding.fix.startswith("the DataLoader (RandomSampler sampler) is the same")
+    assert "DistributedSampler" in finding.fix
 
 
 def test_its_healthy_twin_is_checked_and_passes(live4):

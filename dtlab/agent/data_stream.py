@@ -12,6 +12,19 @@ from collections.abc import Callable, Iterable
 from dtlab.agent import rng
 
 
+def describe_data(data) -> str:
+    """How ``data`` hands out batches, for advice chosen from the evidence: a DataLoader
+    and its sampler (or batch sampler), else what it is instead."""
+    if hasattr(data, "dataset") and hasattr(data, "batch_sampler"):  # a DataLoader
+        sampler = getattr(data, "sampler", None)
+        batches = getattr(data, "batch_sampler", None)
+        kind = type(sampler).__name__ if sampler is not None else type(batches).__name__
+        if batches is not None and type(batches).__name__ != "BatchSampler":
+            kind = type(batches).__name__  # the user's own batch sampler decides
+        return f"DataLoader, {kind}"
+    return f"no DataLoader: {type(data).__name__}"
+
+
 class DataStream:
     def __init__(self, data: Iterable, on_epoch: Callable[[int], None] | None):
         self.data = data

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from dtlab.agent import nonfinite, recorder, rng
-from dtlab.agent.data_stream import DataStream
+from dtlab.agent.data_stream import DataStream, describe_data
 from dtlab.agent.hooks import CommCounter, ModuleWatcher, OutputRecorder, ReachedParams
 from dtlab.agent.state import RANK
 from dtlab.records import (
@@ -143,7 +143,11 @@ class Job:
             record=self.record,
             capacity=capacity,
             buffers=tuple(name for name, _ in self.module.named_buffers()),
+            data=self._data_kind(),
         )
+
+    def _data_kind(self) -> str:
+        return describe_data(self.stream.data)
 
     def _next_batch(self):
         return self.stream.next_batch()

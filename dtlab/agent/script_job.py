@@ -15,7 +15,7 @@ import os
 import sys
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -80,10 +80,17 @@ class ScriptJob(jobs.Job):
             record=run.record,
         )
         self.run = run
+        self.info = replace(self.info, data=self._data_kind())
         self.checkpoint_problem = SCRIPT_CHECKPOINTS
         self.output: list[str] = []
         self.initial = self._initial_state()
         self._rngs = rng.fingerprints() if run.record else ()
+
+    def _data_kind(self) -> str:
+        """The DataLoaders the script iterated so far, else that it used none."""
+        run = getattr(self, "run", None)
+        kinds = sorted(set(run.observer.data_kinds.values())) if run is not None else []
+        return " + ".join(kinds) if kinds else "no DataLoader seen"
 
     def step(self, record: bool | None = None) -> StepRecord:
         record = self.record if record is None else record

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dtlab.agent.data_stream import describe_data
+
 
 @dataclass
 class StepDraft:
@@ -60,6 +62,7 @@ class Observer:
         self._opt_t0 = 0.0
         self.optimizer_s = 0.0
         self._passes: dict[int, int] = {}  # id(DataLoader) -> passes begun
+        self.data_kinds: dict[int, str] = {}  # id(DataLoader) -> how it draws batches
         self.iterators: weakref.WeakSet = weakref.WeakSet()  # to shut their workers down
         self.last_scale: float | None = None
         self._backward_depth = 0
@@ -195,6 +198,7 @@ class Observer:
 
     # --- data ---------------------------------------------------------------------------
     def on_new_pass(self, loader) -> int:
+        self.data_kinds[id(loader)] = describe_data(loader)
         number = self._passes.get(id(loader), -1) + 1
         self._passes[id(loader)] = number
         return number

@@ -17,7 +17,7 @@ from dtlab.analysis.evidence import shape_of
 from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.registry import check
 from dtlab.analysis.trends import aligned_steps
-from dtlab.records import CheckResult, Evidence, Finding, StepRecord
+from dtlab.records import CheckResult, Evidence, Finding, JobInfo, StepRecord
 
 Records = Mapping[int, Sequence[StepRecord]]
 
@@ -58,10 +58,10 @@ def check_data_order(evidence: Evidence) -> CheckResult:
     has_inputs = any(rec.input_fingerprints for recs in records.values() for rec in recs)
     findings = []
     if has_indices:
-        findings += _overlap_findings(records)
+        findings += _overlap_findings(records, evidence.jobs)
         findings += _same_order_findings(records)
     elif has_inputs:
-        findings += _same_inputs_findings(records)
+        findings += _same_inputs_findings(records, evidence.jobs)
     findings += _data_wait_findings(records)
     what = (
         "sample indices by epoch and"
@@ -105,9 +105,40 @@ SAME_INPUTS_FIX = (
     "(torch.manual_seed(seed + rank), as nanoGPT does) or shard the data with "
     "DistributedSampler(dataset, num_replicas=world_size, rank=rank)"
 )
+SAME_SHARD_FIX = (
+    "every rank's DistributedSampler hands out the same shard: build it with "
+    "num_replicas=world_size and rank=dist.get_rank() (not a constant, not LOCAL_RANK "
+    "across nodes)"
+)
+NO_SAMPLER_FIX = (
+    "the DataLoader ({kind}) is the same on every rank: shard it, "
+    "DataLoader(dataset, sampler=DistributedSampler(dataset, num_replicas=world_size, "
+    "rank=rank)), and call sampler.set_epoch(epoch) each epoch"
+)
+SEEDED_FIX = (
+    "batches come from {kind}, not a DataLoader, and draw the same random numbers on "
+    "every rank: seed the sampling with the rank (torch.manual_seed(seed + rank), as nanoGPT "
+    "does), or give each rank its own slice of the data"
+)
 
 
-def _same_inputs_findings(records: Records) -> list[Finding]:
+def data_fix(jobs: Mapping[int, JobInfo], general: str) -> str:
+    """The fix for ranks that read the same data, chosen from how they draw batches (a
+    DistributedSampler, another sampler, no DataLoader), else ``general``."""
+    kinds = sorted({job.data for job in jobs.values() if job.data})
+    if len(kinds) != 1:
+        return general  # not known, or ranks differ: both ways stay open
+    kind = kinds[0]
+    if "DistributedSampler" in kind:
+        return SAME_SHARD_FIX
+    if kind.startswith("DataLoader"):
+        return NO_SAMPLER_FIX.format(kind=kind.removeprefix("DataLoader, ") + " sampler")
+    if kind.startswith("no DataLoader"):
+        return SEEDED_FIX.format(kind=kind.removeprefix("no DataLoader: ").strip() or "code")
+    return general
+
+
+def _same_inputs_findings(records: Records, jobs: Mapping[int, JobInfo]) -> list[Finding]:
     """Ranks whose model got bit-identical inputs at the same step, in at least half of the
     steps (and two): without sample indices, the fingerprints of the model's input tensors
     tell that the ranks train on the same data."""
@@ -136,7 +167,13 @@ def _same_inputs_findings(records: Records) -> list[Finding]:
             evidence = {"steps": at_steps[:20], "num_steps": len(steps)}
             found.append(
                 Finding(
-                    "data_order", ranks, summary, at_steps[0], evidence, SAME_INPUTS_FIX, "error"
+                    "data_order",
+                    ranks,
+                    summary,
+                    at_steps[0],
+                    evidence,
+                    data_fix(jobs, SAME_INPUTS_FIX),
+                    "error",
                 )
             )
     return found
@@ -198,7 +235,7 @@ def _shared_groups(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return t, np.flatnonzero(np.r_[True, np.any(t[1:, :2] != t[:-1, :2], axis=1)])
 
 
-def _overlap_findings(records: Records) -> list[Finding]:
+def _overlap_findings(records: Records, jobs: Mapping[int, JobInfo]) -> list[Finding]:
     t, starts = _shared_groups(_index_table(records))
     if not len(starts):
         return []
@@ -219,11 +256,11 @@ def _overlap_findings(records: Records) -> list[Finding]:
         chosen = padding == is_padding
         if chosen.any():
             rows = t[chosen[row_group]]
-            found.append(_overlap_finding(rows, first[chosen], second[chosen], is_padding))
+            found.append(_overlap_finding(rows, first[chosen], second[chosen], is_padding, jobs))
     return found
 
 
-def _overlap_finding(rows, first, second, padding: bool) -> Finding:
+def _overlap_finding(rows, first, second, padding: bool, jobs) -> Finding:
     ranks = tuple(int(r) for r in np.unique(rows[:, _R]))
     step = int(second[:, _S].min())
     epochs = [int(e) for e in np.unique(first[:, _E])]
@@ -241,7 +278,8 @@ def _overlap_finding(rows, first, second, padding: bool) -> Finding:
         f"{label_ranks(ranks)} read the same samples: {len(first)} sample indices seen by "
         f"more than one rank in {where}, first at step {step} (e.g. {examples})"
     )
-    return Finding("data_order", ranks, summary, step, evidence, OVERLAP_FIX, "error")
+    fix = data_fix(jobs, OVERLAP_FIX)
+    return Finding("data_order", ranks, summary, step, evidence, fix, "error")
 
 
 def _same_order_findings(records: Records) -> list[Finding]:

@@ -33,6 +33,9 @@ class JobInfo:
     record: bool  # per-parameter statistics on by default?
     capacity: int  # how many step records the rank keeps
     buffers: tuple[str, ...] = ()  # buffer names in module order (BatchNorm statistics...)
+    # how batches are drawn, as the rank saw it: "DataLoader, DistributedSampler",
+    # "DataLoader, RandomSampler", "no DataLoader: generator", ... ("": not known)
+    data: str = ""
 
 
 @dataclass(frozen=True)
