@@ -154,3 +154,8 @@ def test_the_same_branch_on_every_rank_comes_out_clean(live4):
     dt.execute(BRANCH_JOB.format(branch="True"))
     dt.step(6)
     assert [f for f in dt.doctor() if f.kind == "gradient_sync"] == []
+    # the setting is judged against what backward reached, in --explain (not a finding:
+    # steps not seen may need it)
+    assert dt.trace.jobs[0].find_unused_parameters is True
+    why = {r.check: r for r in dt.checks()}["gradient_sync"].passed_because
+    assert "find_unused_parameters=True, yet every rank's own backward reached every" in why

@@ -144,6 +144,7 @@ class Job:
             capacity=capacity,
             buffers=tuple(name for name, _ in self.module.named_buffers()),
             data=self._data_kind(),
+            find_unused_parameters=getattr(self.model, "find_unused_parameters", None),
         )
 
     def _data_kind(self) -> str:

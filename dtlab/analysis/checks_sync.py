@@ -14,6 +14,7 @@ from dtlab.analysis.trends import aligned_steps
 from dtlab.records import CheckResult, Evidence, Finding
 
 ACCUMULATION_RATIO = 1.5  # bytes all-reduced per gradient byte above which syncs repeat
+UNUSED_MIN_STEPS = 5  # steps all parameters must be used in before find_unused is needless
 
 
 @check("gradient_sync", order=40, compares="replicas")
@@ -47,7 +48,7 @@ def check_gradient_sync(evidence: Evidence) -> CheckResult:
         ""
         if findings
         else "every step's fingerprints agree on every rank, and every "
-        "parameter got a gradient on all ranks or on none",
+        "parameter got a gradient on all ranks or on none" + unused_search_note(evidence),
     )
 
 
@@ -73,6 +74,28 @@ def _missing_gradients(evidence: Evidence) -> list[Finding]:
             continue  # frozen, or unused everywhere: the same on every rank
         findings.append(_missing_finding(evidence, index, ranks, len(steps), steps[0][0], watched))
     return findings
+
+
+def unused_search_note(evidence: Evidence) -> str:
+    """DDP's find_unused_parameters judged against what every rank's own backward reached
+    (for ``--explain``: a setting that may be needed for steps not seen is no finding)."""
+    asked = sorted(r for r, job in evidence.jobs.items() if job.find_unused_parameters)
+    steps = aligned_steps(evidence.records)
+    if not asked or len(steps) < UNUSED_MIN_STEPS:
+        return ""
+    watched = [at[r].unreached for _, at in steps for r in at]
+    if any(u is None for u in watched):
+        return ""
+    if any(watched):
+        return (
+            f"; DDP's find_unused_parameters=True is needed: some parameters were not reached "
+            f"in some of the {len(steps)} steps"
+        )
+    return (
+        f"; DDP's find_unused_parameters=True, yet every rank's own backward reached every "
+        f"parameter in all {len(steps)} steps: unless some step can skip one (routing, "
+        "data-dependent branches), False saves a pass over the autograd graph each step"
+    )
 
 
 def _missing_finding(evidence, index, ranks, num_steps, step, watched) -> Finding:

@@ -36,6 +36,8 @@ class JobInfo:
     # how batches are drawn, as the rank saw it: "DataLoader, DistributedSampler",
     # "DataLoader, RandomSampler", "no DataLoader: generator", ... ("": not known)
     data: str = ""
+    # DDP's find_unused_parameters (None: not DDP), judged against what backward reached
+    find_unused_parameters: bool | None = None
 
 
 @dataclass(frozen=True)
