@@ -120,3 +120,17 @@ def test_the_run_summary_says_one_loss_when_ranks_agree_and_the_last_stage_for_a
     for rank in (0, 1):
         stages.add(rank, [step_record(s, rank, num_params=1) for s in range(1, 11)])
     assert run_summary(result, stages).endswith("; loss 0.2 (last stage, rank 1)")
+
+
+def test_a_long_attach_line_breaks_between_words_not_inside_a_number():
+    from dtlab.records import ParamInfo
+    from dtlab.views.partition_tables import LINE_WIDTH, pipeline_summary
+    from tests.fakes import job_info
+
+    infos = {
+        r: job_info(r, params=(ParamInfo(f"blocks.{r}.w", (53376,), "float32", 53376),))
+        for r in range(8)
+    }
+    lines = pipeline_summary(infos).splitlines()
+    assert len(lines) > 1 and all(len(line) <= LINE_WIDTH for line in lines)
+    assert " ".join(lines).count("53,376") == 8  # every count whole

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping
 
 from dtlab.analysis.timing import Spread
@@ -81,13 +82,19 @@ def _span(blocks) -> str:
     return blocks[0] if len(blocks) == 1 else f"{blocks[0]} .. {blocks[-1]} ({len(blocks)})"
 
 
+LINE_WIDTH = 100  # characters of a printed summary line: fits a 1280 px notebook
+
+
 def pipeline_summary(infos: Mapping[int, JobInfo]) -> str:
     """One line for a job whose ranks hold different parameters (one stage each)."""
     counts = {r: sum(p.numel for p in i.params) for r, i in sorted(infos.items())}
     per_rank = ", ".join(f"rank {r}: {n:,}" for r, n in counts.items())
     info = infos[min(infos)]
-    return (
+    line = (
         f"pipeline attached on {len(infos)} ranks, one stage each ({per_rank} values; "
         f"{sum(counts.values()):,} in all), {info.optimizer}; %dt_partition shows the "
         "balance"
     )
+    # broken between words: an output area wraps where the line meets its edge, which may
+    # be in the middle of "53,376"
+    return textwrap.fill(line, width=LINE_WIDTH, break_long_words=False, break_on_hyphens=False)
