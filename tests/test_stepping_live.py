@@ -96,8 +96,20 @@ def test_a_slow_rank_3_is_found_as_the_straggler(live4):
     demo.attach(dt)
     wrap_loss(dt, [3], "    time.sleep(0.04)", "import time")
     dt.step(10)
-    stragglers = [f for f in dt.findings() if f.kind == "straggler"]
-    assert [f.ranks for f in stragglers] == [(3,)]
+    verdict = steady_straggler_verdict(dt)
+    stragglers = [f for f in verdict.findings if f.kind == "straggler"]
+    assert [f.ranks for f in stragglers] == [(3,)], verdict.passed_because
+
+
+def steady_straggler_verdict(dt, more: int = 10, rounds: int = 5):
+    """The stragglers check, after more steps while it says the timings are too noisy to
+    judge (a busy machine): wait on its verdict, not on a fixed number of steps."""
+    for _ in range(rounds):
+        result = {r.check: r for r in dt.checks()}["stragglers"]
+        if result.outcome != "not checked":
+            return result
+        dt.step(more)
+    return result
 
 
 def test_run_until_nonfinite_pauses_every_rank_at_that_step(live4):
