@@ -22,24 +22,8 @@ from dtlab.control.cluster import running
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1200)]
 
 STEPS = 30
-# the other job: 8 ranks of the demo, stepping until told to stop (SIGINT), then shut down
-LOAD = """
-import signal, sys, warnings
-warnings.simplefilter("ignore")
-import dtlab
-from dtlab import demo
-from dtlab.views.progress import TextProgress
-dt = dtlab.launch(8, progress=TextProgress(sys.stderr), force=True)
-try:
-    demo.attach(dt)
-    print("stepping", flush=True)
-    while True:
-        dt.step(5)
-except KeyboardInterrupt:
-    pass
-finally:
-    dt.shutdown()
-"""
+# the other job: 8 ranks of the demo stepping until SIGINT, then shut down
+LOAD = Path(__file__).resolve().parent.parent / "benchmarks" / "background_load.py"
 
 CNN_JOB = """
 import torch
@@ -125,7 +109,7 @@ def other_job(tmp_path_factory):
     log = tmp_path_factory.mktemp("load") / "load.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-c", LOAD],
+            [sys.executable, str(LOAD), "--ranks", "8"],
             stdout=subprocess.PIPE,
             stderr=out,
             text=True,
@@ -135,7 +119,7 @@ def other_job(tmp_path_factory):
     try:
         deadline = time.monotonic() + 300
         line = proc.stdout.readline()  # blocks until it steps (or dies)
-        if line.strip() != "stepping" or time.monotonic() > deadline:
+        if not line.startswith("stepping") or time.monotonic() > deadline:
             pytest.fail(f"the load job did not start stepping: {Path(log).read_text()[-2000:]}")
         yield proc
     finally:
