@@ -110,6 +110,21 @@ def test_planted_bugs_in_a_script_are_named_with_their_ranks(live4, bug, kind, r
     assert found[0].step in (1, 2)
 
 
+def test_an_inf_in_a_script_is_traced_to_its_first_module_without_watching(live4):
+    dt = live4
+    dt.run_script(
+        str(SCRIPTS / "ddp_sampler.py"), ["--steps", "6", "--inf-rank", "2", "--inf-step", "4"]
+    )
+    dt.step(5)  # plain steps: nothing watched in advance
+    [found] = [f for f in dt.doctor() if f.kind == "numerics"]
+    assert found.ranks == (2,) and found.step == 4, found.summary
+    assert (
+        "first non-finite output: 0 on rank 2 (found by re-running micro-batch 0" in found.summary
+    )
+    assert "look at what 0 computes at step 4" in found.fix
+    dt.continue_script()
+
+
 def test_a_nanogpt_style_script_with_its_own_accumulation(live4, tmp_path):
     dt = live4
     torchrun(dt, "lm_windows.py", [f"--out={tmp_path / 'torchrun'}"])

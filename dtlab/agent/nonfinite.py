@@ -48,18 +48,33 @@ def locate(
     device: torch.device,
 ) -> tuple[str | None, str]:
     """``(first module with a non-finite output or None, how it was found / why not)``."""
+    return rerun(module, lambda m: loss_fn(m, bad.batch), bad.rng, device, bad.index, "loss")
+
+
+def rerun(
+    module: torch.nn.Module,
+    call: Callable[[torch.nn.Module], Any],
+    rng: tuple[torch.Tensor, torch.Tensor | None],
+    device: torch.device,
+    index: int,
+    what: str,
+) -> tuple[str | None, str]:
+    """Run ``call(module)`` once more with a hook on every module (see the module's
+    docstring); ``what`` the call returns: "loss" or the model's "output"."""
     if any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules()):
         return None, "not re-run: the model has SyncBatchNorm, whose forward is a collective"
+    if any(type(m).__name__.startswith("FSDP") for m in module.modules()):
+        return None, "not re-run: the model is sharded (FSDP): its forward gathers from peers"
     watcher = ModuleWatcher(module)
     saved = {name: b.detach().clone() for name, b in module.named_buffers()}
     devices = [device] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices), torch.no_grad():
-            torch.set_rng_state(bad.rng[0])
-            if bad.rng[1] is not None:
-                torch.cuda.set_rng_state(bad.rng[1], device)
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state(rng[1], device)
             watcher.watch(True)
-            loss = loss_fn(module, bad.batch)
+            result = call(module)
     except Exception as e:  # the user's loss function may need the wrapper: say so
         return None, f"not located: re-running the forward failed ({type(e).__name__}: {e})"
     finally:
@@ -68,15 +83,38 @@ def locate(
             for name, b in module.named_buffers():
                 if name in saved:
                     b.copy_(saved[name])
-    how = f"found by re-running micro-batch {bad.index} of the step with module hooks"
+    how = f"found by re-running micro-batch {index} of the step with module hooks"
     if watcher.first_bad is not None:
         return watcher.first_bad, how
-    if not _finite(loss):
-        return None, "re-run: every module's output was finite, the loss computation was not"
+    if what == "output" and _finite(result):
+        return None, (
+            "re-run: every module's output was finite, so was the model's: the inf/nan came "
+            "from the loss computed outside the model"
+        )
+    if not _finite(result):
+        return None, f"re-run: every module's output was finite, the {what} was not"
     return None, "re-run came out finite: the inf/nan did not come back (not reproducible)"
 
 
-def _finite(loss: Any) -> bool:
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model without DDP's or torch.compile's wrapper (whose forward would start a
+    collective, or compile again)."""
+    for _ in range(4):
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+    return model
+
+
+def _finite(result: Any) -> bool:
+    tensors = result if isinstance(result, (tuple, list)) else (result,)
+    if isinstance(result, dict):
+        tensors = tuple(result.values())
     with contextlib.suppress(Exception):
-        return bool(torch.isfinite(torch.as_tensor(loss)).all())
+        return all(
+            bool(torch.isfinite(t).all())
+            for t in tensors
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+        )
     return True

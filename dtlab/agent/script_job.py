@@ -90,7 +90,7 @@ class ScriptJob(jobs.Job):
         """The DataLoaders the script iterated so far, else that it used none."""
         run = getattr(self, "run", None)
         kinds = sorted(set(run.observer.data_kinds.values())) if run is not None else []
-        return " + ".join(kinds) if kinds else "no DataLoader seen"
+        return " + ".join(kinds) if kinds else "no DataLoader: the script's own code"
 
     def step(self, record: bool | None = None) -> StepRecord:
         record = self.record if record is None else record
@@ -156,7 +156,10 @@ class ScriptJob(jobs.Job):
             indices=tuple(draft.indices),
             epoch=epoch,
             epoch_starts=tuple(pos for pos, _ in draft.passes[1:]),
-            nonfinite_module=self.watcher.first_bad,
+            nonfinite_module=self.watcher.first_bad or draft.nonfinite[0],
+            nonfinite_found=(
+                "watched during the step" if self.watcher.first_bad else draft.nonfinite[1]
+            ),
             micro_batches=draft.backward_calls,
             synced_micro_batches=draft.synced_calls if draft.ddp_seen else None,
             input_fingerprints=tuple(draft.input_prints),

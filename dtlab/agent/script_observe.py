@@ -58,6 +58,8 @@ def install(observer: Observer) -> None:
 
 
 def uninstall() -> None:
+    if RANK.observer is not None:
+        RANK.observer.close()
     for key in ("pre", "post", "fwd_pre", "fwd_post"):
         handle = RANK.observer_hooks.pop(key, None)
         if handle is not None:

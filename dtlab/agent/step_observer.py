@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dtlab.agent.data_stream import describe_data
+from dtlab.agent.nonfinite import rng_state as nonfinite_rng
 
 
 @dataclass
@@ -36,6 +37,10 @@ class StepDraft:
     # optimizer in backward: each parameter's gradient as its optimizer stepped inside
     # backward() (the script drops it right after): id(param) -> grad_summary of it
     early_grads: dict = field(default_factory=dict)
+    # while recording: each outermost training forward (module, args, kwargs or None when
+    # not seen, RNG state at its start), to re-run one whose loss comes out inf/nan
+    forwards: list = field(default_factory=list)
+    nonfinite: tuple[str | None, str] = (None, "")  # (first bad module, how found / why not)
 
 
 class Observer:
@@ -68,6 +73,7 @@ class Observer:
         self._backward_depth = 0
         self._deferred: list = []  # boundaries reached inside backward(), made at its end
         self._noted_in_backward = False
+        self._kwarg_hooks: dict[int, object] = {}  # id(outermost module) -> kwargs hook
 
     def boundary(self, kind: str, optimizer) -> None:
         """A step boundary. One reached inside ``backward()`` (an optimizer stepped from a
@@ -113,6 +119,8 @@ class Observer:
 
     def on_pre_step(self, optimizer) -> None:
         self._stepping(optimizer)
+        if optimizer is self.marker and self.recording and not self.draft.nonfinite[1]:
+            self._locate_nonfinite()  # before the update: the parameters are the forward's
         if self._backward_depth and self.recording:
             self._keep_early_grads(optimizer)
         if optimizer is self.marker:
@@ -156,6 +164,29 @@ class Observer:
                     norms, bad, missing, prints = grad_summary([p.grad])
                     self.draft.early_grads[id(p)] = (norms[0], bad[0], prints[0])
 
+    def _kwargs_seen(self, module) -> dict | None:
+        """{} until this module's own kwargs hook reports them (None: never seen, so the
+        hook is added now and the next call's keyword arguments are known)."""
+        if id(module) in self._kwarg_hooks:
+            return None
+        self._kwarg_hooks[id(module)] = module.register_forward_pre_hook(
+            self._forward_kwargs, with_kwargs=True
+        )
+        return None
+
+    def _forward_kwargs(self, module, args, kwargs):
+        """The hook on an outermost module alone: its forward's keyword arguments (the
+        global forward hooks see positional inputs only)."""
+        if self.recording:
+            self.on_forward_kwargs(module, kwargs)
+        return None  # never replace the call's arguments
+
+    def close(self) -> None:
+        """Remove the per-module hooks this observer added."""
+        for handle in self._kwarg_hooks.values():
+            handle.remove()
+        self._kwarg_hooks.clear()
+
     def take_draft(self) -> StepDraft:
         draft, self.draft = self.draft, StepDraft()
         self._depth = 0  # a forward that raised never closed
@@ -189,7 +220,34 @@ class Observer:
             self._forward_t0 = time.perf_counter()
             if torch.is_grad_enabled():  # training inputs, not an evaluation's
                 self.draft.input_prints.extend(_input_prints(inputs))
+                device = next((p.device for p in module.parameters()), torch.device("cpu"))
+                rng = nonfinite_rng(device)
+                self.draft.forwards.append((module, inputs, self._kwargs_seen(module), rng))
         self._depth += 1
+
+    def on_forward_kwargs(self, module, kwargs) -> None:
+        """The outermost forward's keyword arguments (a per-module hook, after the global
+        one that opened the forward)."""
+        forwards = self.draft.forwards
+        if forwards and forwards[-1][0] is module and forwards[-1][2] is None:
+            forwards[-1] = (module, forwards[-1][1], dict(kwargs), forwards[-1][3])
+
+    def _locate_nonfinite(self) -> None:
+        """A step whose loss went inf/nan: re-run the forward that made it, with hooks
+        (agent/nonfinite.py), before the optimizer moves the parameters."""
+        from dtlab.agent import nonfinite
+
+        d = self.draft
+        bad = [i for i, v in enumerate(d.losses) if not math.isfinite(float(v))]
+        if not bad or not d.forwards:
+            return
+        index = bad[0] if len(d.forwards) == len(d.losses) else len(d.forwards) - 1
+        module, args, kwargs, rng = d.forwards[index]
+        inner = nonfinite.unwrapped(module)
+        device = next((p.device for p in inner.parameters()), torch.device("cpu"))
+        d.nonfinite = nonfinite.rerun(
+            inner, lambda m: m(*args, **(kwargs or {})), rng, device, index, "output"
+        )
 
     def on_forward_post(self) -> None:
         self._depth = max(0, self._depth - 1)

@@ -28,6 +28,8 @@ def get_args():
     p.add_argument("--no-ddp", action="store_true", help="planted bug: model not wrapped")
     p.add_argument("--lr-rank", type=int, default=-1, help="planted bug: this rank's LR x10")
     p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--inf-rank", type=int, default=-1, help="planted bug: inf inputs here...")
+    p.add_argument("--inf-step", type=int, default=0, help="...at this step (from 1)")
     return p.parse_args()
 
 
@@ -57,6 +59,8 @@ def main():
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
+            if rank == args.inf_rank and step + 1 == args.inf_step:
+                x = x * math.inf  # a corrupt batch (e.g. an unnormalised feature)
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
