@@ -37,12 +37,14 @@ def test_dashboard_steps_runs_pauses_and_redraws(live4):
 
     async def drive():
         dash = dt.dashboard()
-        assert len(dash.figure.data) == 12  # 3 panels x 4 ranks, one FigureWidget
+        assert len(dash.figure.data) == 12  # 3 panels x 4 ranks, one figure
         dash.step_button.click()
         assert dash.running and not dash.pause_button.disabled and dash.step_button.disabled
         first = await dash.wait()
         assert first.last_step == 1 and not dash.running and dash.pause_button.disabled
         assert all(loss_steps(dash, r) == [1] for r in range(4))
+        shown = dash.plot.outputs[0]["data"]["application/vnd.plotly.v1+json"]
+        assert shown["data"][dashboard_trace_index("loss", 2, 4)]["x"] == [1]  # what is drawn
 
         dash.num_steps.value = 100_000
         dash.run_button.click()

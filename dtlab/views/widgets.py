@@ -34,7 +34,11 @@ class Dashboard(Panel):
         self.last_result = None
         self._last_refresh = 0.0
         trace = session.trace or Trace.empty(session.ranks)
-        self.figure = go.FigureWidget(dashboard_figure(trace, max_points=max_points))
+        # a plain figure, redrawn in an Output: a FigureWidget (an anywidget carrying
+        # plotly.js in its state) stayed blank, no data and no title, when its first
+        # updates came while the browser was still building it on a busy machine
+        self.figure = go.Figure(dashboard_figure(trace, max_points=max_points))
+        self.plot = widgets.Output()
         self.step_button = widgets.Button(description="Step", tooltip="one optimizer step")
         self.run_button = widgets.Button(description="Run N", tooltip="N optimizer steps")
         self.num_steps = widgets.BoundedIntText(
@@ -59,7 +63,8 @@ class Dashboard(Panel):
                 self.pause_button,
             ]
         )
-        self.widget = widgets.VBox([controls, self.status, self.output, self.figure])
+        self.widget = widgets.VBox([controls, self.status, self.output, self.plot])
+        self._draw()
 
     # --- controls ----------------------------------------------------------------------
     @property
@@ -145,3 +150,17 @@ class Dashboard(Panel):
                 line.x, line.y = x, y
             for note, title in zip(self.figure.layout.annotations, titles, strict=False):
                 note.text = title
+        self._draw()
+
+    def _draw(self) -> None:
+        """Show the figure as it is now: one plotly output, replaced whole (the arrays are
+        resent either way: plotly has no incremental extend)."""
+        import json
+
+        import plotly.io as pio
+
+        bundle = {
+            "application/vnd.plotly.v1+json": json.loads(pio.to_json(self.figure, validate=False)),
+            "text/plain": "Training per rank (a plotly figure)",
+        }
+        self.plot.outputs = ({"output_type": "display_data", "data": bundle, "metadata": {}},)
