@@ -22,7 +22,7 @@ from dtlab.control.cluster import running
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1200)]
 
 STEPS = 30
-# the other job: 8 ranks of the demo stepping until SIGINT, then shut down
+# the other job: 8 ranks of the demo stepping until SIGTERM, then shut down
 LOAD = Path(__file__).resolve().parent.parent / "benchmarks" / "background_load.py"
 
 CNN_JOB = """
@@ -124,7 +124,7 @@ def other_job(tmp_path_factory):
         yield proc
     finally:
         started = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-        proc.send_signal(signal.SIGINT)  # its finally: shuts its cluster down
+        proc.send_signal(signal.SIGTERM)  # it finishes its step and shuts its cluster down
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
