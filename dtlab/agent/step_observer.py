@@ -164,15 +164,13 @@ class Observer:
                     norms, bad, missing, prints = grad_summary([p.grad])
                     self.draft.early_grads[id(p)] = (norms[0], bad[0], prints[0])
 
-    def _kwargs_seen(self, module) -> dict | None:
-        """{} until this module's own kwargs hook reports them (None: never seen, so the
-        hook is added now and the next call's keyword arguments are known)."""
-        if id(module) in self._kwarg_hooks:
-            return None
-        self._kwarg_hooks[id(module)] = module.register_forward_pre_hook(
-            self._forward_kwargs, with_kwargs=True
-        )
-        return None
+    def _watch_kwargs(self, module) -> None:
+        """Hook ``module`` alone (once) so that its forwards' keyword arguments reach
+        :meth:`on_forward_kwargs`; a hook added during a call fires from the next one."""
+        if id(module) not in self._kwarg_hooks:
+            self._kwarg_hooks[id(module)] = module.register_forward_pre_hook(
+                self._forward_kwargs, with_kwargs=True
+            )
 
     def _forward_kwargs(self, module, args, kwargs):
         """The hook on an outermost module alone: its forward's keyword arguments (the
@@ -222,7 +220,9 @@ class Observer:
                 self.draft.input_prints.extend(_input_prints(inputs))
                 device = next((p.device for p in module.parameters()), torch.device("cpu"))
                 rng = nonfinite_rng(device)
-                self.draft.forwards.append((module, inputs, self._kwargs_seen(module), rng))
+                self._watch_kwargs(module)
+                # kwargs: None until this module's own hook reports them (on_forward_kwargs)
+                self.draft.forwards.append((module, inputs, None, rng))
         self._depth += 1
 
     def on_forward_kwargs(self, module, kwargs) -> None:
