@@ -25,6 +25,7 @@ CHECK_EVERY_S = 0.25  # how often a waiting run asks whether engines and control
 POLL_S = 0.1
 STALLED_S = 2.0  # no reply from any rank for this long: the run is stalled, not slow
 STALL_CONFIRM_S = 2.0  # a deadlock is seen twice, this far apart, before a run is given up
+UNSENT_WAIT_S = 30.0  # a rank the run could not be sent to: how long to wait for its death
 
 
 class RunHost(Protocol):
@@ -80,6 +81,18 @@ class Run:
         self.pause_deadline: float | None = None
         self.give_up_reason: str | None = None
         self.step_by_rank: dict[int, int] = {}
+        self.unsent: set[int] = set()  # ranks whose stepping socket was gone at the start
+
+    def could_not_send(self, ranks: Iterable[int]) -> None:
+        """The run did not reach ``ranks``: a killed engine closes its socket before the
+        controller hears of its death (seconds on a busy machine). The others are asked to
+        pause; the run waits up to UNSENT_WAIT_S for the controller to report these ranks
+        dead (then the error says they died, and why) before it gives up on them."""
+        self.unsent |= set(ranks)
+        self.ask_pause(f"{label_ranks(self.unsent)} could not be sent the run")
+        assert self.pause_deadline is not None  # (set just now, or by an earlier pause)
+        self.pause_deadline = max(self.pause_deadline, self.started + UNSENT_WAIT_S)
+        self.last_check = 0.0  # look for their death at the first check
 
     # --- replies -----------------------------------------------------------------------
     def handle(self, reply: RankReply) -> None:
@@ -110,6 +123,12 @@ class Run:
             for rank, cause in self.host.dead_ranks(self.pending).items():
                 self.failures[rank] = RemoteFailure("EngineError", cause)
                 self._finish(rank)
+            alive = self.unsent & self.pending
+            if alive and now - self.started > UNSENT_WAIT_S:
+                self.give_up_reason = (
+                    f"{label_ranks(alive)} could not be sent the run (its engine is "
+                    f"registered but its stepping socket is gone)"
+                )
         quiet = now - self.last_reply
         if self.timeout is not None and now - self.started > self.timeout:
             self._timed_out(f"timed out after {self.timeout:g} s", quiet > STALLED_S)

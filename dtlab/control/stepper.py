@@ -242,9 +242,8 @@ class Stepper:
         self.session.activity.start_run(self.session.ranks, run.id)
         self.active, self._regroup = run, False
         if unreachable:  # the others got it: have them stop at once, then report
-            self.send_pause()
             self._regroup = True
-            run.give_up_reason = f"{label_ranks(unreachable)} could not be sent the run"
+            run.could_not_send(unreachable)
         return run
 
     def step_s(self) -> float | None:

@@ -1,0 +1,90 @@
+"""A run's bookkeeping (dtlab.control.runs.Run) against a scripted host: what it concludes
+when a rank could not be sent the run. The live case (an engine killed by SIGKILL before
+the controller heard of it) only happens on a busy machine; these drive the same Run the
+stepper drives, with the host's answers in a chosen order."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dtlab.control import runs
+from dtlab.control.errors import RankError, RankTimeoutError
+from dtlab.records import HangReport, HangVerdict
+from dtlab.records.wire import RankReply
+
+
+class ScriptedHost:
+    """Ranks 0 and 1 pause when asked; rank 2's engine is reported dead after ``dies_after``
+    seconds (None: never)."""
+
+    trace = None
+    interrupted = False
+
+    def __init__(self, dies_after: float | None):
+        self.ranks = [0, 1, 2]
+        self.dies_at = None if dies_after is None else time.monotonic() + dies_after
+        self.run: runs.Run | None = None
+        self.paused = False
+        self.replied = False
+
+    def current_step(self) -> int:
+        return 4
+
+    def receive(self, timeout: float) -> None:
+        time.sleep(min(timeout, 0.01))
+        if self.paused and not self.replied and self.run is not None:
+            self.replied = True
+            for rank in (0, 1):
+                self.run.handle(RankReply("done", self.run.id, rank, step=5, stopped="pause"))
+
+    def ingest(self, reply: RankReply) -> None:
+        pass
+
+    def rank_finished(self, rank: int) -> None:
+        pass
+
+    def send_pause(self) -> None:
+        self.paused = True
+
+    def dead_ranks(self, ranks) -> dict[int, str]:
+        dead = self.dies_at is not None and time.monotonic() >= self.dies_at
+        return {2: "killed by SIGKILL"} if dead and 2 in ranks else {}
+
+    def stall_limit(self) -> float:
+        return 600.0
+
+    def hang_report(self) -> HangReport:
+        return HangReport(HangVerdict("no rank waits in a collective"), {})
+
+    def interrupt_and_wait(self, ranks, poll) -> list[int]:
+        return list(ranks)
+
+
+def drive(host: ScriptedHost, limit_s: float = 60) -> runs.Run:
+    run = runs.Run(host, 1, steps=3, until=None, timeout=None)
+    host.run = run
+    run.could_not_send([2])
+    deadline = time.monotonic() + limit_s
+    while not run.over():
+        assert time.monotonic() < deadline, "the run never ended"
+        host.receive(runs.POLL_S)
+        run.check()
+    return run
+
+
+def test_a_rank_whose_death_is_reported_late_is_said_to_have_died():
+    run = drive(ScriptedHost(dies_after=1.5))  # later than a first look, within the wait
+    with pytest.raises(RankError) as e:
+        run.result()
+    assert not isinstance(e.value, RankTimeoutError)
+    assert e.value.dead_ranks == (2,) and "rank 2 died" in str(e.value)
+
+
+def test_a_rank_that_stays_registered_is_said_to_be_unreachable(monkeypatch):
+    monkeypatch.setattr(runs, "UNSENT_WAIT_S", 1.0)
+    run = drive(ScriptedHost(dies_after=None))
+    with pytest.raises(RankTimeoutError) as e:
+        run.result()
+    assert "rank 2 could not be sent the run" in e.value.reason
