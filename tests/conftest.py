@@ -44,9 +44,9 @@ def default_threads(ranks_on_host: int) -> int:
     return threads_per_rank(None, len(os.sched_getaffinity(0)), ranks_on_host)
 
 
-def signal_when_exists(paths, pid: int, sig: int, timeout: float = 60) -> threading.Thread:
+def signal_when_exists(paths, pid: int, sig: int, timeout: float = 300) -> threading.Thread:
     """Send ``sig`` to ``pid`` once ``paths`` (one or a list) all exist (ranks write them
-    when they are busy)."""
+    when they are busy). The thread's ``sent`` is True once the signal went."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
 
     def wait_then_signal():
@@ -55,8 +55,10 @@ def signal_when_exists(paths, pid: int, sig: int, timeout: float = 60) -> thread
             time.sleep(0.02)
         if all(map(os.path.exists, paths)):
             os.kill(pid, sig)
+            thread.sent = True  # type: ignore[attr-defined]
 
     thread = threading.Thread(target=wait_then_signal, daemon=True)
+    thread.sent = False  # type: ignore[attr-defined]
     thread.start()
     return thread
 

@@ -29,6 +29,13 @@ def test_dt_launch_binds_dt_and_prints_the_rank_table(ip, cluster_cleanup, capsy
     assert "<table>" in html and str(dt.infos[0].pid) in html
 
 
+def test_dt_launch_says_what_it_replaced_in_a_plain_line(ip, launched, capsys):
+    ip.run_line_magic("dt_launch", "2 --restart")
+    captured = capsys.readouterr()
+    assert "note: stopped the live 2-rank session" in captured.out
+    assert "UserWarning" not in captured.out + captured.err  # no library file path and line
+
+
 def test_identical_output_grouped_and_different_output_per_rank(ip, launched, capsys):
     ip.run_cell_magic("dt", "", "print('hello')\nprint(f'I am {rank}')")
     out = capsys.readouterr().out

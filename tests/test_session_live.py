@@ -113,12 +113,16 @@ def test_rank_blocked_in_a_collective_is_reported_stuck(cluster_cleanup):
     assert set(fresh.run(os.getpid).values()) == {i.pid for i in fresh.infos.values()}
 
 
+@pytest.mark.timeout(500)
 def test_ctrl_c_interrupts_the_ranks(live2, tmp_path):
     # Ctrl-C in the notebook is SIGINT to the kernel, sent once both ranks are sleeping
-    signal_when_exists([tmp_path / "busy0", tmp_path / "busy1"], os.getpid(), signal.SIGINT)
+    ctrl_c = signal_when_exists(
+        [tmp_path / "busy0", tmp_path / "busy1"], os.getpid(), signal.SIGINT
+    )
     cell = f"import time\nopen({str(tmp_path)!r} + f'/busy{{rank}}', 'w').close()\ntime.sleep(600)"
     with pytest.raises(RankTimeoutError) as e:  # a lost SIGINT would end as "timed out"
-        live2.execute(cell, timeout=90)
+        live2.execute(cell, timeout=400)  # the ranks may take long to start it when busy
+    assert ctrl_c.sent, "the ranks never started the cell"
     assert e.value.reason == "interrupted" and e.value.stopped == (0, 1)
     assert live2.status() == {0: "idle", 1: "idle"}
 

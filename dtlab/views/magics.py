@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+import warnings
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic
@@ -49,7 +51,15 @@ class DtlabMagics(Magics):
         args = parse_argstring(self.dt_launch, line)
         start = time.monotonic()
         previous = lifecycle.current_or_none()
-        session = dtlab.launch(**vars(args))  # the flags are LaunchOptions' fields
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always")
+            session = dtlab.launch(**vars(args))  # the flags are LaunchOptions' fields
+        package = os.path.dirname(dtlab.__file__)
+        for note in notes:  # dtlab's notes as plain lines, not "<library file>:52: UserWarning"
+            if note.category is UserWarning and note.filename.startswith(package):
+                print(f"note: {note.message}")
+            else:
+                warnings.showwarning(note.message, note.category, note.filename, note.lineno)
         self.shell.user_ns["dt"] = session
         print(launch_summary(session, time.monotonic() - start, reused=session is previous))
         display(rank_table(session.infos, session.inconsistencies()))
