@@ -8,6 +8,7 @@ whatever session is left is shut down at the end, checked by pid.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -42,6 +43,16 @@ def rank_threads(session) -> int:
 def default_threads(ranks_on_host: int) -> int:
     """The thread count a default launch gives each rank on this machine."""
     return threads_per_rank(None, len(os.sched_getaffinity(0)), ranks_on_host)
+
+
+def pytest_configure(config):
+    """Ctrl-C is KeyboardInterrupt here, as in a notebook kernel, even when the suite was
+    started in the background of a non-interactive shell: that starts it with SIGINT
+    ignored, Python then leaves it ignored, and so does every process the tests start (an
+    ignored signal stays ignored across exec). The tests that press Ctrl-C would see
+    nothing happen."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def signal_when_exists(paths, pid: int, sig: int, timeout: float = 300) -> threading.Thread:
