@@ -20,6 +20,7 @@ def test_every_check_module_registers_its_checks_in_report_order():
         "gradient_sync",
         "buffers",
         "accumulation",
+        "deepspeed",
         "numerics",
         "data_order",
         "learning_rate",

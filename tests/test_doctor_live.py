@@ -39,6 +39,7 @@ def test_the_healthy_demo_job_comes_out_clean_and_the_results_stay_with_the_trac
         "gradient_sync",
         "buffers",
         "accumulation",
+        "deepspeed",
         "numerics",
         "data_order",
         "learning_rate",
@@ -106,7 +107,7 @@ def test_dt_doctor_prints_ranked_findings_and_explains_its_checks(ip, live4, cap
     ip.run_line_magic("dt_doctor", "--explain")
     out = capsys.readouterr().out
     # 5 steps are too few to judge stragglers and leaks: so said, never "every check passed"
-    assert out.startswith("no problem found in what could be checked: 9 passed, 2 not checked")
+    assert out.startswith("no problem found in what could be checked: 10 passed, 2 not checked")
     assert "not checked: stragglers: needs two ranks and 7 steps" in out
     verdicts = dict(re.findall(r"^(\w+) +(passed|not checked)", out, re.M))
     assert verdicts["environment"] == verdicts["initial_state"] == "passed"
@@ -121,7 +122,7 @@ def test_dt_doctor_prints_ranked_findings_and_explains_its_checks(ip, live4, cap
     # the LR differs from step 7 (the scheduler applies it after step 6), and so the
     # weights, although DDP keeps the gradients equal
     assert out.startswith(
-        "2 finding(s) (2 found something, 8 passed, 1 not checked), most severe first:\n1. [error] "
+        "2 finding(s) (2 found something, 9 passed, 1 not checked), most severe first:\n1. [error] "
     )
     assert "[error] the learning rate at step 7 is 0.07 on rank 2" in out
     assert "[error] parameters diverge from step 7: embed.weight differs on rank 2" in out

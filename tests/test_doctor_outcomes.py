@@ -101,7 +101,7 @@ def test_the_summary_counts_found_passed_and_not_checked():
     records[2] = [replace(rec, lr=rec.lr * 10) for rec in records[2]]
     text = doctor_summary(run_checks(evidence(records)))
     first = text.splitlines()[0]
-    assert first == "1 finding(s) (1 found something, 9 passed, 1 not checked), most severe first:"
+    assert first == "1 finding(s) (1 found something, 10 passed, 1 not checked), most severe first:"
 
 
 # --- a job that learns nothing -------------------------------------------------------------

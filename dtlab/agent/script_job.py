@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from dtlab.agent import deepspeed_observe, recorder, rng, script_observe
 from dtlab.agent import job as jobs
-from dtlab.agent import recorder, rng, script_observe
 from dtlab.records import StepRecord, StepTimes
 
 
@@ -69,18 +69,32 @@ class ScriptJob(jobs.Job):
     ``run`` is the :class:`dtlab.agent.script.ScriptRun` it belongs to."""
 
     def __init__(self, run, optimizer):
-        model = _find_model(run, optimizer)
+        engine = optimizer if deepspeed_observe.is_engine(optimizer) else None
+        if engine is not None:  # the engine wraps the model; its optimizer holds partitions
+            model, optimizer = engine, deepspeed_observe.inner_optimizer(engine)
+            scheduler, scaler = engine.lr_scheduler, None
+        else:
+            model = _find_model(run, optimizer)
+            scheduler = _find_scheduler(run, optimizer)
+            scaler = _find_instance(run, torch.amp.GradScaler)
         super().__init__(
             model,
             optimizer or _ParamsOnly.no_optimizer(model),
             (),
             lambda m, b: None,
-            scheduler=_find_scheduler(run, optimizer),
-            scaler=_find_instance(run, torch.amp.GradScaler),
+            scheduler=scheduler,
+            scaler=scaler,
             record=run.record,
         )
         self.run = run
         self.info = replace(self.info, data=self._data_kind())
+        if engine is not None:
+            self.info = replace(
+                self.info,
+                optimizer=deepspeed_observe.label(engine),
+                scaler=engine.fp16_enabled(),
+                deepspeed=deepspeed_observe.describe(engine),
+            )
         self.checkpoint_problem = SCRIPT_CHECKPOINTS
         self.output: list[str] = []
         self.initial = self._initial_state()
@@ -131,7 +145,9 @@ class ScriptJob(jobs.Job):
         draft = observer.take_draft()
         record = observer.recording
         t0 = time.perf_counter()
-        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
+        lr = draft.lr
+        if lr is None and self.optimizer.param_groups:
+            lr = self.optimizer.param_groups[0].get("lr")
         grads = self._grad_fields(draft.early_grads) if record else {}
         unreached = self.reached.stop()  # watched from the last boundary (not step 1's)
         self.step_count += 1

@@ -31,10 +31,12 @@ the installed :class:`dtlab.agent.step_observer.Observer` (``RANK.observer``).
 from __future__ import annotations
 
 import collections
+import sys
 import time
 
 import torch
 
+from dtlab.agent import deepspeed_observe
 from dtlab.agent.state import RANK
 from dtlab.agent.step_observer import Observer
 
@@ -54,6 +56,7 @@ def install(observer: Observer) -> None:
     _patch(torch.autograd, "backward", _backward)
     _patch_scalers()
     _patch_loader()
+    _watch_deepspeed(observer)
     set_recording(observer.recording)
 
 
@@ -90,6 +93,14 @@ def set_recording(on: bool) -> None:
                 handle.remove()
 
 
+def _watch_deepspeed(observer: Observer) -> None:
+    """Wrap DeepSpeed's engine once the script imported it: called at install, at every
+    forward while recording and at every backward (a module lookup until then)."""
+    if not observer.deepspeed and deepspeed_observe.ENGINE_MODULE in sys.modules:
+        deepspeed_observe.install_if_imported(_patch)
+        observer.deepspeed = True
+
+
 def _patch(owner, name: str, wrapper_factory) -> None:
     original = getattr(owner, name)
     RANK.observer_patched[(owner, name)] = original
@@ -112,6 +123,7 @@ def _post_hook(optimizer, args, kwargs) -> None:
 def _forward_pre(module, inputs) -> None:
     observer = RANK.observer
     if observer is not None:
+        _watch_deepspeed(observer)
         observer.on_forward_pre(module, inputs)
 
 
@@ -126,6 +138,7 @@ def _backward(original):
         observer = RANK.observer
         if observer is None:
             return original(tensors, *args, **kwargs)
+        _watch_deepspeed(observer)
         t0 = time.perf_counter()
         observer.enter_backward()
         try:

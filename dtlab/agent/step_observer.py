@@ -41,6 +41,7 @@ class StepDraft:
     # not seen, RNG state at its start), to re-run one whose loss comes out inf/nan
     forwards: list = field(default_factory=list)
     nonfinite: tuple[str | None, str] = (None, "")  # (first bad module, how found / why not)
+    lr: float | None = None  # the LR the update used, when read before it (DeepSpeed)
 
 
 class Observer:
@@ -74,6 +75,9 @@ class Observer:
         self._deferred: list = []  # boundaries reached inside backward(), made at its end
         self._noted_in_backward = False
         self._kwarg_hooks: dict[int, object] = {}  # id(outermost module) -> kwargs hook
+        self.deepspeed = False  # DeepSpeedEngine's step and backward are wrapped
+        self.in_engine_step = 0  # inside DeepSpeedEngine.step (agent/deepspeed_observe.py)
+        self.in_engine_backward = 0  # inside DeepSpeedEngine.backward: it records the loss
 
     def boundary(self, kind: str, optimizer) -> None:
         """A step boundary. One reached inside ``backward()`` (an optimizer stepped from a
@@ -106,7 +110,7 @@ class Observer:
             self._make_boundary(kind, optimizer)
 
     # --- optimizer ----------------------------------------------------------------------
-    def _stepping(self, optimizer) -> None:
+    def stepping(self, optimizer) -> None:
         """An optimizer steps (or its scaler skipped the step): the first one marks the
         boundaries, and the first step of all is the step-0 pause."""
         if optimizer not in self.optimizers:
@@ -118,7 +122,7 @@ class Observer:
             self.boundary("pre", optimizer)
 
     def on_pre_step(self, optimizer) -> None:
-        self._stepping(optimizer)
+        self.stepping(optimizer)
         if optimizer is self.marker and self.recording and not self.draft.nonfinite[1]:
             self._locate_nonfinite()  # before the update: the parameters are the forward's
         if self._backward_depth and self.recording:
@@ -136,7 +140,7 @@ class Observer:
     def on_scaler_step_done(self, optimizer, posts_before: int) -> None:
         if self._post_seen != posts_before:
             return  # the optimizer stepped: its post-hook was the boundary
-        self._stepping(optimizer)
+        self.stepping(optimizer)
         if optimizer is self.marker and not self.explicit:
             self.optimizer_s = 0.0
             self.steps_marked += 1
@@ -199,6 +203,8 @@ class Observer:
             d.ddp_seen = True
             d.synced_calls += int(self._last_sync)
         first = tensors[0] if isinstance(tensors, (tuple, list)) and tensors else tensors
+        if self.in_engine_backward:
+            return  # DeepSpeed scaled it: its engine's backward() gives the loss
         if isinstance(first, torch.Tensor) and first.numel() == 1:
             scale = self._scaled.pop(id(first), None)
             value = first.detach().reshape(())

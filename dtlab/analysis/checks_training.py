@@ -58,7 +58,7 @@ def check_numerics(evidence: Evidence) -> CheckResult:
     first 10 steps of calibration) or a scale below 1.
     """
     records = evidence.records
-    findings = _nonfinite_findings(records) + _scaler_findings(records)
+    findings = _nonfinite_findings(records) + _scaler_findings(records, _scaler_name(evidence))
     why = (
         "every loss was finite, no step applied inf/nan gradients, and GradScaler (if any) "
         "skipped no more steps than calibration does"
@@ -146,7 +146,14 @@ def _scaler_trouble(recs: Sequence[StepRecord]) -> dict | None:
     }
 
 
-def _scaler_findings(records: Records) -> list[Finding]:
+def _scaler_name(evidence: Evidence) -> str:
+    """Whose loss scaler skips steps: DeepSpeed's own (fp16 in ds_config) or a GradScaler."""
+    if any(info.deepspeed is not None for info in evidence.jobs.values()):
+        return "DeepSpeed's fp16 loss scaler"
+    return "GradScaler"
+
+
+def _scaler_findings(records: Records, scaler: str = "GradScaler") -> list[Finding]:
     trouble = {r: t for r, recs in sorted(records.items()) if (t := _scaler_trouble(recs))}
     if not trouble:
         return []
@@ -162,7 +169,7 @@ def _scaler_findings(records: Records) -> list[Finding]:
         )
     )
     summary = (
-        f"{label_ranks(ranks)}: GradScaler skipped {t['num_skipped']} steps, up to "
+        f"{label_ranks(ranks)}: {scaler} skipped {t['num_skipped']} steps, up to "
         f"{t['longest_run']} in a row, from step {step}{scale}"
     )
     return [Finding("numerics", ranks, summary, step, {"scaler": trouble}, SCALER_FIX)]

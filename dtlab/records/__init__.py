@@ -34,6 +34,7 @@ from dtlab.records.scripts import ScriptStatus
 from dtlab.records.stages import BlockCost, ScheduleEvent, StageReport
 from dtlab.records.steps import (
     Condition,
+    DeepSpeedInfo,
     InitialState,
     JobInfo,
     ParamInfo,
@@ -58,6 +59,7 @@ __all__ = [
     "HangReport",
     "HangVerdict",
     "InitialState",
+    "DeepSpeedInfo",
     "JobInfo",
     "ParamInfo",
     "Plan",

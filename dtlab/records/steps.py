@@ -20,6 +20,20 @@ class ParamInfo:
 
 
 @dataclass(frozen=True)
+class DeepSpeedInfo:
+    """A DeepSpeed engine's settings as one rank read them: its ds_config and what DeepSpeed
+    made of it (the doctor compares them across ranks and with the steps made)."""
+
+    zero_stage: int
+    micro_batch: int  # train_micro_batch_size_per_gpu
+    accumulation: int  # gradient_accumulation_steps
+    train_batch: int  # train_batch_size
+    dp_world: int  # the data-parallel world size the engine uses
+    precision: str  # "fp32", "fp16" or "bf16"
+    config: str = ""  # the config as the engine holds it, as JSON with sorted keys
+
+
+@dataclass(frozen=True)
 class JobInfo:
     """The attached job as one rank describes it (once, at ``dtlab.attach``)."""
 
@@ -38,6 +52,7 @@ class JobInfo:
     data: str = ""
     # DDP's find_unused_parameters (None: not DDP), judged against what backward reached
     find_unused_parameters: bool | None = None
+    deepspeed: DeepSpeedInfo | None = None  # the job runs inside a DeepSpeed engine
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TextIO
 
 from dtlab.records import (
+    DeepSpeedInfo,
     JobInfo,
     ParamInfo,
     StepRecord,
@@ -42,6 +43,8 @@ def job_from_json(data: Mapping) -> JobInfo:
         ParamInfo(p["name"], tuple(p["shape"]), p["dtype"], p["numel"]) for p in data["params"]
     )
     fields["buffers"] = tuple(data.get("buffers", ()))
+    if data.get("deepspeed"):
+        fields["deepspeed"] = DeepSpeedInfo(**data["deepspeed"])
     return JobInfo(**fields)
 
 

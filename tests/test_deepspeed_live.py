@@ -1,0 +1,106 @@
+"""A DeepSpeed ZeRO script with accumulation (tests/scripts/ds_zero.py), unchanged, on 4 live
+ranks: stepped at DeepSpeed's accumulation boundaries, bit-identical to torchrun, recorded
+with the model's own names, and the doctor's DeepSpeed check on planted bugs (a rank that
+read another ds_config, a script that accumulates on top of DeepSpeed).
+
+DeepSpeed's CPU accelerator falls back to gloo and builds its shared-memory comm op with
+the system compiler on first use (cached in ~/.cache/torch_extensions afterwards); fp16,
+and with it DeepSpeed's loss scaler, is refused on CPU ("Type fp16 is not supported on
+your device"), so the loss-scaler history is not exercised here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.test_script_live import SCRIPTS, losses_in, torchrun
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+
+CONFIG = {
+    "train_batch_size": 64,
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001, "warmup_num_steps": 5},
+    },
+    "zero_optimization": {"stage": 2},
+    "gradient_clipping": 1.0,
+}
+
+
+def config_file(tmp_path, name: str = "ds_config.json", **changes) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps({**CONFIG, **changes}))
+    return str(path)
+
+
+def ds_args(config: str, *more: str) -> list[str]:
+    return ["--deepspeed", "--deepspeed_config", config, *more]
+
+
+def test_a_zero2_script_with_accumulation_steps_at_deepspeeds_boundaries(live4, tmp_path):
+    dt = live4
+    args = ds_args(config_file(tmp_path), "--steps", "8")
+    torchrun(dt, "ds_zero.py", [*args, "--out", str(tmp_path / "torchrun")])
+    status = dt.run_script(str(SCRIPTS / "ds_zero.py"), [*args, "--out", str(tmp_path / "dt")])
+    assert status.wrapper == "DeepSpeedEngine" and status.model == "Sequential"
+    assert set(status.backward_calls.values()) == {2}  # paused before the first update
+    dt.step(3)
+    info = dt.trace.jobs[0]
+    assert [p.name for p in info.params] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert info.deepspeed is not None
+    assert (info.deepspeed.zero_stage, info.deepspeed.accumulation) == (2, 2)
+    assert info.deepspeed.dp_world == 4 and info.deepspeed.precision == "fp32"
+    assert "ZeRO stage 2" in info.optimizer
+    recs = dt.trace.records[1]
+    assert [r.micro_batches for r in recs] == [2, 2, 2]  # DeepSpeed's boundaries
+    lrs = [r.lr for r in recs]
+    assert lrs == sorted(lrs) and 0 <= lrs[0] < lrs[-1] <= 0.001  # WarmupLR's, as used
+    assert all(r.grad_norm > 0 for r in recs)  # full gradients, through DeepSpeed's accessor
+    assert len({r.indices for r in (dt.trace.records[k][0] for k in range(4))}) == 4
+    assert dt.doctor() == []
+    dt.step(2)
+    assert dt.continue_script().last_step == 8
+    assert losses_in(tmp_path / "dt") == losses_in(tmp_path / "torchrun")
+
+
+def test_a_rank_that_read_another_ds_config_is_named(live4, tmp_path):
+    dt = live4
+    odd = config_file(tmp_path, "odd.json", gradient_clipping=0.5)
+    args = ds_args(config_file(tmp_path), "--steps", "4", "--odd-rank", "2", "--odd-config", odd)
+    dt.run_script(str(SCRIPTS / "ds_zero.py"), args)
+    dt.step(2)
+    [found] = [f for f in dt.doctor() if f.kind == "deepspeed_config"]
+    assert found.ranks == (2,) and found.severity == "error"
+    assert re.search(r"gradient_clipping: 1(\.0)? on ranks 0-1,3, 0\.5 on rank 2", found.summary)
+
+
+def test_a_script_that_accumulates_on_top_of_deepspeed_is_named(live4, tmp_path):
+    dt = live4
+    args = ds_args(config_file(tmp_path), "--steps", "4", "--own-accumulation", "2")
+    dt.run_script(str(SCRIPTS / "ds_zero.py"), args)
+    dt.step(2)
+    assert {r.micro_batches for r in dt.trace.records[0]} == {4}
+    [found] = [f for f in dt.doctor() if f.kind == "deepspeed_accumulation"]
+    assert found.ranks == (0, 1, 2, 3)
+    assert "calls backward() 4 times per optimizer step, but gradient_accumulation_steps is 2" in (
+        found.summary
+    )
+
+
+def test_options_idle_for_the_stage_in_use_are_advice(live4, tmp_path):
+    dt = live4
+    zero = {"stage": 2, "stage3_max_live_parameters": 1000000, "offload_param": {"device": "cpu"}}
+    args = ds_args(config_file(tmp_path, zero_optimization=zero), "--steps", "3")
+    dt.run_script(str(SCRIPTS / "ds_zero.py"), args)
+    dt.step(2)
+    [found] = [f for f in dt.doctor() if f.kind == "deepspeed_config"]
+    assert found.severity == "advice" and found.ranks == (0, 1, 2, 3)
+    assert "zero_optimization.stage3_max_live_parameters (ZeRO stage 3 only" in found.summary
+    assert "zero_optimization.offload_param.device (ZeRO stage 3 only" in found.summary
