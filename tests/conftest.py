@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -53,6 +54,11 @@ def pytest_configure(config):
     nothing happen."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # DeepSpeed builds its CPU ops on first use, under one lock per build folder; the
+    # default folder (~/.cache) is shared by every virtual environment, and two of them
+    # (two clones) rebuild it in turn for their own include paths. One folder per venv,
+    # inherited by the ranks and by torchrun.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
 def signal_when_exists(paths, pid: int, sig: int, timeout: float = 300) -> threading.Thread:

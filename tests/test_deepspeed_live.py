@@ -13,12 +13,33 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
 from tests.test_script_live import SCRIPTS, losses_in, torchrun
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600, func_only=True)]
+BUILD_TIMEOUT_S = 1500  # DeepSpeed's two CPU ops, compiled once per venv (minutes)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def deepspeed_ops():
+    """DeepSpeed's CPU ops (the shared-memory comm op every rank builds in
+    init_distributed, and the CPU Adam that "AdamW" in a ds_config uses), built once
+    before the tests, in the venv's own folder (conftest sets TORCH_EXTENSIONS_DIR):
+    without it the first test's ranks would all wait on one rank's compile."""
+    build = (
+        "from deepspeed.accelerator import get_accelerator\n"
+        "for name in ('ShareMemCommBuilder', 'FusedAdamBuilder'):\n"
+        "    get_accelerator().create_op_builder(name).load()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", build], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
 
 CONFIG = {
     "train_batch_size": 64,
@@ -104,3 +125,32 @@ def test_options_idle_for_the_stage_in_use_are_advice(live4, tmp_path):
     assert found.severity == "advice" and found.ranks == (0, 1, 2, 3)
     assert "zero_optimization.stage3_max_live_parameters (ZeRO stage 3 only" in found.summary
     assert "zero_optimization.offload_param.device (ZeRO stage 3 only" in found.summary
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_1_and_3_step_like_torchrun_with_whole_parameters_recorded(live4, tmp_path, stage):
+    dt = live4
+    # ZeRO-3 keeps parameters under 100k elements whole unless told not to: partition all
+    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
+    args = ds_args(config_file(tmp_path, zero_optimization=zero), "--steps", "7")
+    torchrun(dt, "ds_zero.py", [*args, "--out", str(tmp_path / "torchrun")])
+    dt.run_script(str(SCRIPTS / "ds_zero.py"), [*args, "--out", str(tmp_path / "dt")])
+    dt.step(6)
+    info = dt.trace.jobs[0]
+    assert info.deepspeed.zero_stage == stage and f"ZeRO stage {stage}" in info.optimizer
+    assert [p.shape for p in info.params] == [(32, 16), (32,), (1, 32), (1,)]  # not (0,)
+    last = {r: recs[-1] for r, recs in dt.trace.records.items()}
+    assert len({rec.param_fingerprint for rec in last.values()}) == 1  # whole, and agreeing
+    recs = dt.trace.records[0]
+    moved = [
+        a.param_fingerprint != b.param_fingerprint for a, b in zip(recs, recs[1:], strict=False)
+    ]
+    assert moved == [b.lr > 0 for b in recs[1:]] and any(moved)  # WarmupLR starts at 0
+    full = 4 * sum(p.numel for p in info.params)
+    held = last[0].memory.param_bytes
+    assert held < full / 2 if stage == 3 else held == full  # ZeRO-3 holds its partition
+    # a 577-parameter model waits on its DataLoader for most of a step: true, and said
+    found = [f for f in dt.doctor() if not f.summary.startswith("waiting for data")]
+    assert found == []
+    dt.continue_script()
+    assert losses_in(tmp_path / "dt") == losses_in(tmp_path / "torchrun")

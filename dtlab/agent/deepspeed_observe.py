@@ -24,6 +24,7 @@ uses DeepSpeed, dtlab wraps ``DeepSpeedEngine.step`` and ``.backward`` (once
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -31,7 +32,7 @@ import time
 import torch
 
 from dtlab.agent.state import RANK
-from dtlab.records import DeepSpeedInfo
+from dtlab.records import DeepSpeedInfo, ParamInfo
 
 ENGINE_MODULE = "deepspeed.runtime.engine"
 
@@ -123,6 +124,31 @@ def _engine_backward(original):
 
     backward.__wrapped__ = original
     return backward
+
+
+def gathered(engine, params):
+    """A context in which ZeRO-3's partitioned ``params`` are whole (an all-gather on
+    every rank, read-only: partitioned again at its end); nothing to do below stage 3."""
+    if engine.zero_optimization_stage() < 3:
+        return contextlib.nullcontext()
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    return GatheredParameters(list(params), modifier_rank=None)
+
+
+def param_infos(names, params) -> tuple[ParamInfo, ...]:
+    """Each parameter's full shape: ZeRO-3 leaves an empty tensor in the model between
+    uses and keeps the shape in ``ds_shape``."""
+    infos = []
+    for name, p in zip(names, params, strict=True):
+        shape = tuple(getattr(p, "ds_shape", p.shape))
+        infos.append(ParamInfo(name, shape, str(p.dtype), int(getattr(p, "ds_numel", p.numel()))))
+    return tuple(infos)
+
+
+def held(params) -> list[torch.Tensor]:
+    """The parameter tensors this rank holds: ZeRO-3's local partitions (``ds_tensor``)."""
+    return [getattr(p, "ds_tensor", None) if hasattr(p, "ds_tensor") else p for p in params]
 
 
 def _loss_scale(engine) -> float | None:

@@ -10,6 +10,7 @@ stepping channel steps it like any job; a step runs the script to its next bound
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -88,17 +89,27 @@ class ScriptJob(jobs.Job):
         )
         self.run = run
         self.info = replace(self.info, data=self._data_kind())
+        self.engine = engine
         if engine is not None:
             self.info = replace(
                 self.info,
+                params=deepspeed_observe.param_infos(self.names, self.params),
                 optimizer=deepspeed_observe.label(engine),
                 scaler=engine.fp16_enabled(),
                 deepspeed=deepspeed_observe.describe(engine),
             )
         self.checkpoint_problem = SCRIPT_CHECKPOINTS
         self.output: list[str] = []
-        self.initial = self._initial_state()
+        with self._whole_params():
+            self.initial = self._initial_state()
         self._rngs = rng.fingerprints() if run.record else ()
+
+    def _whole_params(self):
+        """Where the parameters are read in full (ZeRO-3 gathers them: every rank, same
+        point of the step)."""
+        if self.engine is None:
+            return contextlib.nullcontext()
+        return deepspeed_observe.gathered(self.engine, self.params)
 
     def _data_kind(self) -> str:
         """The DataLoaders the script iterated so far, else that it used none."""
@@ -151,7 +162,8 @@ class ScriptJob(jobs.Job):
         grads = self._grad_fields(draft.early_grads) if record else {}
         unreached = self.reached.stop()  # watched from the last boundary (not step 1's)
         self.step_count += 1
-        params = self._param_fields() if record else {}
+        with self._whole_params():
+            params = self._param_fields() if record else {}
         epoch = draft.passes[0][1] if draft.passes else getattr(self, "_epoch", 0)
         self._epoch = draft.passes[-1][1] if draft.passes else epoch
         rec = StepRecord(
@@ -168,7 +180,12 @@ class ScriptJob(jobs.Job):
                 observer.optimizer_s,
                 time.perf_counter() - t0,
             ),
-            memory=recorder.memory(self.params, self.optimizer, self.device, self._buffer_bytes()),
+            memory=recorder.memory(
+                deepspeed_observe.held(self.params) if self.engine else self.params,
+                self.optimizer,
+                self.device,
+                self._buffer_bytes(),
+            ),
             indices=tuple(draft.indices),
             epoch=epoch,
             epoch_starts=tuple(pos for pos, _ in draft.passes[1:]),
