@@ -56,6 +56,8 @@ def test_an_fsdp1_job_records_the_models_own_parameters_and_resumes(
     details = dt.step_details(4)
     assert all(len(r.grad_norms) == len(params) and not r.missing_grads for r in details.values())
     assert dt.doctor() == []
+    verdicts = {c.check: c.checked for c in dt.training.checks()}
+    assert verdicts["initial_state"] and verdicts["gradient_sync"]  # compared, whole
     parts = dt.params(params[0].name)  # each rank's own part of it, flattened
     assert sum(p.size for p in parts.values()) == params[0].numel
     report = dt.resume_check(3)
