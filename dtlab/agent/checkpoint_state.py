@@ -64,6 +64,14 @@ def optimizer_split(job) -> tuple[dict, dict]:
 
 
 def model_state(job) -> dict[str, torch.Tensor]:
+    """The model's tensors, as DCP writes them and reads them back in place. FSDP1: each
+    unit's flat shard as this rank holds it and the buffers, not ``state_dict()`` (whose
+    FSDP hooks would gather the nested units' parameters whole, every rank a copy)."""
+    if getattr(job, "flat", None) is not None:
+        from dtlab.agent.fsdp1 import clean
+
+        buffers = {clean(k): b.detach() for k, b in job.module.named_buffers()}
+        return {**job.flat.flat_state(), **buffers}
     return {k: v.detach() for k, v in job.module.state_dict().items()}
 
 
@@ -74,6 +82,7 @@ def model_hash(job) -> int:
     for tensor in model_state(job).values():
         if hasattr(tensor, "to_local"):
             continue  # a shard (FSDP2): different on every rank by design; DCP keeps its layout
+        # (an FSDP1 flat shard is a plain tensor: its ranks differ, so the save is per rank)
         if tensor.device.type == "cpu":
             hasher.update(tensor.contiguous().view(-1).view(torch.uint8).numpy())
         else:

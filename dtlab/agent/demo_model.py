@@ -297,15 +297,19 @@ def build_demo(
     sharding: str | None = None,
 ) -> DemoJob:
     """This rank's demo job. ``ddp=True`` needs an initialised process group.
-    ``sharding``: ``"fsdp2"`` (each block and the root under ``fully_shard``) or ``"zero"``
-    (DDP with a ZeroRedundancyOptimizer: optimizer state sharded, ZeRO-1/2 style)."""
+    ``sharding``: ``"fsdp2"`` (each block and the root under ``fully_shard``), ``"fsdp1"``
+    (the same units under FSDP1's ``FullyShardedDataParallel``: flat parameters),
+    ``"fsdp1-orig"`` (FSDP1 with ``use_orig_params=True``) or ``"zero"`` (DDP with a
+    ZeroRedundancyOptimizer: optimizer state sharded, ZeRO-1/2 style)."""
     config = config or DemoConfig()
-    if sharding not in (None, "fsdp2", "zero"):
-        raise ValueError(f"sharding={sharding!r}; choose fsdp2, zero or None")
+    if sharding not in (None, "fsdp2", "fsdp1", "fsdp1-orig", "zero"):
+        raise ValueError(f"sharding={sharding!r}; choose fsdp2, fsdp1, fsdp1-orig, zero or None")
     torch.manual_seed(config.seed)  # every rank builds identical weights
     model: nn.Module = DemoLM(config).to(device)
     if sharding == "fsdp2":
         model = _fully_shard(model, device)
+    elif sharding in ("fsdp1", "fsdp1-orig"):
+        model = _fsdp1(model, device, use_orig_params=sharding == "fsdp1-orig")
     elif ddp:
         model = nn.parallel.DistributedDataParallel(
             model,
@@ -337,6 +341,20 @@ def _fully_shard(model: DemoLM, device) -> nn.Module:
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def _fsdp1(model: DemoLM, device, use_orig_params: bool) -> nn.Module:
+    """FSDP1 as most code still applies it: each block its own unit (an auto-wrap
+    policy), the rest in the root's."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FullyShardedDataParallel(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        use_orig_params=use_orig_params,
+        device_id=torch.device(device),  # FSDP1 asks for it on CPU
+    )
 
 
 def demo_step(job: DemoJob, batch: dict[str, torch.Tensor]) -> float:

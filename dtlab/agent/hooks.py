@@ -100,8 +100,8 @@ class CommCounter:
         self.calls = self.bytes = 0
 
     def _install(self, model: torch.nn.Module) -> bool:
-        if not hasattr(model, "register_comm_hook"):
-            return False
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return False  # FSDP1 has a register_comm_hook too, for its own kind of hook
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         def counting_allreduce(state, bucket):
@@ -122,13 +122,13 @@ class ReachedParams:
     still ends the step with a gradient (find_unused_parameters=True averages the other
     ranks' in), so only this tells a rank-dependent branch from a shared one. Watching
     from ``start()`` to ``stop()``; the hooks are registered once (not every step) and
-    do nothing in between; ``close()`` removes them. A sharded (FSDP2) model is not
-    watched: its gradients accumulate on unsharded copies, not on the parameters it
-    registers."""
+    do nothing in between; ``close()`` removes them. A sharded model (FSDP2, or FSDP1:
+    ``sharded=True``) is not watched: its gradients accumulate on unsharded copies, not
+    on the parameters it registers."""
 
-    def __init__(self, params):
+    def __init__(self, params, sharded: bool = False):
         self.params = list(params)
-        self.sharded = any(hasattr(p, "to_local") for p in self.params)
+        self.sharded = sharded or any(hasattr(p, "to_local") for p in self.params)
         self.reached: set[int] = set()
         self.watching = False
         self.handles: list = []

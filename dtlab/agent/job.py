@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from dtlab.agent import nonfinite, recorder, rng
+from dtlab.agent import fsdp1, nonfinite, recorder, rng
 from dtlab.agent.data_stream import DataStream, describe_data
 from dtlab.agent.hooks import CommCounter, ModuleWatcher, OutputRecorder, ReachedParams
 from dtlab.agent.state import RANK
@@ -101,6 +101,12 @@ class Job:
             raise ValueError(f"{type(self.module).__name__} has no parameters: nothing to train")
         self.names, self.params = zip(*named, strict=True)
         self.device = self.params[0].device
+        # FSDP1: ``params`` are what the rank holds (flat shards, or views of them), for
+        # memory; ``names`` and every record's entries are the model's own parameters,
+        # gathered whole through ``flat`` (agent/fsdp1.py)
+        self.flat = fsdp1.view_of(model)
+        if self.flat is not None:
+            self.names = self.flat.names
         self.records: collections.deque[StepRecord] = collections.deque(maxlen=capacity)
         self._stashed: collections.deque[StepRecord] | None = None
         # why this job cannot be checkpointed or rebuilt (a script job says), else None
@@ -112,7 +118,8 @@ class Job:
         # only where it is asked about: a comm hook is a change to the user's DDP object
         self.comm = CommCounter(model) if accumulate > 1 else None
         self.watcher = ModuleWatcher(self.module)
-        self.reached = ReachedParams(self.params)  # what this rank's own backward reached
+        # what this rank's own backward reached (not under FSDP1: flat gradients)
+        self.reached = ReachedParams(self.params, sharded=self.flat is not None)
         self.outputs = OutputRecorder(self.module)
         self.recording_outputs = False
         self.autosave: tuple[str, int] | None = None  # (checkpoint root, every k steps)
@@ -136,15 +143,22 @@ class Job:
             optimizer=type(self.optimizer).__name__,
             scheduler=type(self.scheduler).__name__ if self.scheduler is not None else None,
             scaler=self.scaler is not None,
-            params=tuple(
-                ParamInfo(n, tuple(p.shape), str(p.dtype), p.numel())
-                for n, p in zip(self.names, self.params, strict=True)
-            ),
+            params=self._param_infos(),
             record=self.record,
             capacity=capacity,
             buffers=tuple(name for name, _ in self.module.named_buffers()),
             data=self._data_kind(),
             find_unused_parameters=getattr(self.model, "find_unused_parameters", None),
+        )
+
+    def _param_infos(self) -> tuple[ParamInfo, ...]:
+        if self.flat is not None:  # the original parameters, whole
+            return tuple(
+                ParamInfo(e.name, e.shape, str(e.dtype), e.numel) for e in self.flat.entries
+            )
+        return tuple(
+            ParamInfo(n, tuple(p.shape), str(p.dtype), p.numel())
+            for n, p in zip(self.names, self.params, strict=True)
         )
 
     def _data_kind(self) -> str:
@@ -266,7 +280,8 @@ class Job:
         if self._bad_micro is None:
             return None, ""
         bad, self._bad_micro = self._bad_micro, None
-        return nonfinite.locate(self.module, self.loss_fn, bad, self.device)
+        module = self.model if self.flat is not None else self.module  # (FSDP1: refused)
+        return nonfinite.locate(module, self.loss_fn, bad, self.device)
 
     def _buffer_bytes(self) -> int:
         """About what the record buffer holds: records x the size of the newest one
@@ -328,10 +343,18 @@ class Job:
             self.records, self._stashed = self._stashed, None
 
     def _grad_fields(self) -> dict:
+        if self.flat is not None:
+            return recorder.grad_fields(*self.flat.grad_summary())
         return recorder.grad_fields(*recorder.grad_summary([p.grad for p in self.params]))
 
+    def _param_prints(self) -> tuple[int, ...]:
+        """Fingerprint per parameter, whole (a collective when sharded)."""
+        if self.flat is not None:
+            return tuple(self.flat.param_prints())
+        return tuple(recorder.fingerprints(self.params))
+
     def _param_fields(self) -> dict:
-        fingerprints = tuple(recorder.fingerprints(self.params))
+        fingerprints = self._param_prints()
         buffers = self._buffer_prints
         return {
             "param_fingerprints": fingerprints,
@@ -351,7 +374,7 @@ class Job:
     def _initial_state(self) -> InitialState:
         buffers = list(self.module.named_buffers())
         return InitialState(
-            param_fingerprints=tuple(recorder.fingerprints(self.params)),
+            param_fingerprints=self._param_prints(),
             buffer_names=tuple(name for name, _ in buffers),
             buffer_fingerprints=tuple(recorder.fingerprints([b for _, b in buffers])),
         )
@@ -368,18 +391,22 @@ class Job:
 
     # --- looking closer -----------------------------------------------------------------
     def tensor(self, name: str, what: str = "grad") -> torch.Tensor | None:
-        """A CPU copy of one parameter's gradient (``what="grad"``) or value (``"param"``)."""
+        """A CPU copy of one parameter's gradient (``what="grad"``) or value (``"param"``).
+        Under FSDP1: this rank's part of it, flattened (empty where it holds none)."""
         if what not in ("grad", "param"):
             raise ValueError(f"what must be 'grad' or 'param', got {what!r}")
         try:
-            param = self.params[self.names.index(name)]
+            index = self.names.index(name)
         except ValueError:
             close = [n for n in self.names if name in n][:5]
             raise KeyError(
                 f"no parameter {name!r} in {type(self.module).__name__}"
                 + (f"; did you mean one of {close}?" if close else "")
             ) from None
-        tensor = param.grad if what == "grad" else param
+        if self.flat is not None:
+            tensor = self.flat.local_part(name, what)
+        else:
+            tensor = self.params[index].grad if what == "grad" else self.params[index]
         return None if tensor is None else tensor.detach().to("cpu", copy=True)
 
     def record_at(self, step: int) -> StepRecord | None:
@@ -398,7 +425,7 @@ class Job:
 
 @contextlib.contextmanager
 def _without_sync(model, quiet: bool):
-    """No gradient sync inside, when ``quiet``: DDP's ``no_sync()``, FSDP2's
+    """No gradient sync inside, when ``quiet``: DDP's and FSDP1's ``no_sync()``, FSDP2's
     ``set_requires_gradient_sync(False)`` (its reduce-scatter waits for the last one)."""
     if quiet and hasattr(model, "no_sync"):
         with model.no_sync():

@@ -63,7 +63,10 @@ def rerun(
     docstring); ``what`` the call returns: "loss" or the model's "output"."""
     if any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules()):
         return None, "not re-run: the model has SyncBatchNorm, whose forward is a collective"
-    if any(type(m).__name__.startswith("FSDP") for m in module.modules()):
+    if any(
+        type(m).__name__.startswith("FSDP") or type(m).__name__ == "FullyShardedDataParallel"
+        for m in module.modules()
+    ):
         return None, "not re-run: the model is sharded (FSDP): its forward gathers from peers"
     watcher = ModuleWatcher(module)
     saved = {name: b.detach().clone() for name, b in module.named_buffers()}
@@ -98,8 +101,11 @@ def rerun(
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The model without DDP's or torch.compile's wrapper (whose forward would start a
-    collective, or compile again)."""
+    collective, or compile again). FSDP1's stays: its inner module holds only flat
+    shards, and :func:`rerun` says why it does not re-run it."""
     for _ in range(4):
+        if type(model).__name__ == "FullyShardedDataParallel":
+            return model
         inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
         if not isinstance(inner, torch.nn.Module):
             return model

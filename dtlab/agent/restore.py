@@ -101,6 +101,12 @@ def _check(job, folder: Path, rank: int, world_size: int):
         raise CheckpointError(job.checkpoint_problem)
     manifest = read_manifest(folder)
     source = rank if rank < manifest["world_size"] else 0
+    if getattr(job, "flat", None) is not None and manifest["world_size"] != world_size:
+        raise CheckpointError(
+            f"{folder} holds FSDP1 flat shards as FSDP laid them out for "
+            f"{manifest['world_size']} ranks; this job has {world_size}: load it on "
+            f"{manifest['world_size']} ranks (dtlab does not re-cut FSDP1's flat shards)"
+        )
     _check_model(manifest, job, folder, source)
     position = _position(manifest, job, world_size)
     if position is not None and (problem := job.stream.seek_problem(position[1])):

@@ -142,7 +142,10 @@ class ScriptJob(jobs.Job):
 
     def _grad_fields(self, early: dict | None = None) -> dict:
         """The gradients the step used: each as it is now, or, for a parameter whose
-        optimizer stepped inside backward() and dropped it, as it was then."""
+        optimizer stepped inside backward() and dropped it, as it was then (FSDP1: the
+        model's own parameters, gathered whole)."""
+        if self.flat is not None:
+            return recorder.grad_fields(*self.flat.grad_summary())
         norms, bad, missing, prints = recorder.grad_summary([p.grad for p in self.params])
         early = early or {}
         for i in [i for i in missing if id(self.params[i]) in early]:

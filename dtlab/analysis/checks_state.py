@@ -61,7 +61,9 @@ def check_initial_state(evidence: Evidence) -> CheckResult:
     initial = evidence.initial
     looked = f"{len(initial)} ranks' parameter and buffer fingerprints before step 1"
     title = "Same weights and buffers on every rank at start"
-    if any(job.wrapper not in (None, "DistributedDataParallel") for job in evidence.jobs.values()):
+    # FSDP1's records, like FSDP2's (wrapper None), fingerprint each parameter whole
+    compared = (None, "DistributedDataParallel", "FullyShardedDataParallel")
+    if any(job.wrapper not in compared for job in evidence.jobs.values()):
         why = "not checked: the model is sharded or wrapped, so ranks hold different tensors"
         return CheckResult("initial_state", title, (), looked, why, checked=False)
     if len(initial) < 2:
