@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+from tests.conftest import untimed
 from tests.test_script_live import SCRIPTS, losses_in, torchrun
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600, func_only=True)]
@@ -85,7 +86,7 @@ def test_a_zero2_script_with_accumulation_steps_at_deepspeeds_boundaries(live4, 
     assert lrs == sorted(lrs) and 0 <= lrs[0] < lrs[-1] <= 0.001  # WarmupLR's, as used
     assert all(r.grad_norm > 0 for r in recs)  # full gradients, through DeepSpeed's accessor
     assert len({r.indices for r in (dt.trace.records[k][0] for k in range(4))}) == 4
-    assert dt.doctor() == []
+    assert untimed(dt.doctor()) == []
     dt.step(2)
     assert dt.continue_script().last_step == 8
     assert losses_in(tmp_path / "dt") == losses_in(tmp_path / "torchrun")
@@ -149,8 +150,6 @@ def test_zero_1_and_3_step_like_torchrun_with_whole_parameters_recorded(live4, t
     full = 4 * sum(p.numel for p in info.params)
     held = last[0].memory.param_bytes
     assert held < full / 2 if stage == 3 else held == full  # ZeRO-3 holds its partition
-    # a 577-parameter model waits on its DataLoader for most of a step: true, and said
-    found = [f for f in dt.doctor() if not f.summary.startswith("waiting for data")]
-    assert found == []
+    assert untimed(dt.doctor()) == []  # a 577-parameter model mostly waits on its data
     dt.continue_script()
     assert losses_in(tmp_path / "dt") == losses_in(tmp_path / "torchrun")

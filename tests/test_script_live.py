@@ -21,7 +21,7 @@ import pytest
 
 from dtlab.agent.threads import thread_env
 from dtlab.control.errors import RankError
-from tests.conftest import rank_threads
+from tests.conftest import rank_threads, untimed
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -84,7 +84,7 @@ def test_the_ddp_tutorial_script_runs_unchanged_and_matches_torchrun(live4, tmp_
     assert all(0 < n <= 1.0 + 1e-6 for n in norms)  # after the script's own clipping (1.0)
     indices = recorded(dt, "indices")
     assert all(len(ix) == 8 for recs in indices.values() for ix in recs)
-    assert dt.doctor() == []  # a healthy script: no finding
+    assert untimed(dt.doctor()) == []  # a healthy script: no finding
     # its destroy_process_group() left the group alive: the ranks take the next job
     notes = dt.scripts.refresh().notes
     assert any("destroy_process_group() left dtlab's group alive" in n for n in notes)
@@ -138,7 +138,7 @@ def test_a_nanogpt_style_script_with_its_own_accumulation(live4, tmp_path):
     mine = losses_in(tmp_path / "dt")
     assert mine == losses_in(tmp_path / "torchrun")
     assert recorded(dt) == mine  # the sum of what backward() was called on, per step
-    assert dt.doctor() == []
+    assert untimed(dt.doctor()) == []
 
 
 def test_ranks_drawing_the_same_windows_are_named_without_sample_indices(live4):
@@ -205,7 +205,7 @@ def test_a_hugging_face_trainer_script_steps_inside_the_frameworks_loop(live4, t
     # its linear schedule: 2 warmup steps to 1e-3, then down to 0 at step 6
     expected = [1e-3 * s / 2 if s < 2 else 1e-3 * (6 - s) / 4 for s in range(6)]
     assert recorded(dt, "lr")[0] == pytest.approx(expected)
-    assert dt.doctor() == []
+    assert untimed(dt.doctor()) == []
 
 
 def test_an_optimizer_stepped_inside_backward_pauses_where_backward_returns(live4, tmp_path):
@@ -225,7 +225,7 @@ def test_an_optimizer_stepped_inside_backward_pauses_where_backward_returns(live
     for recs in dt.trace.records.values():
         assert all(rec.missing_grads == () and rec.micro_batches == 1 for rec in recs)
         assert all(math.isfinite(n) and n > 0 for rec in recs for n in rec.grad_norms)
-    assert dt.doctor() == []  # averaged in the hook: the ranks agree
+    assert untimed(dt.doctor()) == []  # averaged in the hook: the ranks agree
 
 
 def test_sys_exit_is_reported_per_rank_and_signal_handlers_work(live4):
