@@ -68,11 +68,7 @@ def _engine_step(original):
             _before_update(observer, self)
         steps = self.global_steps
         t0 = time.perf_counter()
-        observer.in_engine_step += 1
-        try:
-            out = original(self, *args, **kwargs)
-        finally:
-            observer.in_engine_step -= 1
+        out = original(self, *args, **kwargs)
         observer = RANK.observer  # read again: it may have been uninstalled meanwhile
         if observer is not None and self.global_steps != steps and observer.marker is self:
             observer.last_scale = _loss_scale(self)
@@ -148,7 +144,7 @@ def param_infos(names, params) -> tuple[ParamInfo, ...]:
 
 def held(params) -> list[torch.Tensor]:
     """The parameter tensors this rank holds: ZeRO-3's local partitions (``ds_tensor``)."""
-    return [getattr(p, "ds_tensor", None) if hasattr(p, "ds_tensor") else p for p in params]
+    return [getattr(p, "ds_tensor", p) for p in params]
 
 
 def _loss_scale(engine) -> float | None:

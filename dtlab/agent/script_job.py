@@ -10,7 +10,6 @@ stepping channel steps it like any job; a step runs the script to its next bound
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import sys
@@ -71,6 +70,7 @@ class ScriptJob(jobs.Job):
 
     def __init__(self, run, optimizer):
         engine = optimizer if deepspeed_observe.is_engine(optimizer) else None
+        self.engine = engine  # (read by the parameter hooks below, from Job.__init__ on)
         if engine is not None:  # the engine wraps the model; its optimizer holds partitions
             model, optimizer = engine, deepspeed_observe.inner_optimizer(engine)
             scheduler, scaler = engine.lr_scheduler, None
@@ -89,27 +89,30 @@ class ScriptJob(jobs.Job):
         )
         self.run = run
         self.info = replace(self.info, data=self._data_kind())
-        self.engine = engine
         if engine is not None:
             self.info = replace(
                 self.info,
-                params=deepspeed_observe.param_infos(self.names, self.params),
                 optimizer=deepspeed_observe.label(engine),
                 scaler=engine.fp16_enabled(),
                 deepspeed=deepspeed_observe.describe(engine),
             )
         self.checkpoint_problem = SCRIPT_CHECKPOINTS
         self.output: list[str] = []
-        with self._whole_params():
-            self.initial = self._initial_state()
+        self.initial = self._initial_state()
         self._rngs = rng.fingerprints() if run.record else ()
 
-    def _whole_params(self):
-        """Where the parameters are read in full (ZeRO-3 gathers them: every rank, same
+    def _param_infos(self):
+        if self.engine is None:
+            return super()._param_infos()
+        return deepspeed_observe.param_infos(self.names, self.params)  # ZeRO-3: ds_shape
+
+    def _param_prints(self) -> tuple[int, ...]:
+        """Under ZeRO-3 the parameters are gathered whole to be read (every rank, same
         point of the step)."""
         if self.engine is None:
-            return contextlib.nullcontext()
-        return deepspeed_observe.gathered(self.engine, self.params)
+            return super()._param_prints()
+        with deepspeed_observe.gathered(self.engine, self.params):
+            return super()._param_prints()
 
     def _data_kind(self) -> str:
         """The DataLoaders the script iterated so far, else that it used none."""
@@ -165,8 +168,7 @@ class ScriptJob(jobs.Job):
         grads = self._grad_fields(draft.early_grads) if record else {}
         unreached = self.reached.stop()  # watched from the last boundary (not step 1's)
         self.step_count += 1
-        with self._whole_params():
-            params = self._param_fields() if record else {}
+        params = self._param_fields() if record else {}
         epoch = draft.passes[0][1] if draft.passes else getattr(self, "_epoch", 0)
         self._epoch = draft.passes[-1][1] if draft.passes else epoch
         rec = StepRecord(

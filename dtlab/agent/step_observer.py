@@ -76,7 +76,6 @@ class Observer:
         self._noted_in_backward = False
         self._kwarg_hooks: dict[int, object] = {}  # id(outermost module) -> kwargs hook
         self.deepspeed = False  # DeepSpeedEngine's step and backward are wrapped
-        self.in_engine_step = 0  # inside DeepSpeedEngine.step (agent/deepspeed_observe.py)
         self.in_engine_backward = 0  # inside DeepSpeedEngine.backward: it records the loss
 
     def boundary(self, kind: str, optimizer) -> None:
