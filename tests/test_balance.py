@@ -294,3 +294,38 @@ def test_a_timing_change_inside_the_spread_is_noise_and_few_samples_are_no_verdi
     assert timing.spread([3.0]) == timing.Spread(3.0, 3.0, 3.0, 1)
     with pytest.raises(ValueError, match="no samples"):
         timing.spread([])
+
+
+def test_alternating_rounds_cancel_a_load_that_rises_between_windows():
+    # the plan is 1.3x faster; the machine's load doubles the step time between the
+    # before window and the after window (what a busy box did to runbook 03)
+    quiet_old = [0.100, 0.102, 0.099, 0.101]
+    busy_new = [2 * t / 1.3 for t in quiet_old]
+    naive = timing.change(quiet_old * 3, busy_new * 3)
+    assert naive.verdict == "slower"  # before-then-after takes the load for the plan
+    load = [1.0, 1.5, 2.0]  # rising from round to round, alike for both sides of a round
+    rounds = [([t * k for t in quiet_old], [t * k / 1.3 for t in quiet_old]) for k in load]
+    found = timing.interleaved_change(rounds)
+    assert found.verdict == "faster" and found.rounds == 3
+    assert found.ratio == pytest.approx(1.3)
+    said = timing.describe(found, "step", lambda s: f"{s * 1e3:.0f} ms")
+    assert "12 samples) → " in said and "(alternating, 3 rounds): 1.30x faster" in said
+
+
+def test_alternating_rounds_that_disagree_are_noise_not_a_verdict():
+    same = [0.100, 0.101, 0.099, 0.100]
+    # rounds 1 and 2 favour the new plan by 30 %, round 3 favours the old by as much
+    rounds = [(same, [t / 1.3 for t in same]), (same, [t / 1.3 for t in same])]
+    rounds.append(([t / 1.3 for t in same], same))
+    found = timing.interleaved_change(rounds)
+    assert found.verdict == "within noise"
+    said = timing.describe(found, "step", lambda s: f"{s * 1e3:.0f} ms")
+    assert said.endswith("within noise (within each round the spreads overlap, or rounds disagree)")
+    # three rounds favour the new plan, the fourth (slightly) the old: beyond the spread
+    # taken together, yet no claim while a round says otherwise
+    mixed = [(same, [t / 1.3 for t in same])] * 3 + [(same, [t * 1.02 for t in same])]
+    assert timing.interleaved_change(mixed).verdict == "within noise"
+    few = timing.interleaved_change([([0.1, 0.1], [0.05, 0.05])])
+    assert few.verdict == "too few to judge"
+    with pytest.raises(ValueError, match="no round"):
+        timing.interleaved_change([([], [0.1])])

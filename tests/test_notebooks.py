@@ -155,8 +155,10 @@ def test_imbalanced_pipeline_runbook_finds_the_idle_stage_and_moves_the_boundary
     assert float(re.search(r"slowest stage / mean ([\d.]+)x", predicted).group(1)) < 1.3
     applied = next(text_of(c) for c in code if "apply_button.click()" in c.source)
     assert re.search(r"moved \d+ block\(s\) in \d+ ms; step .* → .*bubble", applied), applied
-    evidence = next(text_of(c) for c in code if "timing.change(old, new)" in c.source)
-    assert "8 samples) → " in evidence, evidence  # each side's median with its spread
+    evidence = next(text_of(c) for c in code if "editor.trial" in c.source)
+    assert len(re.findall(r"^round \d: old plan", evidence, flags=re.M)) == 3, evidence
+    # each side's median with its spread, from alternating rounds of old and new plan
+    assert "12 samples) → " in evidence and "(alternating, 3 rounds)" in evidence, evidence
     # the claim holds, or dtlab says the machine was too noisy to show it; never "slower"
     assert "faster, beyond the spread" in evidence or "within noise" in evidence, evidence
     exported = next(text_of(c) for c in code if "--export deepspeed" in c.source).splitlines()

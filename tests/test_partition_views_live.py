@@ -21,7 +21,7 @@ def test_the_editor_previews_applies_and_shows_the_new_balance(live4):
     demo.attach_pipeline(dt, plan="uniform", microbatches=2)
     dt.step(2)
     editor = dt.partition_editor()
-    editor.measure_steps = 2
+    editor.measure_steps, editor.rounds = 2, 2
     assert [s.value for s in editor.sliders] == [2, 4, 6]
     assert editor.apply_button.disabled  # the draft is the running plan
 
@@ -41,8 +41,11 @@ def test_the_editor_previews_applies_and_shows_the_new_balance(live4):
     assert "would move" in editor.status.value and not editor.apply_button.disabled
     editor.apply_button.click()
     assert "moved" in editor.status.value, editor.status.value
-    # 2 steps a side show no spread worth the name: no verdict on the step time
-    assert "2 samples) → " in editor.status.value
+    # old, new, old, new (three moves), 2 steps each: 4 a side show no spread worth the
+    # name, so no verdict on the step time
+    assert "4 samples) → " in editor.status.value
+    assert "(alternating, 2 rounds)" in editor.status.value
+    assert len(editor.trial.move_seconds) == 2 and len(editor.trial.rounds) == 2
     assert "too few samples to judge" in editor.status.value, editor.status.value
     on_ranks = dt.run(_stage_blocks)
     assert on_ranks == {

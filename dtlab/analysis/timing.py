@@ -5,10 +5,18 @@ then 156 ms on a busy 2-core box was noise, not the plan); so every comparison d
 prints takes several samples per side, shows each side's median with its interquartile
 range, and calls the change "faster" or "slower" only when the two ranges do not overlap.
 Otherwise it says "within noise", and with too few samples "too few to judge".
+
+A before-then-after comparison also takes any change of the machine's load between the two
+windows for the change made (on a busy 2-core box a pipeline step measured 2.14x "slower"
+after a move that makes it faster: the load had risen). So where both sides can be run
+again, dtlab measures them in alternating rounds (A B A B A B, :func:`interleaved_change`)
+and judges each sample against its own round's median: a load that drifts from round to
+round cancels out, and a claim needs every round to agree.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,10 +53,15 @@ class Change:
     before: Spread
     after: Spread
     verdict: str  # "faster" | "slower" | "within noise" | "too few to judge"
+    rounds: int = 1  # alternating A/B rounds the samples came from (1: before, then after)
+    paired_ratio: float | None = None  # interleaved: geometric mean of per-round ratios
 
     @property
     def ratio(self) -> float:
-        """before / after of the medians (> 1: after is faster)."""
+        """before / after (> 1: after is faster): of the medians, or interleaved, the
+        geometric mean of each round's ratio of medians (drift between rounds cancels)."""
+        if self.paired_ratio is not None:
+            return self.paired_ratio
         return self.before.median / self.after.median if self.after.median else float("inf")
 
 
@@ -66,13 +79,49 @@ def change(before: Sequence[float], after: Sequence[float]) -> Change:
     return Change(b, a, verdict)
 
 
+def interleaved_change(rounds: Sequence[tuple[Sequence[float], Sequence[float]]]) -> Change:
+    """Judge B against A from alternating rounds ``[(a_samples, b_samples), ...]``.
+
+    Each sample is divided by the median of its own round (both sides together), so that a
+    load which changes between rounds scales both sides of that round alike and drops out;
+    the rule of :func:`change` (interquartile ranges apart) is then applied to these
+    relative times, and a verdict also needs each round's medians to point the same way.
+    The spreads shown are of the raw samples; the ratio is the geometric mean of the
+    rounds' ratios of medians."""
+    pairs = [(list(a), list(b)) for a, b in rounds if a and b]
+    if not pairs:
+        raise ValueError("no round with samples on both sides")
+    rel_a: list[float] = []
+    rel_b: list[float] = []
+    ratios = []
+    for a, b in pairs:
+        mid = statistics.median(a + b) or 1.0
+        rel_a += [x / mid for x in a]
+        rel_b += [x / mid for x in b]
+        ma, mb = statistics.median(a), statistics.median(b)
+        ratios.append(ma / mb if mb else float("inf"))
+    raw_a = [x for a, _ in pairs for x in a]
+    raw_b = [x for _, b in pairs for x in b]
+    judged = change(rel_a, rel_b).verdict
+    agree = all(r > 1 for r in ratios) if judged == "faster" else all(r < 1 for r in ratios)
+    if judged in ("faster", "slower") and not agree:
+        judged = "within noise"
+    finite = [r for r in ratios if 0 < r < float("inf")]
+    paired = math.exp(statistics.fmean(math.log(r) for r in finite)) if finite else None
+    return Change(spread(raw_a), spread(raw_b), judged, len(pairs), paired)
+
+
 def describe(found: Change, what: str, fmt: Callable[[float], str]) -> str:
     """``step 106 ms (IQR 98-120, 10 samples) → 81 ms (IQR 79-84, 10 samples): 1.31x
     faster, beyond the spread``; "within noise (the spreads overlap)" otherwise."""
     sides = f"{what} {_side(found.before, fmt)} → {_side(found.after, fmt)}"
+    if found.rounds > 1:
+        sides += f" (alternating, {found.rounds} rounds)"
     if found.verdict == "too few to judge":
         need = max(0, MIN_SAMPLES - min(found.before.n, found.after.n))
         return f"{sides}: too few samples to judge ({need} more per side needed)"
+    if found.verdict == "within noise" and found.rounds > 1:
+        return f"{sides}: within noise (within each round the spreads overlap, or rounds disagree)"
     if found.verdict == "within noise":
         return f"{sides}: within noise (the spreads overlap)"
     times = found.ratio if found.verdict == "faster" else 1 / found.ratio

@@ -12,16 +12,21 @@ Each is collect (``StageReport`` / ``BlockCost`` from every rank) -> combine
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from dtlab.agent import api
-from dtlab.analysis.balance import Balance, measured_balance, predict_balance
+from dtlab.analysis import timing
+from dtlab.analysis.balance import Balance, compare, measured_balance, predict_balance
 from dtlab.analysis.partition import parse_plan
 from dtlab.control.errors import DtlabError, RankError
 from dtlab.records import Plan, PlanError
 from dtlab.records.stages import BlockCost, StageReport
 
 MOVE_TIMEOUT_S = 120.0
+TRIAL_ROUNDS = 3  # alternating rounds of old and new plan in dt.try_plan ...
+TRIAL_STEPS = 4  # ... each this many timed steps (after one untimed step per move)
 
 
 class NotAPipeline(DtlabError):
@@ -137,6 +142,56 @@ class Pipeline:
             "bytes": sum(d["bytes_sent"] for d in done.values()),
         }
 
+    def try_plan(
+        self,
+        spec: Any,
+        *,
+        rounds: int = TRIAL_ROUNDS,
+        steps: int = TRIAL_STEPS,
+        progress: Callable[[str], None] | None = None,
+    ) -> PlanTrial:
+        """Move to ``spec`` and time it against the running plan in alternating rounds
+        (old, new, old, new, ...), ending on ``spec``: each round runs one untimed step
+        after its move, then ``steps`` timed ones. Every move is a live re-partition that
+        carries weights and optimizer state, so the job trains on as if nothing moved; the
+        alternation makes the verdict immune to a machine whose load drifts while it is
+        measured (:func:`dtlab.analysis.timing.interleaved_change`)."""
+        if rounds < 1 or steps < 1:
+            raise DtlabError(f"rounds and steps must be >= 1, got {rounds}, {steps}")
+        old, new, _ = self._read(spec, self.stage_reports())
+        if new == old:
+            raise DtlabError("that plan is the one running: nothing to compare it with")
+        say = progress or (lambda text: None)
+        samples: list[tuple[list[float], list[float]]] = []
+        first_move: dict | None = None
+        move_s: list[float] = []
+        before = after = None
+        for r in range(rounds):
+            say(f"round {r + 1}/{rounds}: {steps} steps of the running plan...")
+            a = self._timed(steps, warmup=r > 0)
+            before = self.balance()
+            say(f"round {r + 1}/{rounds}: moving, then {steps} steps of the new plan...")
+            moved = self.repartition(new)
+            first_move, move_s = first_move or moved, [*move_s, moved["seconds"]]
+            b = self._timed(steps, warmup=True)
+            samples.append((a, b))
+            after = self.balance()
+            if r + 1 < rounds:
+                self.repartition(old)
+        assert first_move is not None and before is not None and after is not None
+        judged = timing.interleaved_change(samples)
+        return PlanTrial(old, new, before, after, judged, first_move, move_s, samples)
+
+    def _timed(self, steps: int, *, warmup: bool) -> list[float]:
+        """Run (one untimed step, then) ``steps`` steps; each one's time as the slowest
+        stage saw it."""
+        if warmup:  # the first step after a move allocates what the new stage needs
+            self.session.step(1)
+        self.session.step(steps)
+        trace = self.session.trace
+        last = trace.last_step
+        return timing.step_times(trace.records, range(last - steps + 1, last + 1))
+
     def _remember_plan(self, plan: Plan) -> None:
         """Fresh engines (a restart, a resume check) rebuild the job with the plan it runs
         now, so that its checkpoints load: a setup that takes ``plan=`` is given it."""
@@ -171,4 +226,22 @@ class Pipeline:
         )
 
 
-__all__ = ["NotAPipeline", "Pipeline", "PlanError", "RepartitionFailed"]
+@dataclass(frozen=True)
+class PlanTrial:
+    """``dt.try_plan``: the new plan against the old, timed in alternating rounds."""
+
+    old: Plan
+    new: Plan
+    before: Balance  # the old plan's, measured on its last round
+    after: Balance  # the new plan's, measured on its last round
+    change: timing.Change  # the step time, judged round against round
+    moved: dict  # the first move: blocks moved, seconds, bytes
+    move_seconds: list[float]  # each move to the new plan
+    rounds: list[tuple[list[float], list[float]]]  # step times (s): old's, new's per round
+
+    def summary(self) -> str:
+        took = f"moved {len(self.moved['moved'])} block(s) in {self.moved['seconds'] * 1e3:.0f} ms"
+        return f"{took}; {compare(self.before, self.after, self.change)}"
+
+
+__all__ = ["NotAPipeline", "Pipeline", "PlanError", "PlanTrial", "RepartitionFailed"]

@@ -145,6 +145,7 @@ class Session:
     predict = _Forward("pipeline")
     costs = _Forward("pipeline")
     repartition = _Forward("pipeline")
+    try_plan = _Forward("pipeline")
     block_costs = _Forward("pipeline")
     partition_from = _Forward("pipeline")
     # dt.comm

@@ -3,8 +3,9 @@
 Shows the model's blocks in order, coloured by stage; one slider per boundary (stage k
 starts at block ...); the predicted balance of the draft as it changes (from the blocks'
 measured costs: *Profile* measures them); *Auto* proposes the ``measured`` plan; *Apply*
-re-partitions the live job and shows the measured balance after; the step time before
-and after is judged over several steps each, against its spread (within noise or not).
+re-partitions the live job (``dt.try_plan``: old and new plan in alternating rounds, so a
+machine whose load drifts meanwhile does not decide the verdict), shows the measured
+balance after and judges the step time against its spread (within noise or not).
 
 Callbacks only call the session and the pure functions; their errors are shown in the
 panel (status line and Output) rather than lost.
@@ -16,23 +17,24 @@ import html
 
 import ipywidgets as widgets
 
-from dtlab.analysis import timing
-from dtlab.analysis.balance import compare, predict_balance
+from dtlab.analysis.balance import predict_balance
 from dtlab.records import Plan, PlanError
 from dtlab.views.panels import Panel
 from dtlab.views.partition_figures import balance_figure, stage_colour
 
-MEASURE_STEPS = 8  # steps timed before and after Apply: enough for a spread (timing.py)
+MEASURE_STEPS = 4  # steps timed per round of each plan on Apply ...
+ROUNDS = 3  # ... in this many alternating rounds: 12 a side, load drift cancelled (timing.py)
 
 
 class PartitionEditor(Panel):
     title = "partition editor"
 
-    def __init__(self, session, *, measure_steps: int = MEASURE_STEPS):
+    def __init__(self, session, *, measure_steps: int = MEASURE_STEPS, rounds: int = ROUNDS):
         import plotly.graph_objects as go
 
         self.session = session
-        self.measure_steps = measure_steps
+        self.measure_steps, self.rounds = measure_steps, rounds
+        self.trial = None  # the last Apply's dt.try_plan result
         reports = session.stage_reports()
         first = next(iter(reports.values()))
         self.microbatches, self.schedule = first.microbatches, first.schedule
@@ -136,31 +138,21 @@ class PartitionEditor(Panel):
         self.set_draft(self.session.plan("measured"))
 
     def apply(self) -> None:
+        """Move to the draft, timed against the running plan in alternating rounds."""
         draft = self.draft()
-        self.status.value = f"measuring the running plan over {self.measure_steps} steps..."
-        before_times = self._timed_steps()
-        self.before = self.session.balance()
-        self.status.value = (
-            f"moving {len(self.plan.moves_to(draft))} block(s), then "
-            f"{self.measure_steps} steps to measure..."
+
+        def say(text: str) -> None:
+            self.status.value = html.escape(text)
+
+        trial = self.session.try_plan(
+            draft, rounds=self.rounds, steps=self.measure_steps, progress=say
         )
-        moved = self.session.repartition(draft)
         self.plan = draft  # it runs now, whatever the next steps do
         self.blocks.value = _block_strip(draft)
-        after_times = self._timed_steps()
-        self.after = self.session.balance()
+        self.before, self.after, self.trial = trial.before, trial.after, trial
         self._show(balance_figure(self.after))
         self.apply_button.disabled = True
-        took = f"moved {len(moved['moved'])} block(s) in {moved['seconds'] * 1e3:.0f} ms"
-        judged = timing.change(before_times, after_times)
-        self.status.value = f"{took}; {compare(self.before, self.after, judged)}"
-
-    def _timed_steps(self) -> list[float]:
-        """Run ``measure_steps`` steps; each one's time as the slowest stage saw it."""
-        self.session.step(self.measure_steps)
-        trace = self.session.trace
-        last = trace.last_step
-        return timing.step_times(trace.records, range(last - self.measure_steps + 1, last + 1))
+        self.status.value = html.escape(trial.summary())
 
 
 def _block_strip(plan: Plan) -> str:
