@@ -185,7 +185,12 @@ def test_data_runbook_finds_shared_shards_a_missing_set_epoch_and_a_slow_rank():
     ), found
     assert "ranks 0-3 read epoch 1 in the same order as epoch 0" in found
     assert "from step 9): the sampler's set_epoch is not called" in found
-    assert "waiting for data takes a large share of each step (median): rank 1 " in found
+    # on a quiet machine rank 1's wait is a large share of its step; on a busy one every
+    # step is longer, and what stands out is that rank 1 waits far longer than the others
+    assert (
+        "waiting for data takes a large share of each step (median): rank 1 " in found
+        or "rank 1 wait far longer for data than the other ranks" in found
+    ), found
     assert "rank 1 is a straggler" in found and "mostly in data" in found
     before = facts(texts(code, "from statistics import median")[0])
     after = facts(texts(code, "data_facts(dt.trace)")[0])
@@ -200,8 +205,9 @@ def test_data_runbook_finds_shared_shards_a_missing_set_epoch_and_a_slow_rank():
     assert re.search(r"^data_order +passed", explained, re.M)
     assert re.search(r"^stragglers +passed", explained, re.M)
     slow, fixed = (data_ms(f) for f in figures(code, "%dt_plot times"))
-    assert slow["rank 1"] > 50 and all(slow[f"rank {r}"] < 20 for r in (0, 2, 3))
-    assert all(ms < 20 for ms in fixed.values())
+    # judged against rank 1's planted wait, not in absolute ms: a busy machine slows all
+    assert slow["rank 1"] > 50 and all(slow[f"rank {r}"] < slow["rank 1"] / 3 for r in (0, 2, 3))
+    assert all(ms < slow["rank 1"] / 3 for ms in fixed.values())
 
 
 def test_your_own_script_runbook_pauses_it_finds_its_bug_and_runs_the_fix():

@@ -13,6 +13,7 @@ from itertools import chain
 
 import numpy as np
 
+from dtlab.analysis.data_wait import data_wait_findings
 from dtlab.analysis.evidence import shape_of
 from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.registry import check
@@ -21,10 +22,6 @@ from dtlab.records import CheckResult, Evidence, Finding, JobInfo, StepRecord
 
 Records = Mapping[int, Sequence[StepRecord]]
 
-DATA_WAIT_FRACTION = 0.3  # median share of a step spent waiting for the next batch
-DATA_WAIT_MIN_S = 0.001  # ... and at least this long (tiny steps make big fractions)
-DATA_WAIT_SKIP = 2  # first steps start the loader's workers
-DATA_WAIT_MIN_STEPS = 3
 MIN_SAME_ORDER_STEPS = 2  # steps of two epochs that must match to call the order repeated
 MIN_SAME_ORDER_SAMPLES = 8  # ... holding this many samples (tiny shuffles repeat by chance)
 
@@ -36,10 +33,6 @@ PADDING_FIX = "harmless for training; for exact eval metrics use DistributedSamp
 SET_EPOCH_FIX = (
     "call sampler.set_epoch(epoch) at the start of every epoch, or let dtlab do it: "
     "dtlab.attach(on_epoch=sampler.set_epoch)"
-)
-DATA_WAIT_FIX = (
-    "give the DataLoader more num_workers (pin_memory=True, persistent_workers=True), move "
-    "decoding/augmentation off the critical path, check that rank's disk or network"
 )
 
 # --- data order ---------------------------------------------------------------------------
@@ -62,7 +55,7 @@ def check_data_order(evidence: Evidence) -> CheckResult:
         findings += _same_order_findings(records)
     elif has_inputs:
         findings += _same_inputs_findings(records, evidence.jobs)
-    findings += _data_wait_findings(records)
+    findings += data_wait_findings(records)
     what = (
         "sample indices by epoch and"
         if has_indices
@@ -320,40 +313,3 @@ def _sequential(recs: Sequence[StepRecord]) -> bool:
     recs = recs[:-1] if len(recs) > 2 else recs
     flat = np.fromiter(chain.from_iterable(r.indices for r in recs), dtype=np.int64)
     return bool(np.all(np.diff(flat) > 0))
-
-
-def _data_wait_findings(records: Records) -> list[Finding]:
-    slow = {}  # rank -> (median fraction, median data seconds, first slow step)
-    for rank, recs in sorted(records.items()):
-        recs = [r for r in recs[DATA_WAIT_SKIP:] if r.times.total > 0]
-        if len(recs) < DATA_WAIT_MIN_STEPS:
-            continue
-        fractions = [r.times.data / r.times.total for r in recs]
-        fraction = float(np.median(fractions))
-        data_s = float(np.median([r.times.data for r in recs]))
-        if fraction > DATA_WAIT_FRACTION and data_s >= DATA_WAIT_MIN_S:
-            step = next(r.step for r in recs if r.times.data > DATA_WAIT_FRACTION * r.times.total)
-            slow[rank] = (fraction, data_s, step)
-    if not slow:
-        return []
-    ranks = tuple(slow)
-    shares = ", ".join(f"rank {r} {f:.0%} ({d * 1e3:.1f} ms)" for r, (f, d, _) in slow.items())
-    what = f"waiting for data takes a large share of each step (median): {shares}"
-    if len(slow) == len(records):
-        what += ": the input pipeline is the bottleneck"
-    evidence: dict[str, object] = {
-        "data_fraction": {r: v[0] for r, v in slow.items()},
-        "data_seconds": {r: v[1] for r, v in slow.items()},
-    }
-    step = min(v[2] for v in slow.values())
-    return [
-        Finding(
-            "data_order",
-            ranks,
-            f"{what}, from step {step}",
-            step,
-            evidence,
-            DATA_WAIT_FIX,
-            "warning",
-        )
-    ]
