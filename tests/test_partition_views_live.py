@@ -73,6 +73,15 @@ def test_dt_partition_magics(live4, ip, capsys):
     assert "predicted:" in capsys.readouterr().out
     ip.run_line_magic("dt_partition", "--apply 1,3,5")
     assert "moved" in capsys.readouterr().out
+    ip.run_line_magic("dt_partition", "--try 2,4,6 --rounds 2")
+    tried = capsys.readouterr().out
+    assert "round 2/2: moving, then 4 steps of the new plan..." in tried
+    assert "(alternating, 2 rounds)" in tried and "moved 3 block(s)" in tried
+    assert live4.partition().bounds == (0, 2, 4, 6, 7)  # the tried plan is kept
+    ip.run_line_magic("dt_partition", "--apply 1,3,5")
+    capsys.readouterr()
+    with pytest.raises(UsageError, match="--rounds takes a number >= 1, got 0"):
+        ip.run_line_magic("dt_partition", "--try 2,4,6 --rounds 0")
     ip.run_line_magic("dt_partition", "--export deepspeed")
     assert capsys.readouterr().out.strip() == "[0, 1, 3, 5, 7]"
     ip.run_line_magic("dt_partition", "--export megatron")

@@ -58,6 +58,14 @@ class PartitionMagics(Magics):
     @argument("--predict", metavar="PLAN", help="show PLAN's predicted balance; moves nothing")
     @argument("--apply", metavar="PLAN", help="move the running job's boundaries to PLAN")
     @argument("--schedule", action="store_true", help="the last step's schedule per rank")
+    @argument(
+        "--try",
+        dest="trial",
+        metavar="PLAN",
+        help="move to PLAN and time it against the running plan in alternating rounds "
+        "(keeps PLAN; says 'within noise' when the rounds cannot tell them apart)",
+    )
+    @argument("--rounds", type=int, default=3, help="alternating rounds for --try")
     @argument("--export", choices=sorted(EXPORTS), help="print the plan in another system's form")
     @argument("--editor", action="store_true", help="open the partition editor widget")
     def dt_partition(self, line):
@@ -82,6 +90,12 @@ class PartitionMagics(Magics):
             print(f"predicted: {predicted.plan.describe()}")
             display(balance_table(predicted))
             return balance_figure(predicted)
+        if args.trial:
+            if args.rounds < 1:
+                raise UsageError(f"--rounds takes a number >= 1, got {args.rounds}")
+            trial = dt.try_plan(plan_from_text(args.trial), rounds=args.rounds, progress=print)
+            print(trial.summary())
+            return balance_figure(trial.after)
         if args.apply:
             moved = dt.repartition(plan_from_text(args.apply))
             print(
