@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -61,6 +62,7 @@ def pytest_configure(config):
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
+BUILD_TIMEOUT_S = 1500  # DeepSpeed's two CPU ops, compiled once per venv (minutes)
 TIMING_FINDINGS = ("straggler",)  # kinds that judge how fast ranks are
 
 
@@ -115,6 +117,23 @@ def cluster_cleanup():
         pids = session.pids()
         session.shutdown()
         assert running(pids) == [], "processes left after the last test"
+
+
+@pytest.fixture(scope="session")
+def deepspeed_ops():
+    """DeepSpeed's CPU ops (the shared-memory comm op every rank builds in
+    init_distributed, and the CPU Adam that "AdamW" in a ds_config uses), built once
+    before the tests that run DeepSpeed, in the venv's own folder (TORCH_EXTENSIONS_DIR,
+    set above): without it the first test's ranks would all wait on one rank's compile."""
+    build = (
+        "from deepspeed.accelerator import get_accelerator\n"
+        "for name in ('ShareMemCommBuilder', 'FusedAdamBuilder'):\n"
+        "    get_accelerator().create_op_builder(name).load()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", build], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -22,24 +20,11 @@ from tests.conftest import untimed
 from tests.test_script_live import SCRIPTS, losses_in, torchrun
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600, func_only=True)]
-BUILD_TIMEOUT_S = 1500  # DeepSpeed's two CPU ops, compiled once per venv (minutes)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def deepspeed_ops():
-    """DeepSpeed's CPU ops (the shared-memory comm op every rank builds in
-    init_distributed, and the CPU Adam that "AdamW" in a ds_config uses), built once
-    before the tests, in the venv's own folder (conftest sets TORCH_EXTENSIONS_DIR):
-    without it the first test's ranks would all wait on one rank's compile."""
-    build = (
-        "from deepspeed.accelerator import get_accelerator\n"
-        "for name in ('ShareMemCommBuilder', 'FusedAdamBuilder'):\n"
-        "    get_accelerator().create_op_builder(name).load()\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", build], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+def _ops(deepspeed_ops):
+    """DeepSpeed's CPU ops, built before the first test (conftest.deepspeed_ops)."""
 
 
 CONFIG = {

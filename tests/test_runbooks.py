@@ -229,3 +229,26 @@ def test_your_own_script_runbook_pauses_it_finds_its_bug_and_runs_the_fix():
     assert "epoch 0: 256 samples per rank, 0 read by two ranks" in evidence
     assert "epoch 1: 64 samples per rank, 0 read by two ranks" in evidence
     assert "no problem found" in evidence  # "in what could be checked" if timings are too noisy
+
+
+@pytest.mark.timeout(900)
+def test_deepspeed_runbook_names_the_scripts_own_accumulation_and_restarts(deepspeed_ops):
+    code = run_clean("12_deepspeed_zero.ipynb")
+    started = texts(code, "%dt_script --cwd {folder} train.py")[0]
+    assert "train.py paused on ranks 0-3 at step 0" in started
+    assert "(DeepSpeedEngine on Sequential)" in started
+    found = texts(code, "%dt_doctor")[0]
+    assert (
+        "ranks 0-3: the script calls backward() 4 times per optimizer step, but "
+        "gradient_accumulation_steps is 2" in found
+    ), found
+    fixed = texts(
+        code,
+        "%dt_script --cwd {folder} train.py --deepspeed --deepspeed_config "
+        "ds_config.json --accumulate 1",
+    )[0]
+    assert "steps 1-6 in " in fixed
+    assert "no problem found in what could be checked" in fixed, fixed
+    counted = texts(code, "info = dt.trace.jobs[0].deepspeed")[0]
+    assert "ZeRO stage 2, gradient_accumulation_steps 2" in counted
+    assert "per rank: {0: [2], 1: [2], 2: [2], 3: [2]}" in counted

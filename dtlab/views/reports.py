@@ -32,7 +32,8 @@ def script_summary(status: ScriptStatus) -> str:
     name = status.path.rsplit("/", 1)[-1]
     lines = []
     if status.paused:
-        model = f"{status.wrapper}({status.model})" if status.wrapper else status.model
+        wrapped = status.wrapper and status.wrapper not in status.optimizers  # a DeepSpeedEngine
+        model = f"{status.wrapper}({status.model})" if wrapped else status.model
         took = f" after {status.setup_s:.1f} s of set-up" if status.setup_s is not None else ""
         lines.append(
             f"{name} paused on {label_ranks(status.states)} at step 0{took}: about to make "

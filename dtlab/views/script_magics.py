@@ -32,7 +32,7 @@ def _rank0_output(text: str) -> None:
 def show_other_ranks(session) -> None:
     """What ranks other than 0 printed meanwhile (rank 0's came live), identical text once."""
     text = collate(session.scripts.unshown())
-    if text:
+    if text.strip():  # a replaced run can leave a bare newline
         print(f"printed on other ranks:\n{text}", end="")
 
 
