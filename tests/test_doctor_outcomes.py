@@ -275,3 +275,30 @@ def test_ranks_holding_different_numbers_of_buffers_are_not_a_drift():
     # (this raised TypeError: _first_difference found none)
     result = check_buffers(buffer_job({0: (7,), 1: (7, 8)}))
     assert result.findings == () and "different numbers of buffers" in result.passed_because
+
+
+def test_divergence_in_the_summaries_is_named_when_the_details_are_gone():
+    """A long run: the per-parameter record of the step where rank 2 parted is no longer on
+    the ranks (their buffers keep the last steps only). The doctor names the rank and step
+    from the whole-step fingerprints instead of saying every step agrees."""
+    records = job()
+    records[2] = [
+        rec if rec.step < 7 else replace(rec, param_fingerprint=rec.param_fingerprint ^ 1)
+        for rec in records[2]
+    ]
+    summaries = {r: [rec.summary() for rec in recs] for r, recs in records.items()}
+    result = check_gradient_sync(evidence(summaries))  # no details: evicted
+    [found] = result.findings
+    assert found.kind == "divergence" and found.ranks == (2,) and found.step == 7
+    assert found.summary.startswith(
+        "parameters diverge from step 7 (whole-step fingerprints): rank 2 differs from the copy "
+        "ranks 0-1,3 hold"
+    ), found.summary
+    assert "which parameter is not known" in found.summary
+    assert "step 7" in found.fix and "--until diverged" in found.fix
+    # a split with no majority lists every group and takes none as right
+    for r in (0, 1):
+        records[r] = [replace(rec, grad_fingerprint=rec.grad_fingerprint ^ 2) for rec in records[r]]
+    split = {r: [rec.summary() for rec in recs] for r, recs in records.items()}
+    grads = [f for f in check_gradient_sync(evidence(split)).findings if "gradients" in f.summary]
+    assert grads and "the ranks split ranks 0-1 | ranks 2-3" in grads[0].summary

@@ -182,20 +182,31 @@ def _index_table(records: Records) -> np.ndarray:
     ``StepRecord.epoch_starts`` says a new one began. Where a rank reads again a sample it
     already read in the same epoch, dtlab missed an epoch's end (an endless iterator that
     reshuffles on its own): that epoch is compared only up to the first such step."""
-    rows = []
-    for rank, recs in records.items():
-        for rec in recs:
-            starts, epoch = set(rec.epoch_starts), rec.epoch
-            for position, index in enumerate(rec.indices):
-                epoch += position in starts
-                rows.append((epoch, index, rank, rec.step, 0, 0))
-    table = np.array(rows, dtype=np.int64).reshape(-1, 6)
+    recs = [(rank, rec) for rank, rs in records.items() for rec in rs if rec.indices]
+    if not recs:
+        return np.zeros((0, 6), dtype=np.int64)
+    lengths = np.fromiter((len(rec.indices) for _, rec in recs), np.int64, len(recs))
+    table = np.zeros((int(lengths.sum()), 6), dtype=np.int64)
+    table[:, _I] = np.fromiter(chain.from_iterable(rec.indices for _, rec in recs), np.int64)
+    for column, values in ((_E, (rec.epoch for _, rec in recs)), (_R, (r for r, _ in recs))):
+        table[:, column] = np.repeat(np.fromiter(values, np.int64, len(recs)), lengths)
+    table[:, _S] = np.repeat(np.fromiter((rec.step for _, rec in recs), np.int64), lengths)
+    offsets = np.r_[0, np.cumsum(lengths)[:-1]]
+    for at, (_, rec) in zip(offsets, recs, strict=True):
+        for start in rec.epoch_starts:  # a new epoch began inside this step (rare)
+            table[at + start : at + len(rec.indices), _E] += 1
     table = _before_first_reread(table)
-    for key in {(int(e), int(r)) for e, r in table[:, [_E, _R]]}:
-        rows_of = (table[:, _E] == key[0]) & (table[:, _R] == key[1])
-        steps = table[rows_of, _S]
-        table[rows_of, _FIRST] = steps == steps.min()
-        table[rows_of, _LAST] = steps == steps.max()
+    if not len(table):
+        return table
+    # the first and last step of each rank's epoch: sorted by (epoch, rank), reduced per run
+    keys = table[:, _E] * (int(table[:, _R].max()) + 1) + table[:, _R]
+    order = np.argsort(keys, kind="stable")
+    sorted_keys, steps = keys[order], table[order, _S]
+    new = np.r_[True, sorted_keys[1:] != sorted_keys[:-1]]
+    starts, group = np.flatnonzero(new), np.empty(len(order), dtype=np.int64)
+    group[order] = np.cumsum(new) - 1
+    table[:, _FIRST] = table[:, _S] == np.minimum.reduceat(steps, starts)[group]
+    table[:, _LAST] = table[:, _S] == np.maximum.reduceat(steps, starts)[group]
     return table
 
 

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import statistics
 
-from dtlab.analysis.divergence import divergence_findings
+from dtlab.analysis.divergence import (
+    GRAD_FIX,
+    PARAM_FIX,
+    SUMMARY_FIELDS,
+    divergence_findings,
+    first_divergent_step,
+)
 from dtlab.analysis.evidence import shape_of
 from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.registry import check
@@ -22,6 +28,7 @@ def check_gradient_sync(evidence: Evidence) -> CheckResult:
     """Gradients after the all-reduce and parameters after the step must be bitwise equal
     on data-parallel ranks; a parameter must not lack a gradient on some ranks only."""
     findings = list(divergence_findings(evidence.details, evidence.names))
+    findings += _divergence_without_details(evidence, findings)
     findings += _missing_gradients(evidence)
     printed = any(
         rec.grad_fingerprint or rec.param_fingerprint
@@ -50,6 +57,49 @@ def check_gradient_sync(evidence: Evidence) -> CheckResult:
         else "every step's fingerprints agree on every rank, and every "
         "parameter got a gradient on all ranks or on none" + unused_search_note(evidence),
     )
+
+
+def _divergence_without_details(evidence: Evidence, found: list[Finding]) -> list[Finding]:
+    """Ranks whose whole-step fingerprints differ at a step whose per-parameter record the
+    doctor could not read (gone from the ranks' bounded buffers, or a trace read from disk):
+    named from the step summaries alone, without the parameter, rather than passed over."""
+    named = {f.evidence.get("fingerprints") for f in found if f.kind == "divergence"}
+    findings = []
+    for kind, what, fix in (("grad", "gradients", GRAD_FIX), ("param", "parameters", PARAM_FIX)):
+        step = None if kind in named else first_divergent_step(evidence.records, kind=kind)
+        if step is None:
+            continue
+        groups: dict[int, list[int]] = {}
+        for rank, recs in sorted(evidence.records.items()):
+            rec = next((r for r in recs if r.step == step), None)
+            if rec is not None:
+                groups.setdefault(getattr(rec, SUMMARY_FIELDS[kind]), []).append(rank)
+        ordered = sorted(groups.values(), key=lambda g: (-len(g), g))
+        majority = ordered[0] if 2 * len(ordered[0]) > sum(map(len, ordered)) else None
+        if majority is not None:
+            others = sorted(r for g in ordered[1:] for r in g)
+            verb = "differs" if len(others) == 1 else "differ"
+            where = f"{label_ranks(others)} {verb} from the copy {label_ranks(majority)} hold"
+        else:
+            others = sorted(r for g in ordered for r in g)
+            where = "the ranks split " + " | ".join(label_ranks(g) for g in ordered)
+        summary = (
+            f"{what} diverge from step {step} (whole-step fingerprints): {where}; which "
+            "parameter is not known: the ranks no longer hold that step's per-parameter record"
+        )
+        findings.append(
+            Finding(
+                "divergence",
+                tuple(others),
+                summary,
+                step,
+                {"fingerprints": kind, "groups": [tuple(g) for g in ordered]},
+                f"{fix}; to name the parameter, replay from a checkpoint before step {step} "
+                "with %dt_run --until diverged",
+                "error",
+            )
+        )
+    return findings
 
 
 def _missing_gradients(evidence: Evidence) -> list[Finding]:

@@ -20,6 +20,7 @@ DATA_WAIT_MIN_S = 0.001  # ... and at least this long (tiny steps make big fract
 DATA_WAIT_SKIP = 2  # first steps start the loader's workers
 DATA_WAIT_MIN_STEPS = 3
 DATA_WAIT_OUTLIER_SHARE = 0.1  # one rank's data wait beyond the others' by this step share
+POOLED_FROM = 32  # above this many ranks, "the others" are all ranks (O(ranks), not O(ranks^2))
 
 DATA_WAIT_FIX = (
     "give the DataLoader more num_workers (pin_memory=True, persistent_workers=True), move "
@@ -103,18 +104,24 @@ def _data_wait_outliers(waits: dict, skip: set[int]) -> dict[int, tuple[float, f
     Judged rank against rank, so that longer steps on a busy machine do not hide it."""
     if len(waits) < 2:
         return {}
+    pooled = np.concatenate([d for d, _, _ in waits.values()])
+    pooled_median, pooled_high = np.percentile(pooled, [50, 75])
     found = {}
     for rank, (data, total, steps) in waits.items():
         if rank in skip:
             continue
-        others = np.concatenate([d for r, (d, _, _) in waits.items() if r != rank])
-        low, (_, others_high) = np.percentile(data, 25), np.percentile(others, [25, 75])
-        gap = float(np.median(data)) - float(np.median(others))
+        if len(waits) > POOLED_FROM:
+            others_median, others_high = pooled_median, pooled_high  # one rank moves them little
+        else:
+            others = np.concatenate([d for r, (d, _, _) in waits.items() if r != rank])
+            others_median, others_high = np.percentile(others, [50, 75])
+        low = np.percentile(data, 25)
+        gap = float(np.median(data)) - float(others_median)
         if low > others_high and gap >= DATA_WAIT_OUTLIER_SHARE * float(np.median(total)):
             limit = others_high + DATA_WAIT_OUTLIER_SHARE * total
             first = next(
                 (s for s, d, lim in zip(steps, data, limit, strict=True) if d > lim), steps[0]
             )
             share = float(np.median(data / total))
-            found[rank] = (float(np.median(data)), float(np.median(others)), share, first)
+            found[rank] = (float(np.median(data)), float(others_median), share, first)
     return found
