@@ -55,7 +55,7 @@ def check_data_order(evidence: Evidence) -> CheckResult:
         findings += _same_order_findings(records)
     elif has_inputs:
         findings += _same_inputs_findings(records, evidence.jobs)
-    findings += data_wait_findings(records)
+    findings += data_wait_findings(records, evidence.per_rank)
     what = (
         "sample indices by epoch and"
         if has_indices

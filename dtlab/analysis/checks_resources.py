@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import statistics
 
+import numpy as np
+
 from dtlab.analysis.evidence import shape_of
 from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.registry import check
-from dtlab.analysis.trends import aligned_steps, find_leaks, find_stragglers, timing_noise
+from dtlab.analysis.trends import find_leaks, find_stragglers, timing_noise
 from dtlab.records import CheckResult, Evidence, Finding
 
 LEAK_MIN_RECORDS = 11  # find_leaks: 3 warm-up steps, then 8 points for a trend
@@ -23,7 +25,9 @@ def check_memory(evidence: Evidence) -> CheckResult:
     cuda = any(
         r.memory.cuda_allocated is not None for recs in evidence.records.values() for r in recs
     )
-    leaks = find_leaks(evidence.records, field="cuda_allocated" if cuda else "rss")
+    leaks = find_leaks(
+        evidence.records, field="cuda_allocated" if cuda else "rss", per_rank=evidence.per_rank
+    )
     findings = (*leaks, *_imbalance(evidence))
     counter = "CUDA allocated" if cuda else "process RSS (less dtlab's own record buffer)"
     looked = (
@@ -51,50 +55,32 @@ def check_memory(evidence: Evidence) -> CheckResult:
 
 
 def _num_steps(evidence: Evidence) -> int:
-    return len(aligned_steps(evidence.records))
-
-
-def _first_heavy_step(steps, heavy, cuda: bool, margin: float) -> int:
-    """The first step at which the heavy ranks already stood out."""
-    for step, at in steps:
-        unexplained = {
-            r: (rec.memory.cuda_allocated if cuda else rec.memory.rss)
-            - rec.memory.param_bytes
-            - rec.memory.grad_bytes
-            - rec.memory.optimizer_bytes
-            for r, rec in at.items()
-        }
-        typical = statistics.median(unexplained.values())
-        if all(unexplained[r] - typical > margin for r in heavy):
-            return step
-    return steps[-1][0]
+    return len(evidence.aligned)
 
 
 def _imbalance(evidence: Evidence) -> list[Finding]:
     """A rank holding far more than the others at the last common step, beyond what its
     own parameters, gradients and optimizer state explain (sharding, pipeline stages)."""
-    steps = aligned_steps(evidence.records)
-    if len(evidence.records) < 2 or not steps:
+    steps, ranks, rows = evidence.table
+    if len(evidence.records) < 2 or not len(steps):
         return []
-    step, at = steps[-1]
-    allocated = {
-        r: rec.memory.cuda_allocated
-        for r, rec in at.items()
-        if rec.memory.cuda_allocated is not None
-    }
-    cuda = len(allocated) == len(at)
-    held = allocated if cuda else {r: rec.memory.rss for r, rec in at.items()}
-    state = {
-        r: rec.memory.param_bytes + rec.memory.grad_bytes + rec.memory.optimizer_bytes
-        for r, rec in at.items()
-    }
-    unexplained = {r: held[r] - state[r] for r in at}
-    typical = statistics.median(unexplained.values())
+    cuda = not np.isnan(rows["cuda_allocated"][-1]).any()
+    held_all = rows["cuda_allocated"] if cuda else rows["rss"].astype(float)
+    state_all = rows["param_bytes"] + rows["grad_bytes"] + rows["optimizer_bytes"]
+    unexplained_all = held_all - state_all  # steps x ranks
+    typical = float(np.median(unexplained_all[-1]))
     margin = max(IMBALANCE_SHARE * typical, IMBALANCE_MIN_BYTES)
-    heavy = tuple(sorted(r for r, extra in unexplained.items() if extra - typical > margin))
+    heavy_at = unexplained_all[-1] - typical > margin
+    heavy = tuple(int(r) for r in ranks[heavy_at])
     if not heavy:
         return []
-    step = _first_heavy_step(steps, heavy, cuda, margin)
+    # the first step at which the heavy ranks already stood out
+    stood_out = (
+        unexplained_all[:, heavy_at] - np.median(unexplained_all, axis=1, keepdims=True) > margin
+    ).all(axis=1)
+    step = int(steps[np.argmax(stood_out)] if stood_out.any() else steps[-1])
+    held = {int(r): float(v) for r, v in zip(ranks, held_all[-1], strict=True)}
+    state = {int(r): float(v) for r, v in zip(ranks, state_all[-1], strict=True)}
     mib = {r: round(held[r] / 2**20) for r in heavy}
     what = "CUDA allocated" if cuda else "RSS"
     return [
@@ -117,9 +103,9 @@ def _imbalance(evidence: Evidence) -> list[Finding]:
 @check("stragglers", order=110, compares="replicas")
 def check_stragglers(evidence: Evidence) -> CheckResult:
     doubtful: list[int] = []
-    findings = tuple(find_stragglers(evidence.records, doubtful=doubtful))
+    findings = tuple(find_stragglers(evidence.records, doubtful=doubtful, table=evidence.table))
     enough = _num_steps(evidence) >= STRAGGLER_MIN_STEPS and len(evidence.records) > 1
-    noise = timing_noise(evidence.records)
+    noise = timing_noise(evidence.records, table=evidence.table)
     needs = ""
     if findings:
         why = ""

@@ -103,7 +103,7 @@ def check_buffers(evidence: Evidence) -> CheckResult:
     data and drift apart."""
     names = next(iter(evidence.jobs.values())).buffers if evidence.jobs else ()
     looked = f"fingerprints of {len(names)} buffers as each step's forward saw them"
-    step = first_divergent_step(evidence.records, kind="buffer")
+    step = first_divergent_step(evidence.records, kind="buffer", table=evidence.table)
     details = {rank: [r for r in recs if r.step == step] for rank, recs in evidence.details.items()}
     if step is None or not all(details.values()):
         why = "no buffers" if not names else "every rank's buffers stayed bitwise equal"

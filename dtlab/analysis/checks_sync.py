@@ -16,7 +16,6 @@ from dtlab.analysis.divergence import (
 from dtlab.analysis.evidence import shape_of
 from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.registry import check
-from dtlab.analysis.trends import aligned_steps
 from dtlab.records import CheckResult, Evidence, Finding
 
 ACCUMULATION_RATIO = 1.5  # bytes all-reduced per gradient byte above which syncs repeat
@@ -66,7 +65,11 @@ def _divergence_without_details(evidence: Evidence, found: list[Finding]) -> lis
     named = {f.evidence.get("fingerprints") for f in found if f.kind == "divergence"}
     findings = []
     for kind, what, fix in (("grad", "gradients", GRAD_FIX), ("param", "parameters", PARAM_FIX)):
-        step = None if kind in named else first_divergent_step(evidence.records, kind=kind)
+        step = (
+            None
+            if kind in named
+            else first_divergent_step(evidence.records, kind=kind, table=evidence.table)
+        )
         if step is None:
             continue
         groups: dict[int, list[int]] = {}
@@ -106,7 +109,7 @@ def _missing_gradients(evidence: Evidence) -> list[Finding]:
     """A parameter that no step gave a gradient on some ranks but did on others: by the
     rank's own backward where that was watched (before DDP's all-reduce fills the gap in),
     else by the gradient after the step."""
-    steps = aligned_steps(evidence.records)
+    steps = evidence.aligned
     if not steps:
         return []
     never: dict[int, set[int]] = {}  # parameter index -> ranks where it never had one
@@ -130,7 +133,7 @@ def unused_search_note(evidence: Evidence) -> str:
     """DDP's find_unused_parameters judged against what every rank's own backward reached
     (for ``--explain``: a setting that may be needed for steps not seen is no finding)."""
     asked = sorted(r for r, job in evidence.jobs.items() if job.find_unused_parameters)
-    steps = aligned_steps(evidence.records)
+    steps = evidence.aligned
     if not asked or len(steps) < UNUSED_MIN_STEPS:
         return ""
     watched = [at[r].unreached for _, at in steps for r in at]

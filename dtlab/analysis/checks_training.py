@@ -11,14 +11,16 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from dtlab.analysis.checks_data import check_data_order
 from dtlab.analysis.evidence import shape_of
 from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.registry import check
-from dtlab.analysis.trends import aligned_steps
 from dtlab.records import CheckResult, Evidence, Finding, StepRecord
 
 Records = Mapping[int, Sequence[StepRecord]]
@@ -186,8 +188,9 @@ def check_learning_rate(evidence: Evidence) -> CheckResult:
     for the world size under linear and square-root scaling (in ``looked_at``).
     """
     records = evidence.records
-    steps = aligned_steps(records)
-    if not any(rec.lr is not None for _, at in steps for rec in at.values()):
+    steps, columns, rows = evidence.table
+    lr = rows["lr"]  # steps x ranks, nan where a rank recorded none
+    if not len(steps) or np.isnan(lr).all():
         return CheckResult(
             "learning_rate",
             "Learning rate across ranks",
@@ -197,7 +200,16 @@ def check_learning_rate(evidence: Evidence) -> CheckResult:
             checked=False,
             needs="an optimizer whose param groups carry 'lr'",
         )
-    differing = [(step, *_lr_outliers(at)) for step, at in steps]
+
+    def at(i: int) -> dict[int, float]:
+        return {int(r): float(v) for r, v in zip(columns, lr[i], strict=True) if not math.isnan(v)}
+
+    # all of a step's LRs within the tolerance of its largest: one group, nothing to compare
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a step where no rank has an LR
+        low, high = np.nanmin(lr, axis=1), np.nanmax(lr, axis=1)
+        spread = high - low > LR_REL_TOL * np.maximum(np.abs(low), np.abs(high))
+    differing = [(int(steps[i]), *_lr_outliers(at(int(i)))) for i in np.flatnonzero(spread)]
     differing = [d for d in differing if d[1]]
     findings = []
     if differing:
@@ -209,7 +221,7 @@ def check_learning_rate(evidence: Evidence) -> CheckResult:
         )
         evidence_ = {"lr": lrs, "num_steps_differing": len(differing)}
         findings.append(Finding("learning_rate", ranks, summary, step, evidence_, LR_FIX, "error"))
-    last_lr = _lr_outliers(steps[-1][1])[1] if steps else None
+    last_lr = _lr_outliers(at(len(steps) - 1))[1]
     looked = f"LR per rank at {len(steps)} steps; {_batch_table(records, last_lr)}"
     why = "every rank used the same learning rate at every step"
     return CheckResult(
@@ -221,10 +233,10 @@ def check_learning_rate(evidence: Evidence) -> CheckResult:
     )
 
 
-def _lr_outliers(at: Mapping[int, StepRecord]) -> tuple[tuple[int, ...], float | None, dict]:
+def _lr_outliers(lrs: Mapping[int, float]) -> tuple[tuple[int, ...], float | None, dict]:
     """Ranks outside the largest group of equal LRs (ties: the group of the lowest rank),
-    that group's LR, and every rank's LR."""
-    lrs = {r: rec.lr for r, rec in sorted(at.items()) if rec.lr is not None}
+    that group's LR, and every rank's LR (``{rank: lr}`` of those that recorded one)."""
+    lrs = dict(sorted(lrs.items()))
     groups: list[list[int]] = []
     for r, lr in lrs.items():
         for g in groups:

@@ -12,6 +12,7 @@ import numpy as np
 
 from dtlab.analysis.ranks import label_ranks
 from dtlab.records import Finding, StepRecord
+from dtlab.records.columns import StepColumns, step_seconds
 
 Records = Mapping[int, Sequence[StepRecord]]
 
@@ -28,19 +29,22 @@ DATA_WAIT_FIX = (
 )
 
 
-def data_wait_findings(records: Records) -> list[Finding]:
+def data_wait_findings(
+    records: Records, per_rank: Mapping[int, np.ndarray] | None = None
+) -> list[Finding]:
     """Ranks that wait for their next batch: for a large share of each step, or (what a
     busy machine hides behind longer steps) far longer than the other ranks do, steadily,
-    which every rank then waits through in the gradient all-reduce."""
+    which every rank then waits through in the gradient all-reduce. ``per_rank``: the
+    records as ``Evidence.per_rank`` holds them (built if not given)."""
+    if per_rank is None:
+        per_rank = StepColumns.from_records(records).by_rank()
     waits = {}  # rank -> its data seconds per step, step totals, step numbers
-    for rank, recs in sorted(records.items()):
-        recs = [r for r in recs[DATA_WAIT_SKIP:] if r.times.total > 0]
-        if len(recs) >= DATA_WAIT_MIN_STEPS:
-            waits[rank] = (
-                np.array([r.times.data for r in recs]),
-                np.array([r.times.total for r in recs]),
-                [r.step for r in recs],
-            )
+    for rank, rows in sorted(per_rank.items()):
+        rows = rows[DATA_WAIT_SKIP:]
+        total = step_seconds(rows)
+        rows, total = rows[total > 0], total[total > 0]
+        if len(rows) >= DATA_WAIT_MIN_STEPS:
+            waits[rank] = (rows["data"], total, [int(s) for s in rows["step"]])
     slow = {}  # rank -> (median fraction, median data seconds, first slow step)
     for rank, (data, total, steps) in waits.items():
         fraction, data_s = float(np.median(data / total)), float(np.median(data))

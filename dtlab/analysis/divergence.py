@@ -26,6 +26,7 @@ from dtlab.analysis.grouping import group_by_value
 from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.trends import aligned_steps
 from dtlab.records import Finding, StepRecord
+from dtlab.records.columns import StepColumns
 
 FINGERPRINT_FIELDS = {"grad": "grad_fingerprints", "param": "param_fingerprints"}
 _WHAT = {"grad": "gradients", "param": "parameters"}
@@ -151,21 +152,24 @@ SUMMARY_FIELDS = {
 
 
 def first_divergent_step(
-    records: Mapping[int, Sequence[StepRecord]], *, kind: str = "grad"
+    records: Mapping[int, Sequence[StepRecord]], *, kind: str = "grad", table: tuple | None = None
 ) -> int | None:
-    """The first step where the ranks' whole-step fingerprints differ, from summaries.
-
-    Summaries carry one fingerprint per step; the per-parameter record of that step (kept
-    on the ranks) then tells :func:`find_divergence` which parameter it is.
+    """The first step where the ranks' whole-step fingerprints differ, from summaries
+    (``table``: the same as ``Evidence.table`` holds them, built from ``records`` if not
+    given). Summaries carry one fingerprint per step; the per-parameter record of that
+    step (kept on the ranks) then tells :func:`find_divergence` which parameter it is.
     """
     if kind not in SUMMARY_FIELDS:
         raise ValueError(f"kind={kind!r}: use one of {sorted(SUMMARY_FIELDS)}")
-    field = SUMMARY_FIELDS[kind]
-    for step, at_step in aligned_steps(records):
-        prints = {getattr(rec, field) for rec in at_step.values()}
-        if 0 not in prints and len(prints) > 1:
-            return step
-    return None
+    if table is None:
+        table = StepColumns.from_records(records).aligned(tuple(records))
+    steps, _, rows = table
+    prints = rows[SUMMARY_FIELDS[kind]]  # steps x ranks
+    if not len(steps):
+        return None
+    differs = (prints != prints[:, :1]).any(axis=1) & (prints != 0).all(axis=1)
+    hits = np.flatnonzero(differs)
+    return int(steps[hits[0]]) if len(hits) else None
 
 
 def _divergence_at(

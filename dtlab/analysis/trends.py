@@ -18,6 +18,8 @@ import numpy as np
 
 from dtlab.analysis.ranks import label_ranks
 from dtlab.records import Finding, StepMemory, StepRecord
+from dtlab.records.columns import StepColumns, step_seconds
+from dtlab.records.steps import aligned_steps
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -61,17 +63,6 @@ STRAGGLER_FIX = {
 }
 
 
-def aligned_steps(
-    records: Mapping[int, Sequence[StepRecord]],
-) -> list[tuple[int, dict[int, StepRecord]]]:
-    """``[(step, {rank: record})]`` for the steps every rank recorded, in step order."""
-    if not records:
-        return []
-    by_rank = {rank: {rec.step: rec for rec in recs} for rank, recs in sorted(records.items())}
-    common = set.intersection(*(set(steps) for steps in by_rank.values()))
-    return [(step, {r: steps[step] for r, steps in by_rank.items()}) for step in sorted(common)]
-
-
 # --- gradient norms -----------------------------------------------------------------------
 
 
@@ -109,6 +100,7 @@ def find_stragglers(
     threshold: float = 1.3,
     skip_first: int = 2,
     doubtful: list[int] | None = None,
+    table: tuple | None = None,
 ) -> list[Finding]:
     """Ranks whose own compute (data + forward + optimizer) is slower than the others'.
 
@@ -120,30 +112,34 @@ def find_stragglers(
     median extra compute is at least STRAGGLER_MIN_SHARE of a step; and it is slower by
     half the threshold in three steps of four (steadily, not by a few slow steps). Ranks
     slower by the median but not steadily are added to ``doubtful`` when it is given.
+    ``table``: the records as ``Evidence.table`` holds them (built from ``records`` if
+    not given).
     """
-    steps = aligned_steps(records)[skip_first:]
-    if len(steps) < min_steps or len(records) < 2:
+    step_numbers, ranks, rows = table if table is not None else _table(records)
+    step_numbers, rows = step_numbers[skip_first:], rows[skip_first:]
+    if len(step_numbers) < min_steps or len(ranks) < 2:
         return []
-    ranks = tuple(steps[0][1])
-    # steps x ranks x phases, in seconds
-    phases = np.array(
-        [[[getattr(at[r].times, p) for p in COMPUTE_PHASES] for r in ranks] for _, at in steps]
-    )
+    ranks = tuple(int(r) for r in ranks)
+    phases = np.stack([rows[p] for p in COMPUTE_PHASES], axis=2)  # steps x ranks x phases
     compute = phases.sum(axis=2)
-    ratio = compute / np.maximum(np.median(compute, axis=1, keepdims=True), 1e-12)
+    median = np.median(compute, axis=1, keepdims=True)
+    ratio = compute / np.maximum(median, 1e-12)
     slowest = np.argmax(compute, axis=1)
-    backward = np.array([[at[r].times.backward for r in ranks] for _, at in steps])
-    excess = compute - np.median(compute, axis=1, keepdims=True)
-    step_s = np.median([[at[r].times.total for r in ranks] for _, at in steps])
+    backward = rows["backward"]
+    excess = compute - median
+    step_s = np.median(step_seconds(rows))
+    low_ratio = np.percentile(ratio, 25, axis=0)
+    median_ratio = np.median(ratio, axis=0)
+    median_excess = np.median(excess, axis=0)
     found = []
     for i, rank in enumerate(ranks):
         slowest_in = int(np.sum(slowest == i))
-        matters = np.median(excess[:, i]) >= STRAGGLER_MIN_SHARE * step_s
+        matters = median_excess[i] >= STRAGGLER_MIN_SHARE * step_s
         # slower in most steps by a clear margin, not a median pulled up by noisy steps
-        steady = np.percentile(ratio[:, i], 25) >= 1 + (threshold - 1) / 2
-        slow = np.median(ratio[:, i]) >= threshold and matters
-        if slow and slowest_in >= SLOWEST_FRACTION * len(steps) and steady:
-            first = next(s for (s, _), r in zip(steps, ratio[:, i], strict=True) if r >= threshold)
+        steady = low_ratio[i] >= 1 + (threshold - 1) / 2
+        slow = median_ratio[i] >= threshold and matters
+        if slow and slowest_in >= SLOWEST_FRACTION * len(step_numbers) and steady:
+            first = int(step_numbers[np.argmax(ratio[:, i] >= threshold)])
             found.append(
                 _straggler_finding(rank, i, phases, ratio[:, i], backward, slowest_in, first)
             )
@@ -152,18 +148,25 @@ def find_stragglers(
     return found
 
 
-def timing_noise(records: Mapping[int, Sequence[StepRecord]], skip_first: int = 2) -> float:
+def timing_noise(
+    records: Mapping[int, Sequence[StepRecord]], skip_first: int = 2, table: tuple | None = None
+) -> float:
     """How much a rank's compute time (data + forward + optimizer) varies from step to
-    step: the median over ranks of its interquartile range over its median (0.1: +-5%).
-    On a machine whose cores other processes share this grows, and so does what one
-    rank's timings can tell."""
-    spreads = []
-    for recs in records.values():
-        compute = [sum(getattr(r.times, p) for p in COMPUTE_PHASES) for r in recs[skip_first:]]
-        if len(compute) >= 4 and np.median(compute) > 0:
-            q1, q3 = np.percentile(compute, [25, 75])
-            spreads.append((q3 - q1) / np.median(compute))
-    return float(np.median(spreads)) if spreads else 0.0
+    step: the median over ranks of its interquartile range over its median (0.1: +-5%),
+    over the steps every rank recorded. On a machine whose cores other processes share
+    this grows, and so does what one rank's timings can tell."""
+    _, _, rows = table if table is not None else _table(records)
+    compute = sum(rows[p] for p in COMPUTE_PHASES)[skip_first:]
+    if len(compute) < 4:
+        return 0.0
+    median = np.median(compute, axis=0)
+    q1, q3 = np.percentile(compute, [25, 75], axis=0)
+    spreads = ((q3 - q1) / np.where(median > 0, median, 1))[median > 0]
+    return float(np.median(spreads)) if len(spreads) else 0.0
+
+
+def _table(records: Mapping[int, Sequence[StepRecord]]) -> tuple:
+    return StepColumns.from_records(records).aligned(tuple(records))
 
 
 def _straggler_finding(
@@ -248,34 +251,31 @@ class MemoryTrend:
         return self.growing and self.steady
 
 
-def _held(rec: StepRecord, field: str) -> int:
-    """The counter, less what dtlab's own record buffer holds (it grows until full)."""
-    value = getattr(rec.memory, field)
-    return value - rec.memory.dtlab_bytes if field == "rss" else value
-
-
 def memory_trends(
     records: Mapping[int, Sequence[StepRecord]],
     *,
     skip_first: int = 3,
     min_steps: int = 8,
     field: str = "rss",
+    per_rank: Mapping[int, np.ndarray] | None = None,
 ) -> dict[int, MemoryTrend]:
     """The fitted line of each rank that has ``min_steps`` values after its first
-    ``skip_first`` records (ranks without the field, e.g. cuda_* on CPU, are left out)."""
+    ``skip_first`` records (ranks without the field, e.g. cuda_* on CPU, are left out).
+    ``per_rank``: the records as ``Evidence.per_rank`` holds them (built if not given)."""
     valid = [f.name for f in fields(StepMemory)]
     if field not in valid:
         raise ValueError(f"field={field!r} is not a StepMemory field; use one of {valid}")
+    if per_rank is None:
+        per_rank = StepColumns.from_records(records).by_rank()
     trends = {}
-    for rank, recs in sorted(records.items()):
-        points = [
-            (rec.step, _held(rec, field))
-            for rec in recs[skip_first:]
-            if getattr(rec.memory, field) is not None
-        ]
-        if len(points) >= max(min_steps, 3):
-            steps, values = np.array(points, dtype=float).T
-            trends[rank] = _fit(rank, field, steps, values)
+    for rank, rows in sorted(per_rank.items()):
+        rows = rows[skip_first:]
+        values = rows[field].astype(float)
+        if field == "rss":  # less what dtlab's own record buffer holds (it grows until full)
+            values = values - rows["dtlab_bytes"]
+        known = ~np.isnan(values)  # None is nan in the columns (cuda_* on CPU)
+        if known.sum() >= max(min_steps, 3):
+            trends[rank] = _fit(rank, field, rows["step"][known].astype(float), values[known])
     return trends
 
 
@@ -348,6 +348,7 @@ def find_leaks(
     skip_first: int = 3,
     min_steps: int = 8,
     field: str = "rss",
+    per_rank: Mapping[int, np.ndarray] | None = None,
 ) -> list[Finding]:
     """Ranks whose memory (``StepMemory.<field>``) grows steadily beyond noise and peers.
 
@@ -360,7 +361,9 @@ def find_leaks(
     ``growing`` and fits a line better than one jump, one more finding names them all:
     growth shared by every rank.
     """
-    trends = memory_trends(records, skip_first=skip_first, min_steps=min_steps, field=field)
+    trends = memory_trends(
+        records, skip_first=skip_first, min_steps=min_steps, field=field, per_rank=per_rank
+    )
     found = []
     for rank, trend in trends.items():
         others = [t.slope for r, t in trends.items() if r != rank]

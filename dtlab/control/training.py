@@ -158,7 +158,12 @@ class Training:
         steps = (
             set()
             if pipeline
-            else {first_divergent_step(trace.records, kind=kind) for kind in kinds}
+            else {
+                first_divergent_step(
+                    trace.records, kind=kind, table=trace.columns.aligned(trace.ranks)
+                )
+                for kind in kinds
+            }
         )
         details: dict[int, list] = {rank: [] for rank in trace.ranks}
         for step in sorted(s for s in steps if s is not None):
@@ -174,6 +179,7 @@ class Training:
         now = self.session.run(api.rank_now, timeout=EVIDENCE_TIMEOUT_S)  # env may have changed
         return Evidence(
             records=trace.records,
+            columns=trace.columns,
             names=trace.param_names,
             jobs=trace.jobs,
             ranks={rank: info for rank, (info, _) in now.items()},

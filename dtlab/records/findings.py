@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
+from dtlab.records.columns import StepColumns
 from dtlab.records.ranks import RankInfo
-from dtlab.records.steps import InitialState, JobInfo, StepRecord
+from dtlab.records.steps import InitialState, JobInfo, StepRecord, aligned_steps
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,32 @@ class Evidence:
     # per-parameter records of the steps some check asked for (e.g. where ranks differ)
     details: Mapping[int, Sequence[StepRecord]] = field(default_factory=dict)
     initial: Mapping[int, InitialState] = field(default_factory=dict)  # before step 1
+    # the records' numbers as columns (a Trace keeps them as records arrive); built from
+    # ``records`` when not given
+    columns: StepColumns | None = field(default=None, compare=False)
 
-    @property
+    @cached_property
+    def step_columns(self) -> StepColumns:
+        """The records as columns: a Trace's own, else built from ``records`` (once)."""
+        return self.columns if self.columns is not None else StepColumns.from_records(self.records)
+
+    @cached_property
+    def per_rank(self) -> dict:
+        """``{rank: its rows (ROW) in step order}`` (:meth:`StepColumns.by_rank`)."""
+        return self.step_columns.by_rank()
+
+    @cached_property
+    def table(self):
+        """``(steps, ranks, rows)``: the steps every rank recorded, and a steps x ranks
+        structured array of their numbers (:meth:`StepColumns.aligned`)."""
+        return self.step_columns.aligned(tuple(self.records))
+
+    @cached_property
+    def aligned(self) -> list[tuple[int, dict[int, StepRecord]]]:
+        """``[(step, {rank: record})]`` for the steps every rank recorded (made once)."""
+        return aligned_steps(self.records)
+
+    @cached_property
     def is_pipeline(self) -> bool:
         """Ranks hold different parameters: one pipeline stage each, not replicas."""
         return len({tuple(p.name for p in job.params) for job in self.jobs.values()}) > 1

@@ -6,6 +6,7 @@ build them by hand. A step record as JSON is one line of a run folder's steps.js
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 
@@ -226,3 +227,14 @@ def step_record_from_dict(data: dict) -> tuple[int, StepRecord]:
     for pairs in ("rng", "module_outputs"):
         fields[pairs] = tuple((str(name), int(value)) for name, value in fields.get(pairs, ()))
     return rank, StepRecord(**fields)
+
+
+def aligned_steps(
+    records: Mapping[int, Sequence[StepRecord]],
+) -> list[tuple[int, dict[int, StepRecord]]]:
+    """``[(step, {rank: record})]`` for the steps every rank recorded, in step order."""
+    if not records:
+        return []
+    by_rank = {rank: {rec.step: rec for rec in recs} for rank, recs in sorted(records.items())}
+    common = set.intersection(*(set(steps) for steps in by_rank.values()))
+    return [(step, {r: steps[step] for r, steps in by_rank.items()}) for step in sorted(common)]

@@ -32,6 +32,7 @@ from dtlab.records import (
     step_record_from_dict,
     step_record_to_dict,
 )
+from dtlab.records.columns import StepColumns
 
 FORMAT = "dtlab-trace/1"
 RUNS_DIR_ENV = "DTLAB_RUNS_DIR"
@@ -77,6 +78,7 @@ class Trace:
         self.meta = dict(meta or {})
         self.created = time.time() if created is None else created
         self.records: dict[int, list[StepRecord]] = {rank: [] for rank in self.jobs}
+        self.columns = StepColumns()  # the same records' numbers, as columns (the doctor's)
         self.checks: list = []  # the last %dt_doctor results (CheckResult), kept with the run
         self.folder = Path(folder) if folder is not None else None
         self._steps_file: TextIO | None = None
@@ -152,6 +154,7 @@ class Trace:
         if mine and rec.step <= mine[-1].step:
             return
         mine.append(rec)
+        self.columns.append(rank, rec)
         if self._steps_file is not None:
             line = line if line is not None else json.dumps(step_record_to_dict(rank, rec))
             self._steps_file.write(line + "\n")
