@@ -19,6 +19,7 @@ from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.registry import check
 from dtlab.analysis.trends import aligned_steps
 from dtlab.records import CheckResult, Evidence, Finding, JobInfo, StepRecord
+from dtlab.records.columns import StepColumns
 
 Records = Mapping[int, Sequence[StepRecord]]
 
@@ -51,7 +52,7 @@ def check_data_order(evidence: Evidence) -> CheckResult:
     has_inputs = any(rec.input_fingerprints for recs in records.values() for rec in recs)
     findings = []
     if has_indices:
-        findings += _overlap_findings(records, evidence.jobs)
+        findings += _overlap_findings(records, evidence.jobs, evidence.step_columns)
         findings += _same_order_findings(records)
     elif has_inputs:
         findings += _same_inputs_findings(records, evidence.jobs)
@@ -175,26 +176,32 @@ def _same_inputs_findings(records: Records, jobs: Mapping[int, JobInfo]) -> list
 _E, _I, _R, _S, _FIRST, _LAST = range(6)  # columns of the index table
 
 
-def _index_table(records: Records) -> np.ndarray:
+def _index_table(records: Records, columns: StepColumns | None = None) -> np.ndarray:
     """One row per sample read: epoch, index, rank, step, first batch of the epoch?, last?
 
     The epoch of each sample is dtlab's count, split inside a step where
     ``StepRecord.epoch_starts`` says a new one began. Where a rank reads again a sample it
     already read in the same epoch, dtlab missed an epoch's end (an endless iterator that
     reshuffles on its own): that epoch is compared only up to the first such step."""
-    recs = [(rank, rec) for rank, rs in records.items() for rec in rs if rec.indices]
-    if not recs:
+    if columns is None:
+        columns = StepColumns.from_records(records)
+    rows = columns.sorted_rows()
+    rows = rows[rows["num_indices"] > 0]
+    if not len(rows):
         return np.zeros((0, 6), dtype=np.int64)
-    lengths = np.fromiter((len(rec.indices) for _, rec in recs), np.int64, len(recs))
+    lengths = rows["num_indices"].astype(np.int64)
     table = np.zeros((int(lengths.sum()), 6), dtype=np.int64)
-    table[:, _I] = np.fromiter(chain.from_iterable(rec.indices for _, rec in recs), np.int64)
-    for column, values in ((_E, (rec.epoch for _, rec in recs)), (_R, (r for r, _ in recs))):
-        table[:, column] = np.repeat(np.fromiter(values, np.int64, len(recs)), lengths)
-    table[:, _S] = np.repeat(np.fromiter((rec.step for _, rec in recs), np.int64), lengths)
-    offsets = np.r_[0, np.cumsum(lengths)[:-1]]
-    for at, (_, rec) in zip(offsets, recs, strict=True):
-        for start in rec.epoch_starts:  # a new epoch began inside this step (rare)
-            table[at + start : at + len(rec.indices), _E] += 1
+    offsets = np.cumsum(lengths) - lengths  # where each row's samples start in the table
+    table[:, _I] = columns.indices()[
+        np.arange(len(table)) + np.repeat(rows["indices_at"] - offsets, lengths)
+    ]
+    for column, name in ((_E, "epoch"), (_R, "rank"), (_S, "step")):
+        table[:, column] = np.repeat(rows[name], lengths)
+    for i in np.flatnonzero(rows["epoch_starts"]):  # a new epoch began inside the step (rare)
+        rank, step = int(rows["rank"][i]), int(rows["step"][i])
+        rec = next(r for r in records[rank] if r.step == step)
+        for start in rec.epoch_starts:
+            table[offsets[i] + start : offsets[i] + lengths[i], _E] += 1
     table = _before_first_reread(table)
     if not len(table):
         return table
@@ -239,8 +246,10 @@ def _shared_groups(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return t, np.flatnonzero(np.r_[True, np.any(t[1:, :2] != t[:-1, :2], axis=1)])
 
 
-def _overlap_findings(records: Records, jobs: Mapping[int, JobInfo]) -> list[Finding]:
-    t, starts = _shared_groups(_index_table(records))
+def _overlap_findings(
+    records: Records, jobs: Mapping[int, JobInfo], columns: StepColumns | None = None
+) -> list[Finding]:
+    t, starts = _shared_groups(_index_table(records, columns))
     if not len(starts):
         return []
     sizes = np.diff(np.r_[starts, len(t)])

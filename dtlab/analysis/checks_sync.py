@@ -109,12 +109,16 @@ def _missing_gradients(evidence: Evidence) -> list[Finding]:
     """A parameter that no step gave a gradient on some ranks but did on others: by the
     rank's own backward where that was watched (before DDP's all-reduce fills the gap in),
     else by the gradient after the step."""
-    steps = evidence.aligned
-    if not steps:
+    numbers, columns, rows = evidence.table
+    if not len(numbers):
         return []
     never: dict[int, set[int]] = {}  # parameter index -> ranks where it never had one
-    watched = all(at[rank].unreached is not None for _, at in steps for rank in at)
-    for rank in evidence.records:
+    watched = bool((rows["num_unreached"] >= 0).all())
+    counts = rows["num_unreached"] if watched else rows["num_missing"]
+    # a rank with one step where every parameter had a gradient has none missing always
+    candidates = {int(r) for r, least in zip(columns, counts.min(axis=0), strict=True) if least}
+    steps = evidence.aligned if candidates else []
+    for rank in sorted(candidates):
         per_step = [
             (at[rank].unreached or ()) if watched else at[rank].missing_grads  # watched: not None
             for _, at in steps

@@ -52,6 +52,10 @@ ROW = np.dtype(
         ("synced_micro_batches", np.int32),
         ("epoch", np.int64),
         ("num_indices", np.int32),
+        ("indices_at", np.int64),  # where this row's sample indices start in indices()
+        ("epoch_starts", np.int32),  # how many epochs began inside this step
+        ("num_missing", np.int32),  # parameters without a gradient after the step
+        ("num_unreached", np.int32),  # ... that this rank's own backward did not reach
         ("comm_calls", np.int64),
         ("comm_bytes", np.int64),
     ]
@@ -103,9 +107,19 @@ def row_of(rank: int, rec: StepRecord) -> tuple:
         _or_minus_one(rec.synced_micro_batches),
         rec.epoch,
         len(rec.indices),
+        0,  # indices_at: set by StepColumns
+        len(rec.epoch_starts),
+        len(rec.missing_grads),
+        -1 if rec.unreached is None else len(rec.unreached),
         _or_minus_one(rec.comm_calls),
         _or_minus_one(rec.comm_bytes),
     )
+
+
+def _grown(array: np.ndarray, used: int, size: int) -> np.ndarray:
+    grown = np.zeros(size, dtype=array.dtype)
+    grown[:used] = array[:used]
+    return grown
 
 
 def step_seconds(rows: np.ndarray) -> np.ndarray:
@@ -122,6 +136,8 @@ class StepColumns:
     def __init__(self, capacity: int = 1024) -> None:
         self._rows = np.zeros(capacity, dtype=ROW)
         self._size = 0
+        self._indices = np.zeros(8 * capacity, dtype=np.int64)  # every row's, one after another
+        self._indices_size = 0
         self._aligned: tuple[tuple, tuple] | None = None  # ((size, ranks) it was built for, it)
         self._sorted: tuple[int, np.ndarray] | None = None  # (size it was sorted at, rows)
 
@@ -137,11 +153,21 @@ class StepColumns:
 
     def append(self, rank: int, rec: StepRecord) -> None:
         if self._size == len(self._rows):
-            grown = np.zeros(2 * len(self._rows), dtype=ROW)
-            grown[: self._size] = self._rows
-            self._rows = grown
+            self._rows = _grown(self._rows, self._size, 2 * len(self._rows))
         self._rows[self._size] = row_of(rank, rec)
+        if rec.indices:
+            n, at = len(rec.indices), self._indices_size
+            if at + n > len(self._indices):
+                self._indices = _grown(self._indices, at, 2 * (at + n))
+            self._indices[at : at + n] = rec.indices
+            self._rows["indices_at"][self._size] = at
+            self._indices_size = at + n
         self._size += 1
+
+    def indices(self) -> np.ndarray:
+        """Every row's sample indices, one after another (``row["indices_at"]``, and
+        ``row["num_indices"]`` of them)."""
+        return self._indices[: self._indices_size]
 
     def extend(self, rank: int, recs: Iterable[StepRecord]) -> None:
         for rec in recs:
