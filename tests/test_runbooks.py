@@ -1,4 +1,4 @@
-"""Runbooks 02, 05, 06, 07 and 10, executed top to bottom by a real kernel: each names the
+"""Runbooks 02, 05, 06, 07, 10, 11 and 12, executed top to bottom by a real kernel: each names the
 fault it makes on purpose (rank, step, parameter or module) and shows that the fix worked."""
 
 import re
@@ -252,3 +252,16 @@ def test_deepspeed_runbook_names_the_scripts_own_accumulation_and_restarts(deeps
     counted = texts(code, "info = dt.trace.jobs[0].deepspeed")[0]
     assert "ZeRO stage 2, gradient_accumulation_steps 2" in counted
     assert "per rank: {0: [2], 1: [2], 2: [2], 3: [2]}" in counted
+    # rank 2 killed at step 6: restarted by itself from the script's own checkpoint
+    restarted = texts(code, "%dt_step 4")[1]
+    # why, as the ranks' nannies or the controller saw it first
+    assert "automatic restart: rank 2 died (" in restarted, restarted
+    assert (
+        "the script ran again, resumed itself from its checkpoint at step 4 (DeepSpeed's "
+        "load_checkpoint) and went on to step 6: its parameters are bit for bit those of the "
+        "first run" in restarted
+    )
+    assert "steps 7-10 in " in restarted
+    resumed = texts(code, "report = %dt_resume_check --steps 2")[0]
+    assert "the script resumed at step 10 on fresh engines from DeepSpeed's checkpoint " in resumed
+    assert "global_step10, then 2 steps: identical" in resumed

@@ -16,8 +16,8 @@ Checkpoints (control/checkpointing.py)
     save, load, set_autosave, checkpoint_problem
 Pipelines (control/partitions.py)
     stage_report, profile_blocks, move_blocks
-Scripts (control/scripts.py)
-    start_script, script_status, stop_script
+Scripts (control/scripts.py, control/deepspeed_scripts.py)
+    start_script, script_status, stop_script, deepspeed_save, deepspeed_load_next
 Recovery and communication (control/rescue.py, control/comm_bench.py)
     start_sidecar, bandwidth_sweep
 
@@ -211,6 +211,18 @@ def stop_script():
     from dtlab.agent.script import stop
 
     return stop()
+
+
+def deepspeed_save(folder: str, tag: str) -> dict:
+    from dtlab.agent.deepspeed_checkpoint import save
+
+    return save(folder, tag)
+
+
+def deepspeed_load_next(folder: str, tag: str) -> None:
+    from dtlab.agent.deepspeed_checkpoint import load_when_initialized
+
+    load_when_initialized(folder, tag)
 
 
 # --- recovery and communication ------------------------------------------------------------

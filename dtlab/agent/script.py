@@ -196,6 +196,9 @@ class ScriptRun:
         if kind == "pre":
             self.setup_s = time.time() - self.started_at
             self.job = ScriptJob(self, optimizer)
+            engine = self.job.engine
+            if engine is not None and engine.global_steps:  # it loaded a DeepSpeed checkpoint
+                self.job.step_count = int(engine.global_steps)  # and counts on from there
             jobs.install(self.job)
             self._pause(None)
             return

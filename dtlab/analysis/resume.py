@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dtlab.analysis.ranks import format_ranks, label_ranks
 from dtlab.records import StepRecord
@@ -352,3 +352,10 @@ def format_samples(indices: Sequence[int], shown: int = 3) -> str:
     if len(indices) <= shown + 1:
         return ", ".join(map(str, indices))
     return f"{', '.join(map(str, indices[:shown]))}, ... ({len(indices)} samples)"
+
+
+def without_rng(records: dict) -> dict:
+    """Records without RNG fingerprints: a fresh process seeds Python's and numpy's from
+    the OS unless the script seeds them, which matters only if something it computed
+    differs too (and then the full comparison names the generator)."""
+    return {r: [replace(rec, rng=()) for rec in recs] for r, recs in records.items()}

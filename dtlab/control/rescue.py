@@ -216,7 +216,8 @@ class Recovery:
             self.session.checkpointing.find_checkpoint(
                 from_checkpoint
             )  # a wrong one is said now, not at a death
-        if max_restarts and self.session.checkpointing.job_setup is None:
+        scripted = self.session.scripts.is_current()  # restarted by running it again
+        if max_restarts and self.session.checkpointing.job_setup is None and not scripted:
             self.session.checkpointing.set_up_job()  # raises, saying how to give the job setup
         self._auto = (max_restarts, from_checkpoint) if max_restarts else None
 

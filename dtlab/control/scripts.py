@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dtlab.agent import api
@@ -129,9 +129,17 @@ class Scripts:
         more (the reference), then run it again from its start to the step it was at
         (fresh engines unless ``fresh=False``) and the same steps, and compare every step
         as ``%dt_resume_check`` does for attached jobs."""
-        from dtlab.analysis.resume import compare_runs
+        from dtlab.analysis.resume import compare_runs, without_rng
+        from dtlab.control import deepspeed_scripts
 
         session, t0 = self.session, time.monotonic()
+        if deepspeed_scripts.is_deepspeed(session):  # through DeepSpeed's checkpoint
+            k, comparison, path = deepspeed_scripts.resume_check(
+                self, steps, fresh=fresh, progress=progress
+            )
+            return ScriptResumeReport(
+                k, steps, fresh, comparison, time.monotonic() - t0, checkpoint=path
+            )
         k = session.recovery.current_step()
         session.stepper.run(steps, None, record=True)
         reference = session.replays.full_records(k + 1, k + steps)
@@ -139,33 +147,39 @@ class Scripts:
         session.stepper.run(steps, None, record=True)
         again = session.replays.full_records(k + 1, k + steps)
         span = range(k + 1, k + steps + 1)
-        comparison = compare_runs(_without_rng(reference), _without_rng(again), steps=span)
+        comparison = compare_runs(without_rng(reference), without_rng(again), steps=span)
         if not comparison.identical:  # then a generator that differs may be why: name it
             comparison = compare_runs(reference, again, steps=span)
         return ScriptResumeReport(k, steps, fresh, comparison, time.monotonic() - t0)
 
-    def _run_to(self, step: int, *, fresh: bool, progress=None) -> None:
+    def _run_to(self, step: int, *, fresh: bool, progress=None) -> int:
         """The script from its start again (on fresh engines when ``fresh``), stepped to
-        ``step``: recording off but for the last one."""
+        ``step``: recording off but for the last one. Returns the step it started at: 0,
+        or where the checkpoint it loaded itself left it (a DeepSpeed script's)."""
         assert self.last is not None  # only for the current script (is_current): it ran
         session, path, argv = self.session, self.last.path, self.last.argv
         if fresh:
             session.renew(progress)
-        self.run(path, argv, self.cwd, record=self.record, on_output=self.on_output)
-        if step > 1:
-            session.stepper.run(step - 1, None, record=False)
-        if step:
+        status = self.run(path, argv, self.cwd, record=self.record, on_output=self.on_output)
+        # a script that loads its own latest checkpoint (DeepSpeed's) starts past step 0
+        now = max(status.steps.values(), default=0)
+        if step - now > 1:
+            session.stepper.run(step - now - 1, None, record=False)
+        if step > now:
             session.stepper.run(1, None, record=True)
+        return now
 
     def restart(self, *, reason: str = "asked", progress=None) -> dict:
         """Fresh engines; the script run again from its start and stepped to the step it
         was at (recording off but for the last step), whose parameter fingerprints are
-        compared with the first run's: a script's own loop and data position cannot be
-        loaded from a checkpoint, but a deterministic script gets back there exactly."""
+        compared with the first run's: dtlab cannot load a script's own loop and data
+        position into it, but a deterministic script gets back there exactly. A script
+        that loads its own latest checkpoint at its start (DeepSpeed's load_checkpoint)
+        goes on from there (``resumed_at`` in the event)."""
         session, t0 = self.session, time.monotonic()
         target = session.recovery.current_step()
         before = session.trace.at(target) if target else {}
-        self._run_to(target, fresh=True, progress=progress)
+        resumed_at = self._run_to(target, fresh=True, progress=progress)
         after = session.trace.at(target) if target else {}
         differ = sorted(
             r
@@ -181,8 +195,10 @@ class Scripts:
             "checkpoint": None,
             "step": target,
             "rerun": True,
+            "resumed_at": resumed_at,
             "compared": bool(before) and all(r.param_fingerprint for r in before.values()),
             "differ": differ,
+            "why": _why_differ(before, after, target) if differ else "",
         }
         session.recovery.restarts.append(event)
         return event | {"loaded": {}}
@@ -221,6 +237,9 @@ class ScriptResumeReport:
     fresh: bool
     comparison: Comparison
     seconds: float = 0.0
+    # what the run again started from: None, the script from its start; else the folder
+    # of the checkpoint it loaded (a DeepSpeed script's own, control/deepspeed_scripts.py)
+    checkpoint: str | None = None
 
     @property
     def identical(self) -> bool:
@@ -228,15 +247,44 @@ class ScriptResumeReport:
 
     def summary(self) -> str:
         where = "fresh engines" if self.fresh else "the same engines"
-        head = f"the script run again to step {self.step} on {where}, then {self.steps} steps: "
-        return head + ("identical" if self.identical else self.comparison.summary())
+        if self.checkpoint is None:
+            head = f"the script run again to step {self.step} on {where}, then {self.steps} steps: "
+        else:
+            head = (
+                f"the script resumed at step {self.step} on {where} from DeepSpeed's "
+                f"checkpoint {self.checkpoint}, "
+                f"then {self.steps} steps: "
+            )
+        if self.identical or self.checkpoint is None:
+            return head + ("identical" if self.identical else self.comparison.summary())
+        from dtlab.analysis.resume import CAUSES
+
+        first = self.comparison.first
+        causes = [d for d in self.comparison.at_first_step if d.field in CAUSES]
+        if any(d.field == "indices" for d in causes):  # says which samples: enough
+            causes = [d for d in causes if d.field != "input_fingerprints"]
+        if first is None or not causes:
+            return head + self.comparison.summary()
+        return head + (
+            f"first difference at step {first.step}, from what the checkpoint did not "
+            "restore: " + "; ".join(d.explanation for d in causes)
+        )
 
 
-def _without_rng(records: dict) -> dict:
-    """Records without RNG fingerprints: a fresh process seeds Python's and numpy's from
-    the OS unless the script seeds them, which matters only if something it computed
-    differs too (and then the full comparison names the generator)."""
-    return {r: [replace(rec, rng=()) for rec in recs] for r, recs in records.items()}
+def _why_differ(before: dict, after: dict, step: int) -> str:
+    """What the first run and the run again already differed in at ``step`` (the samples,
+    an RNG, the LR...), from the two step summaries."""
+    from dtlab.analysis.resume import compare_runs
+
+    ranks = before.keys() & after.keys()
+    found = compare_runs(
+        {r: [before[r]] for r in ranks},
+        {r: [after[r]] for r in ranks},
+        steps=[step],
+        reference_name="the first run",
+        other_name="the run again",
+    )
+    return found.first.explanation if found.first is not None else ""
 
 
 def _raise_failures(status: ScriptStatus) -> None:

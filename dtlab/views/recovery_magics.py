@@ -12,28 +12,10 @@ from IPython.core.magic import Magics, line_magic
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from dtlab.analysis.ranks import label_ranks
 from dtlab.views.checkpoint_magics import which_checkpoint
 from dtlab.views.magic_support import current_session, dtlab_magics
 from dtlab.views.progress import delayed_progress
-from dtlab.views.reports import hang_table
-
-
-def rerun_summary(world_size: int, event: dict) -> str:
-    """A script job's restart: run again to its step, and whether its weights got there."""
-    line = (
-        f"restarted {world_size} ranks in {event['seconds']:.1f} s; the script ran "
-        f"again to step {event['step']}"
-    )
-    if event["differ"]:
-        return (
-            f"{line}, but its parameters differ from the first run's there on "
-            f"{label_ranks(event['differ'])}: the script is not deterministic (or read "
-            "something that changed); the job is at that step anyway"
-        )
-    if event["compared"]:
-        return f"{line}: its parameters are bit for bit those of the first run"
-    return f"{line} (not compared with the first run: it was not recorded at that step)"
+from dtlab.views.reports import hang_table, restart_summary
 
 
 @dtlab_magics
@@ -77,15 +59,4 @@ class RecoveryMagics(Magics):
             )
             return
         event = session.restart(which_checkpoint(args.from_checkpoint), progress=delayed_progress())
-        if event.get("rerun"):
-            print(rerun_summary(session.world_size, event))
-            return
-        where = (
-            f"step {event['step']} from {event['checkpoint']}"
-            if event["checkpoint"]
-            else "step 0 (no checkpoint)"
-        )
-        print(
-            f"restarted {session.world_size} ranks in {event['seconds']:.1f} s; the job is at "
-            f"{where}"
-        )
+        print(restart_summary(session.world_size, event))

@@ -245,3 +245,45 @@ def hang_table(report) -> Table:
     return Table(
         "what every rank is doing", ("rank", "step", "where", "collectives"), tuple(rows), notes
     )
+
+
+def restart_summary(world_size: int, event: dict) -> str:
+    """One restart (``dt.restart``, or an automatic one): where the job is now."""
+    if event.get("rerun"):
+        return _rerun_summary(world_size, event)
+    where = (
+        f"step {event['step']} from {event['checkpoint']}"
+        if event["checkpoint"]
+        else "step 0 (no checkpoint)"
+    )
+    return f"restarted {world_size} ranks in {event['seconds']:.1f} s; the job is at {where}"
+
+
+def _rerun_summary(world_size: int, event: dict) -> str:
+    """A script job's restart: run again to its step, and whether its weights got there."""
+    resumed = event.get("resumed_at") or 0
+    line = f"restarted {world_size} ranks in {event['seconds']:.1f} s; the script ran again" + (
+        f", resumed itself from its checkpoint at step {resumed} (DeepSpeed's load_checkpoint) "
+        f"and went on to step {event['step']}"
+        if resumed
+        else f" to step {event['step']}"
+    )
+    if event["differ"] and resumed:
+        return (
+            f"{line}, but its parameters differ from the first run's there on "
+            f"{label_ranks(event['differ'])}: its checkpoint did not bring back everything "
+            "the steps after it read"
+            + (f" ({event['why']})" if event.get("why") else "")
+            + "; %dt_resume_check names what; the job is at that step anyway"
+        )
+    if event["differ"]:
+        return (
+            f"{line}, but its parameters differ from the first run's there on "
+            f"{label_ranks(event['differ'])}: the script is not deterministic (or read "
+            "something that changed)"
+            + (f" ({event['why']})" if event.get("why") else "")
+            + "; the job is at that step anyway"
+        )
+    if event["compared"]:
+        return f"{line}: its parameters are bit for bit those of the first run"
+    return f"{line} (not compared with the first run: it was not recorded at that step)"

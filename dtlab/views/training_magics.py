@@ -31,10 +31,18 @@ from dtlab.views.reports import (
     doctor_summary,
     findings_table,
     job_summary,
+    restart_summary,
     run_summary,
     script_summary,
 )
 from dtlab.views.script_magics import show_other_ranks
+
+
+def _automatic_restarts(session, before: int) -> None:
+    """The restarts ``%dt_restart --auto`` made during a run: why, and where it went on."""
+    for event in session.restarts[before:]:
+        print(f"automatic restart: {event['reason']}")
+        print(restart_summary(session.world_size, event))
 
 
 def _config_items(pairs: list[str]) -> dict:
@@ -147,12 +155,14 @@ class TrainingMagics(Magics):
         if args.num_steps < 1:
             raise UsageError(f"the number of steps must be at least 1, got {args.num_steps}")
         session = current_session()
+        before = len(session.restarts)
         result = session.step(
             args.num_steps,
             record=False if args.no_record else None,
             timeout=args.timeout,
             progress=delayed_progress(),
         )
+        _automatic_restarts(session, before)
         show_other_ranks(session)  # a script's; rank 0's came as it printed
         print(run_summary(result, session.trace))  # dt.step() / dt.run_until() return it
         _script_end(session, result)
@@ -178,9 +188,11 @@ class TrainingMagics(Magics):
         if args.max_steps < 1:
             raise UsageError(f"--max-steps must be at least 1, got {args.max_steps}")
         session = current_session()
+        before = len(session.restarts)
         result = session.run_until(
             condition, max_steps=args.max_steps, timeout=args.timeout, progress=delayed_progress()
         )
+        _automatic_restarts(session, before)
         show_other_ranks(session)  # a script's; rank 0's came as it printed
         print(run_summary(result, session.trace))  # dt.step() / dt.run_until() return it
         _script_end(session, result)

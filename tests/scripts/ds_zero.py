@@ -36,10 +36,32 @@ def get_args():
     )
     p.add_argument("--odd-rank", type=int, default=-1, help="planted bug: this rank reads...")
     p.add_argument("--odd-config", default=None, help="...this ds_config instead")
+    p.add_argument(
+        "--resumable-data",
+        action="store_true",
+        help="after a checkpoint loaded, skip the micro-batches its steps already consumed",
+    )
+    p.add_argument("--die-rank", type=int, default=-1, help="planted failure: this rank...")
+    p.add_argument("--die-at", type=int, default=0, help="...exits at once in this step...")
+    p.add_argument("--die-once", default=None, help="...unless this file exists (it makes it)")
     p.add_argument("--inf-rank", type=int, default=-1, help="planted bug: inf loss here...")
     p.add_argument("--inf-from", type=int, default=0, help="...from this optimizer step on")
     p = deepspeed.add_config_arguments(p)
     return p.parse_args()
+
+
+def batches(loader, skip: int):
+    """The loader's batches after the first ``skip``, which are drawn outside autograd
+    (passed over, not trained on). One iterator: DeepSpeed's loader starts over at iter()."""
+    it = iter(loader)
+    with torch.no_grad():
+        for _ in range(skip):
+            next(it)
+    while True:
+        try:
+            yield next(it)
+        except StopIteration:
+            return
 
 
 def main():
@@ -58,13 +80,21 @@ def main():
         engine.load_checkpoint(args.save_dir)  # an automatic restart picks up from here
     dtype = next(engine.module.parameters()).dtype
     losses, micro, saved = [], 0, engine.global_steps
+    # a resumed run (from the script's own load, or dtlab's) goes on where the data was
+    skip = engine.global_steps * engine.gradient_accumulation_steps() if args.resumable_data else 0
     while engine.global_steps < args.steps:
-        for x, y in loader:
+        for x, y in batches(loader, skip):
+            skip = 0
             loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
             if rank == args.inf_rank and engine.global_steps + 1 >= args.inf_from > 0:
                 loss = loss * math.inf
             engine.backward(loss)
             micro += 1
+            dying = rank == args.die_rank and engine.global_steps + 1 == args.die_at
+            if dying and not (args.die_once and os.path.exists(args.die_once)):
+                if args.die_once:
+                    open(args.die_once, "w").close()
+                os._exit(3)  # as a rank that crashes mid-step (OOM killer, segfault) does
             if micro % args.own_accumulation == 0:
                 engine.step()
             losses.append(loss.item())
