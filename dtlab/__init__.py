@@ -39,10 +39,11 @@ def session() -> Session:
     return lifecycle.current()
 
 
-def attach(model, optimizer, data, loss_fn=None, **options):
+def attach(model, optimizer=None, data=None, loss_fn=None, **options):
     """Rank side: hand this rank's training job to dtlab (call it on every rank, e.g. in a
     ``%%dt`` cell): ``loss_fn(model, batch)``, or ``step=fn(batch)`` for a whole step of
-    your own. See :func:`dtlab.agent.attach.attach` for the options."""
+    your own; a DeepSpeedEngine in place of the model, without an optimizer. See
+    :func:`dtlab.agent.attach.attach` for the options."""
     from dtlab.agent.attach import attach as attach_on_rank
 
     return attach_on_rank(model, optimizer, data, loss_fn, **options)

@@ -7,7 +7,8 @@ function, then hands them over::
 
 or a whole step of its own (``step=fn``). The job is then the rank's attached job
 (:mod:`dtlab.agent.job` runs the loop, :mod:`dtlab.agent.step_fn_job` watches a step
-function).
+function). A DeepSpeedEngine is attached in place of the model, its optimizer left out
+(``dtlab.attach(engine, None, loader, loss_fn)``): :mod:`dtlab.agent.deepspeed_job`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dtlab.agent import deepspeed_job, deepspeed_observe
 from dtlab.agent.job import DEFAULT_CAPACITY, Job, install
 from dtlab.agent.step_fn_job import StepFnJob
 from dtlab.records import JobInfo
@@ -24,8 +26,8 @@ from dtlab.records import JobInfo
 
 def attach(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    data: Iterable,
+    optimizer: torch.optim.Optimizer | None = None,
+    data: Iterable | None = None,
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
     *,
     step: Callable[[Any], Any] | None = None,
@@ -37,7 +39,7 @@ def attach(
     capacity: int = DEFAULT_CAPACITY,
     indices: Callable[[Any], Iterable[int]] | None = None,
     on_epoch: Callable[[int], None] | None = None,
-    accumulate: int = 1,
+    accumulate: int | None = None,
     no_sync: bool = True,
 ) -> JobInfo:
     """Hand this rank's training job to dtlab (call it on every rank).
@@ -56,7 +58,28 @@ def attach(
     the optimizer and backward hooks (:mod:`dtlab.agent.step_fn_job`), as for a script.
     Gradients are always recorded after every hook on the optimizer (a manual all-reduce in
     a pre-hook included): what the step used.
+
+    A DeepSpeedEngine (``deepspeed.initialize``'s) as ``model``, with ``optimizer`` None:
+    one step is one DeepSpeed update, ``loss_fn(engine, batch)`` / ``engine.backward`` /
+    ``engine.step()`` per micro-batch (or ``step=fn(batch)`` doing one micro-batch),
+    ``accumulate`` the engine's gradient_accumulation_steps (None: take it from there),
+    ``data`` by default the loader ``deepspeed.initialize`` made from ``training_data``.
     """
+    if deepspeed_observe.is_engine(model):
+        options = dict(scheduler=scheduler, scaler=scaler, before_step=before_step, lr=lr)
+        options.update(record=record, capacity=capacity, indices=indices, on_epoch=on_epoch)
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1 step, got {capacity}")
+        engine_job = deepspeed_job.make_job(
+            model, optimizer, data, loss_fn, step=step, accumulate=accumulate, options=options
+        )
+        install(engine_job)
+        return engine_job.info
+    accumulate = 1 if accumulate is None else accumulate
+    if data is None:
+        raise TypeError(
+            "give the data to draw batches from: dtlab.attach(model, optimizer, data, ...)"
+        )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):

@@ -22,6 +22,10 @@ def describe_data(data) -> str:
         if batches is not None and type(batches).__name__ != "BatchSampler":
             kind = type(batches).__name__  # the user's own batch sampler decides
         return f"DataLoader, {kind}"
+    if hasattr(data, "dataset") and hasattr(data, "data_sampler"):  # deepspeed.initialize's
+        # DeepSpeedDataLoader: a DataLoader over its data_sampler (a DistributedSampler over
+        # the data-parallel ranks unless it was given one), made afresh at each pass
+        return f"DeepSpeedDataLoader, {type(data.data_sampler).__name__}"
     return f"no DataLoader: {type(data).__name__}"
 
 

@@ -90,17 +90,26 @@ def _before_update(observer, engine) -> None:
         return
     lrs = engine.get_lr()  # DeepSpeed's scheduler moves it inside step(), after the update
     observer.draft.lr = float(lrs[0]) if lrs else None
-    if not observer.recording:
-        return
+    if observer.recording:
+        observer.draft.early_grads.update(full_grads(engine.module.parameters()))
+
+
+def full_grads(params) -> dict[int, tuple[float, int, int]]:
+    """``id(param) -> (norm, non-finite count, fingerprint)`` of each parameter's whole
+    gradient, through DeepSpeed's ``safe_get_full_grad`` (ZeRO-2 moved ``.grad`` into its
+    partitions): a collective per parameter under ZeRO, so every rank, same order. A
+    parameter without a gradient is left out."""
     from deepspeed.utils import safe_get_full_grad
 
     from dtlab.agent.recorder import grad_summary
 
-    for p in engine.module.parameters():
-        grad = safe_get_full_grad(p)  # a collective under ZeRO: every rank, same order
+    out = {}
+    for p in params:
+        grad = safe_get_full_grad(p)
         if grad is not None:
             norms, bad, _, prints = grad_summary([grad])
-            observer.draft.early_grads[id(p)] = (norms[0], bad[0], prints[0])
+            out[id(p)] = (norms[0], bad[0], prints[0])
+    return out
 
 
 def _engine_backward(original):
