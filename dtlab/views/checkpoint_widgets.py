@@ -26,7 +26,9 @@ class CheckpointBrowser(Panel):
         self.resume_steps = resume_steps
         self.selected: CheckpointInfo | None = None
         self.last_result = None
-        self.figure = go.FigureWidget()
+        # built with its data: messages that update an empty widget before its view is
+        # made can be lost on a busy machine (seen: a figure with no data and no title)
+        self.figure = go.FigureWidget(self._fresh())
         self.status = widgets.HTML("click a checkpoint marker to select it")
         self.replay_button = widgets.Button(description="Replay from here", disabled=True)
         self.resume_button = widgets.Button(description=f"Check resume ({resume_steps} steps)")
@@ -37,7 +39,7 @@ class CheckpointBrowser(Panel):
         self.output = widgets.Output()
         buttons = widgets.HBox([self.save_button, self.replay_button, self.resume_button])
         self.widget = widgets.VBox([buttons, self.status, self.figure, self.output])
-        self.refresh()
+        self.figure.data[-1].on_click(self._clicked)
 
     def _guarded(self, action) -> None:
         try:
@@ -46,10 +48,14 @@ class CheckpointBrowser(Panel):
             self.output.append_stdout(f"{type(e).__name__}: {e}\n")
 
     # --- what it shows ------------------------------------------------------------------
-    def refresh(self) -> None:
+    def _fresh(self):
+        """The loss figure with the catalogue's markers, read anew."""
         trace = self.session.trace or Trace.empty(self.session.ranks)
         self.catalogue = self.session.checkpoints()
-        fresh = checkpoint_loss_figure(trace, self.catalogue)
+        return checkpoint_loss_figure(trace, self.catalogue)
+
+    def refresh(self) -> None:
+        fresh = self._fresh()
         with self.figure.batch_update():
             self.figure.data = ()
             self.figure.add_traces(fresh.data)

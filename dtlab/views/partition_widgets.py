@@ -42,7 +42,15 @@ class PartitionEditor(Panel):
         self.costs = session.costs(reports)  # one ask of the ranks, not one per slider move
         self.before = None  # measured balance before the last Apply
         self.after = None  # and after it
-        self.figure = go.FigureWidget()
+        # built with its data: messages that update an empty widget before its view is
+        # made can be lost on a busy machine (seen: a figure with no data and no title)
+        self.figure = go.FigureWidget(
+            balance_figure(
+                predict_balance(
+                    self.plan, self.costs, schedule=self.schedule, microbatches=self.microbatches
+                )
+            )
+        )
         self.blocks = widgets.HTML()
         self.status = widgets.HTML()
         self.sliders = [self._slider(k) for k in range(1, self.plan.num_stages)]
