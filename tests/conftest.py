@@ -7,6 +7,7 @@ whatever session is left is shut down at the end, checked by pid.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -57,9 +58,13 @@ def pytest_configure(config):
         signal.signal(signal.SIGINT, signal.default_int_handler)
     # DeepSpeed builds its CPU ops on first use, under one lock per build folder; the
     # default folder (~/.cache) is shared by every virtual environment, and two of them
-    # (two clones) rebuild it in turn for their own include paths. One folder per venv,
-    # inherited by the ranks and by torchrun.
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    # (two clones) rebuild it in turn for their own include paths. One folder per venv
+    # path (a venv reached through a symlink from a second checkout builds with other
+    # include paths: its own folder too), inherited by the ranks and by torchrun.
+    key = hashlib.sha1(sys.prefix.encode()).hexdigest()[:8]
+    os.environ.setdefault(
+        "TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, f"torch_extensions-{key}")
+    )
 
 
 BUILD_TIMEOUT_S = 1500  # DeepSpeed's two CPU ops, compiled once per venv (minutes)
