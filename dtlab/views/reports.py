@@ -268,21 +268,17 @@ def _rerun_summary(world_size: int, event: dict) -> str:
         if resumed
         else f" to step {event['step']}"
     )
-    if event["differ"] and resumed:
-        return (
-            f"{line}, but its parameters differ from the first run's there on "
-            f"{label_ranks(event['differ'])}: its checkpoint did not bring back everything "
-            "the steps after it read"
-            + (f" ({event['why']})" if event.get("why") else "")
-            + "; %dt_resume_check names what; the job is at that step anyway"
-        )
     if event["differ"]:
+        cause = (
+            "its checkpoint did not bring back everything the steps after it read"
+            if resumed
+            else "the script is not deterministic (or read something that changed)"
+        )
+        why = f" ({event['why']})" if event.get("why") else ""
+        hint = "; %dt_resume_check names what" if resumed else ""
         return (
             f"{line}, but its parameters differ from the first run's there on "
-            f"{label_ranks(event['differ'])}: the script is not deterministic (or read "
-            "something that changed)"
-            + (f" ({event['why']})" if event.get("why") else "")
-            + "; the job is at that step anyway"
+            f"{label_ranks(event['differ'])}: {cause}{why}{hint}; the job is at that step anyway"
         )
     if event["compared"]:
         return f"{line}: its parameters are bit for bit those of the first run"
