@@ -21,6 +21,9 @@ DATA_WAIT_MIN_S = 0.001  # ... and at least this long (tiny steps make big fract
 DATA_WAIT_SKIP = 2  # first steps start the loader's workers
 DATA_WAIT_MIN_STEPS = 3
 DATA_WAIT_OUTLIER_SHARE = 0.1  # one rank's data wait beyond the others' by this step share
+# ... judged rank against rank over at least this many steps (after the skipped ones), as
+# stragglers are: over 3 steps, 4 ranks on 2 busy cores made one rank's waits look steady
+DATA_WAIT_OUTLIER_MIN_STEPS = 5
 POOLED_FROM = 32  # above this many ranks, "the others" are all ranks (O(ranks), not O(ranks^2))
 
 DATA_WAIT_FIX = (
@@ -106,6 +109,7 @@ def _data_wait_outliers(waits: dict, skip: set[int]) -> dict[int, tuple[float, f
     above the others' upper quartile) by at least DATA_WAIT_OUTLIER_SHARE of the step:
     ``{rank: (median data s, the others' median, median share of the step, first step)}``.
     Judged rank against rank, so that longer steps on a busy machine do not hide it."""
+    waits = {r: w for r, w in waits.items() if len(w[0]) >= DATA_WAIT_OUTLIER_MIN_STEPS}
     if len(waits) < 2:
         return {}
     pooled = np.concatenate([d for d, _, _ in waits.values()])
