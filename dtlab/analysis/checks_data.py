@@ -9,7 +9,6 @@ that wait for their next batch.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from itertools import chain
 
 import numpy as np
 
@@ -48,15 +47,17 @@ def check_data_order(evidence: Evidence) -> CheckResult:
     than there are ranks look like that in the epoch: DistributedSampler's padding (advice).
     """
     records = evidence.records
-    has_indices = any(rec.indices for recs in records.values() for rec in recs)
-    has_inputs = any(rec.input_fingerprints for recs in records.values() for rec in recs)
+    has_indices = bool(np.any(evidence.step_columns.rows()["num_indices"]))
+    has_inputs = not has_indices and any(
+        rec.input_fingerprints for recs in records.values() for rec in recs
+    )
     findings = []
     if has_indices:
         findings += _overlap_findings(records, evidence.jobs, evidence.step_columns)
-        findings += _same_order_findings(records)
+        findings += _same_order_findings(evidence.step_columns)
     elif has_inputs:
         findings += _same_inputs_findings(records, evidence.jobs)
-    findings += data_wait_findings(records, evidence.per_rank)
+    findings += data_wait_findings(records, evidence.table)
     what = (
         "sample indices by epoch and"
         if has_indices
@@ -176,33 +177,63 @@ def _same_inputs_findings(records: Records, jobs: Mapping[int, JobInfo]) -> list
 _E, _I, _R, _S, _FIRST, _LAST = range(6)  # columns of the index table
 
 
-def _index_table(records: Records, columns: StepColumns | None = None) -> np.ndarray:
-    """One row per sample read: epoch, index, rank, step, first batch of the epoch?, last?
-
-    The epoch of each sample is dtlab's count, split inside a step where
-    ``StepRecord.epoch_starts`` says a new one began. Where a rank reads again a sample it
-    already read in the same epoch, dtlab missed an epoch's end (an endless iterator that
-    reshuffles on its own): that epoch is compared only up to the first such step."""
+def _sample_table(records: Records, columns: StepColumns | None = None) -> np.ndarray:
+    """One row per sample read: epoch, index, rank, step (first?, last? left 0), in step
+    then rank order. The epoch of each sample is dtlab's count, split inside a step where
+    ``StepRecord.epoch_starts`` says a new one began."""
     if columns is None:
         columns = StepColumns.from_records(records)
-    rows = columns.sorted_rows()
-    rows = rows[rows["num_indices"] > 0]
-    if not len(rows):
+    rows = columns.rows()
+    have = rows["num_indices"] > 0
+    # the few fields needed, each as its own array (a wide row copy costs ~10x more)
+    field = {
+        name: rows[name][have] if not have.all() else rows[name]
+        for name in ("num_indices", "indices_at", "epoch", "rank", "step", "epoch_starts")
+    }
+    if not len(field["step"]):
         return np.zeros((0, 6), dtype=np.int64)
-    lengths = rows["num_indices"].astype(np.int64)
-    table = np.zeros((int(lengths.sum()), 6), dtype=np.int64)
+    lengths = field["num_indices"].astype(np.int64)
+    table = np.zeros((int(lengths.sum()), 6), dtype=np.int64, order="F")  # column by column
     offsets = np.cumsum(lengths) - lengths  # where each row's samples start in the table
     table[:, _I] = columns.indices()[
-        np.arange(len(table)) + np.repeat(rows["indices_at"] - offsets, lengths)
+        np.arange(len(table)) + np.repeat(field["indices_at"] - offsets, lengths)
     ]
     for column, name in ((_E, "epoch"), (_R, "rank"), (_S, "step")):
-        table[:, column] = np.repeat(rows[name], lengths)
-    for i in np.flatnonzero(rows["epoch_starts"]):  # a new epoch began inside the step (rare)
-        rank, step = int(rows["rank"][i]), int(rows["step"][i])
+        table[:, column] = np.repeat(field[name], lengths)
+    for i in np.flatnonzero(field["epoch_starts"]):  # a new epoch began in the step (rare)
+        rank, step = int(field["rank"][i]), int(field["step"][i])
         rec = next(r for r in records[rank] if r.step == step)
         for start in rec.epoch_starts:
             table[offsets[i] + start : offsets[i] + lengths[i], _E] += 1
-    table = _before_first_reread(table)
+    return table
+
+
+def _nothing_shared(table: np.ndarray) -> bool:
+    """True when no sample is read twice in an epoch, by two ranks or by one (the healthy
+    case, told with one sort of a packed (epoch, index, rank) key instead of the full
+    grouping); False when it might be, or the key would not fit in 63 bits."""
+    key, span = np.zeros(len(table), dtype=np.int64), 1
+    for column in (_R, _I, _E):  # least significant first
+        low = int(table[:, column].min())
+        width = int(table[:, column].max()) - low + 1
+        if span * width >= 1 << 62:
+            return False
+        key += (table[:, column] - low) * span
+        span *= width
+    key.sort()
+    rank_width = int(table[:, _R].max()) - int(table[:, _R].min()) + 1
+    by_sample = key // rank_width  # (epoch, index)
+    return not bool(np.any(by_sample[1:] == by_sample[:-1]))
+
+
+def _index_table(samples: np.ndarray) -> np.ndarray:
+    """The sample table (:func:`_sample_table`) with each row's first batch of the epoch?
+    and last? filled in.
+
+    Where a rank reads again a sample it already read in the same epoch, dtlab missed an
+    epoch's end (an endless iterator that reshuffles on its own): that epoch is compared
+    only up to the first such step."""
+    table = _before_first_reread(samples)
     if not len(table):
         return table
     # the first and last step of each rank's epoch: sorted by (epoch, rank), reduced per run
@@ -249,7 +280,10 @@ def _shared_groups(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _overlap_findings(
     records: Records, jobs: Mapping[int, JobInfo], columns: StepColumns | None = None
 ) -> list[Finding]:
-    t, starts = _shared_groups(_index_table(records, columns))
+    samples = _sample_table(records, columns)
+    if not len(samples) or _nothing_shared(samples):
+        return []
+    t, starts = _shared_groups(_index_table(samples))
     if not len(starts):
         return []
     sizes = np.diff(np.r_[starts, len(t)])
@@ -295,21 +329,41 @@ def _overlap_finding(rows, first, second, padding: bool, jobs) -> Finding:
     return Finding("data_order", ranks, summary, step, evidence, fix, "error")
 
 
-def _same_order_findings(records: Records) -> list[Finding]:
+def _same_order_findings(columns: StepColumns) -> list[Finding]:
+    """Ranks that read an epoch in the same order as the one before (set_epoch not
+    called): each rank's first batches of two consecutive epochs compared as index arrays."""
+    rows = columns.rows()
+    have = rows["num_indices"] > 0
+    names = ("rank", "step", "epoch", "num_indices", "indices_at")
+    f = {name: rows[name][have] for name in names}
+    if not len(f["epoch"]) or f["epoch"].min() == f["epoch"].max():
+        return []  # one epoch: nothing to compare
+    order = np.lexsort((f["step"], f["rank"]))
+    f = {name: values[order] for name, values in f.items()}
+    starts = np.flatnonzero(np.r_[True, f["rank"][1:] != f["rank"][:-1]])
+    ends = np.r_[starts[1:], len(order)]
+
+    def samples(at: np.ndarray) -> np.ndarray:  # the indices of these rows, one after another
+        lengths = f["num_indices"][at].astype(np.int64)
+        offsets = np.cumsum(lengths) - lengths
+        where = np.arange(int(lengths.sum())) + np.repeat(f["indices_at"][at] - offsets, lengths)
+        return columns.indices()[where]
+
     repeated = {}  # rank -> (epoch, its first step, steps compared)
-    for rank, recs in sorted(records.items()):
-        by_epoch: dict[int, list[StepRecord]] = {}
-        for rec in recs:
-            if rec.indices:
-                by_epoch.setdefault(rec.epoch, []).append(rec)
-        for epoch in sorted(by_epoch):
-            before, now = by_epoch[epoch], by_epoch.get(epoch + 1, [])
+    for a, b in zip(starts, ends, strict=True):
+        epochs = f["epoch"][a:b]
+        for epoch in np.unique(epochs)[:-1]:
+            before = a + np.flatnonzero(epochs == epoch)
+            now = a + np.flatnonzero(epochs == epoch + 1)
             n = min(len(before), len(now))
-            same = [r.indices for r in before[:n]] == [r.indices for r in now[:n]]
+            before, now = before[:n], now[:n]
             enough = n >= MIN_SAME_ORDER_STEPS
-            enough &= sum(len(r.indices) for r in now[:n]) >= MIN_SAME_ORDER_SAMPLES
-            if enough and same and not _sequential(before[:n]):
-                repeated[rank] = (epoch + 1, now[0].step, n)
+            enough &= int(f["num_indices"][now].sum()) >= MIN_SAME_ORDER_SAMPLES
+            if not enough or not np.array_equal(f["num_indices"][before], f["num_indices"][now]):
+                continue
+            first = samples(before)
+            if np.array_equal(first, samples(now)) and not _sequential(samples, before):
+                repeated[int(f["rank"][a])] = (int(epoch) + 1, int(f["step"][now[0]]), n)
                 break
     if not repeated:
         return []
@@ -327,9 +381,8 @@ def _same_order_findings(records: Records) -> list[Finding]:
     return [Finding("data_order", ranks, summary, step, evidence, SET_EPOCH_FIX, "warning")]
 
 
-def _sequential(recs: Sequence[StepRecord]) -> bool:
+def _sequential(samples, rows: np.ndarray) -> bool:
     """In ascending order: shuffle=False, where set_epoch changes nothing. The last batch
     may wrap around to the start (DistributedSampler's padding), so it is left out."""
-    recs = recs[:-1] if len(recs) > 2 else recs
-    flat = np.fromiter(chain.from_iterable(r.indices for r in recs), dtype=np.int64)
-    return bool(np.all(np.diff(flat) > 0))
+    rows = rows[:-1] if len(rows) > 2 else rows
+    return bool(np.all(np.diff(samples(rows)) > 0))

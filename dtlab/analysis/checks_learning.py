@@ -11,14 +11,16 @@ happened to cancel, is not a job that learns nothing.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+
+import numpy as np
 
 from dtlab.analysis.evidence import shape_of
 from dtlab.analysis.registry import check
-from dtlab.records import CheckResult, Evidence, Finding, StepRecord
+from dtlab.records import CheckResult, Evidence, Finding
+from dtlab.records.columns import ROW
 
-Records = Mapping[int, Sequence[StepRecord]]
+Rows = Mapping[int, np.ndarray]  # {rank: its rows (records.columns.ROW) in step order}
 MIN_STEPS = 5
 VANISHING_NORM = 1e-12  # a whole model's gradient norm this small updates nothing
 
@@ -44,8 +46,12 @@ CONSTANT_LOSS_FIX = (
 
 @check("learning", order=20)
 def check_learning(evidence: Evidence) -> CheckResult:
-    records = {r: [rec for rec in recs if not rec.skipped] for r, recs in evidence.records.items()}
-    steps = min((len(recs) for recs in records.values()), default=0)
+    empty = np.zeros(0, dtype=ROW)
+    records = {r: evidence.per_rank.get(r, empty) for r in evidence.records}
+    records = {  # (copied only where a step was skipped)
+        r: rows[~rows["skipped"]] if rows["skipped"].any() else rows for r, rows in records.items()
+    }
+    steps = min((len(rows) for rows in records.values()), default=0)
     looked = f"{shape_of(evidence.records)} of losses, LRs, gradient norms and parameter prints"
     if steps < MIN_STEPS:
         return CheckResult(
@@ -68,13 +74,13 @@ def check_learning(evidence: Evidence) -> CheckResult:
     )
 
 
-def _findings(records: Records) -> list[Finding]:
+def _findings(records: Rows) -> list[Finding]:
     ranks = tuple(sorted(records))
-    first = min(rec.step for recs in records.values() for rec in recs)
-    last = max(rec.step for recs in records.values() for rec in recs)
+    first = min(int(rows["step"].min()) for rows in records.values())
+    last = max(int(rows["step"].max()) for rows in records.values())
     span = f"steps {first}-{last}"
     found = []
-    if _everywhere(records, lambda rec: rec.lr is not None and rec.lr == 0.0):
+    if _everywhere(records, lambda rows: rows["lr"] == 0.0):  # nan (no LR) is not 0
         found.append(
             Finding(
                 "not_learning",
@@ -135,37 +141,38 @@ def _findings(records: Records) -> list[Finding]:
     return found
 
 
-def _everywhere(records: Records, symptom) -> bool:
-    return all(recs and all(symptom(rec) for rec in recs) for recs in records.values())
+def _everywhere(records: Rows, symptom) -> bool:
+    """``symptom(rows)`` (one bool per row) holds at every step of every rank."""
+    return all(len(rows) and bool(np.all(symptom(rows))) for rows in records.values())
 
 
-def _zero_gradients(rec: StepRecord) -> bool:
-    """False when unknown (not recorded)."""
-    norm = rec.grad_norm
-    return norm is not None and math.isfinite(norm) and norm <= VANISHING_NORM
+def _zero_gradients(rows: np.ndarray) -> np.ndarray:
+    """False where unknown (not recorded: nan)."""
+    norm = rows["grad_norm"]
+    return np.isfinite(norm) & (norm <= VANISHING_NORM)
 
 
-def _parameters_frozen(records: Records) -> bool:
+def _parameters_frozen(records: Rows) -> bool:
     """The parameter fingerprint is recorded and the same at every step, on every rank."""
-    for recs in records.values():
-        prints = {rec.param_fingerprint for rec in recs}
-        if len(prints) != 1 or 0 in prints:
+    for rows in records.values():
+        prints = rows["param_fingerprint"]
+        if not len(prints) or prints[0] == 0 or not np.all(prints == prints[0]):
             return False
     return True
 
 
-def _constant_loss(records: Records) -> float | None:
+def _constant_loss(records: Rows) -> float | None:
     """The loss, when it is one finite number at every step of every rank."""
     values = set((_losses_frozen(records) or {}).values())
     return values.pop() if len(values) == 1 else None
 
 
-def _losses_frozen(records: Records) -> dict[int, float] | None:
+def _losses_frozen(records: Rows) -> dict[int, float] | None:
     """Each rank's loss, when every rank's is one finite number at every step."""
     each = {}
-    for rank, recs in records.items():
-        losses = {rec.loss for rec in recs}
-        if len(losses) != 1 or not all(math.isfinite(x) for x in losses):
+    for rank, rows in records.items():
+        losses = rows["loss"]
+        if not len(losses) or not np.isfinite(losses[0]) or not np.all(losses == losses[0]):
             return None
-        each[rank] = losses.pop()
+        each[rank] = float(losses[0])
     return each

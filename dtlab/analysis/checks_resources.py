@@ -22,9 +22,7 @@ IMBALANCE_MIN_BYTES = 256 * 2**20  # ... and at least this many bytes
 
 @check("memory", order=100)
 def check_memory(evidence: Evidence) -> CheckResult:
-    cuda = any(
-        r.memory.cuda_allocated is not None for recs in evidence.records.values() for r in recs
-    )
+    cuda = not np.isnan(evidence.step_columns.rows()["cuda_allocated"]).all()
     leaks = find_leaks(
         evidence.records, field="cuda_allocated" if cuda else "rss", per_rank=evidence.per_rank
     )
@@ -55,7 +53,7 @@ def check_memory(evidence: Evidence) -> CheckResult:
 
 
 def _num_steps(evidence: Evidence) -> int:
-    return len(evidence.aligned)
+    return len(evidence.table[0])
 
 
 def _imbalance(evidence: Evidence) -> list[Finding]:

@@ -4,7 +4,7 @@ accumulation that all-reduces on every micro-batch."""
 
 from __future__ import annotations
 
-import statistics
+import numpy as np
 
 from dtlab.analysis.divergence import (
     GRAD_FIX,
@@ -29,11 +29,8 @@ def check_gradient_sync(evidence: Evidence) -> CheckResult:
     findings = list(divergence_findings(evidence.details, evidence.names))
     findings += _divergence_without_details(evidence, findings)
     findings += _missing_gradients(evidence)
-    printed = any(
-        rec.grad_fingerprint or rec.param_fingerprint
-        for recs in evidence.records.values()
-        for rec in recs
-    )
+    rows = evidence.step_columns.rows()
+    printed = bool(np.any(rows["grad_fingerprint"]) or np.any(rows["param_fingerprint"]))
     if not findings and not printed:
         return CheckResult(
             "gradient_sync",
@@ -137,13 +134,14 @@ def unused_search_note(evidence: Evidence) -> str:
     """DDP's find_unused_parameters judged against what every rank's own backward reached
     (for ``--explain``: a setting that may be needed for steps not seen is no finding)."""
     asked = sorted(r for r, job in evidence.jobs.items() if job.find_unused_parameters)
-    steps = evidence.aligned
-    if not asked or len(steps) < UNUSED_MIN_STEPS:
+    numbers, _, rows = evidence.table
+    if not asked or len(numbers) < UNUSED_MIN_STEPS:
         return ""
-    watched = [at[r].unreached for _, at in steps for r in at]
-    if any(u is None for u in watched):
+    unreached = rows["num_unreached"]  # -1: not watched
+    if np.any(unreached < 0):
         return ""
-    if any(watched):
+    steps = numbers  # for the counts below
+    if np.any(unreached > 0):
         return (
             f"; DDP's find_unused_parameters=True is needed: some parameters were not reached "
             f"in some of the {len(steps)} steps"
@@ -192,19 +190,20 @@ def _missing_finding(evidence, index, ranks, num_steps, step, watched) -> Findin
 def check_accumulation(evidence: Evidence) -> CheckResult:
     """With gradient accumulation, DDP should all-reduce once per step (the last
     micro-batch), not once per micro-batch: compare the bytes sent with the gradients'."""
-    ratios: dict[int, list[float]] = {}
+    ratios: dict[int, np.ndarray] = {}
     micro = 1
-    for rank, recs in evidence.records.items():
-        for rec in recs:
-            if rec.micro_batches > 1 and rec.comm_bytes is not None and rec.memory.param_bytes:
-                ratios.setdefault(rank, []).append(rec.comm_bytes / rec.memory.param_bytes)
-                micro = rec.micro_batches
+    for rank, rows in evidence.per_rank.items():
+        counted = (rows["micro_batches"] > 1) & (rows["comm_bytes"] >= 0)  # -1: not counted
+        counted &= rows["param_bytes"] > 0
+        if counted.any():
+            ratios[rank] = rows["comm_bytes"][counted] / rows["param_bytes"][counted]
+            micro = int(rows["micro_batches"][counted][-1])
     looked = (
         "gradient bytes all-reduced per step against the gradients' size "
         f"({micro} micro-batch{'es' if micro != 1 else ''})"
     )
     if not ratios:
-        accumulates = any(r.micro_batches > 1 for recs in evidence.records.values() for r in recs)
+        accumulates = bool(np.any(evidence.step_columns.rows()["micro_batches"] > 1))
         why = (
             (
                 "not checked: DDP's communication was not counted (the model is not DDP, or "
@@ -216,12 +215,14 @@ def check_accumulation(evidence: Evidence) -> CheckResult:
         return CheckResult(
             "accumulation", "One gradient sync per step", (), looked, why, checked=not accumulates
         )
-    median = {rank: statistics.median(values) for rank, values in ratios.items()}
+    median = {rank: float(np.median(values)) for rank, values in ratios.items()}
     chatty = tuple(sorted(r for r, x in median.items() if x > ACCUMULATION_RATIO))
     findings: tuple[Finding, ...] = ()
     if chatty:
         first = min(
-            rec.step for r in chatty for rec in evidence.records[r] if rec.micro_batches > 1
+            int(rows["step"][rows["micro_batches"] > 1].min())
+            for r, rows in evidence.per_rank.items()
+            if r in chatty
         )
         x = max(median[r] for r in chatty)
         findings = (

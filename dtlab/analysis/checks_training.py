@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -60,7 +59,8 @@ def check_numerics(evidence: Evidence) -> CheckResult:
     first 10 steps of calibration) or a scale below 1.
     """
     records = evidence.records
-    findings = _nonfinite_findings(records) + _scaler_findings(records, _scaler_name(evidence))
+    findings = _nonfinite_findings(records, evidence.step_columns.rows())
+    findings += _scaler_findings(records, _scaler_name(evidence))
     why = (
         "every loss was finite, no step applied inf/nan gradients, and GradScaler (if any) "
         "skipped no more steps than calibration does"
@@ -79,11 +79,12 @@ def _bad(rec: StepRecord) -> bool:
     return not math.isfinite(rec.loss) or (rec.num_nonfinite > 0 and not rec.skipped)
 
 
-def _nonfinite_findings(records: Records) -> list[Finding]:
-    bad_steps = [rec.step for recs in records.values() for rec in recs if _bad(rec)]
-    if not bad_steps:
+def _nonfinite_findings(records: Records, rows: np.ndarray) -> list[Finding]:
+    """``rows``: the same records as columns (found there; told from the records)."""
+    bad_rows = ~np.isfinite(rows["loss"]) | ((rows["num_nonfinite"] > 0) & ~rows["skipped"])
+    if not bad_rows.any():
         return []
-    step = min(bad_steps)
+    step = int(rows["step"][bad_rows].min())
     at = {r: rec for r, recs in sorted(records.items()) for rec in recs if rec.step == step}
     bad = tuple(r for r, rec in at.items() if _bad(rec))
     # under DDP one rank's inf/nan reaches every rank through the gradient all-reduce: the
@@ -187,7 +188,6 @@ def check_learning_rate(evidence: Evidence) -> CheckResult:
     Also reports, for information only, the global batch and what the current LR would be
     for the world size under linear and square-root scaling (in ``looked_at``).
     """
-    records = evidence.records
     steps, columns, rows = evidence.table
     lr = rows["lr"]  # steps x ranks, nan where a rank recorded none
     if not len(steps) or np.isnan(lr).all():
@@ -222,7 +222,7 @@ def check_learning_rate(evidence: Evidence) -> CheckResult:
         evidence_ = {"lr": lrs, "num_steps_differing": len(differing)}
         findings.append(Finding("learning_rate", ranks, summary, step, evidence_, LR_FIX, "error"))
     last_lr = _lr_outliers(at(len(steps) - 1))[1]
-    looked = f"LR per rank at {len(steps)} steps; {_batch_table(records, last_lr)}"
+    looked = f"LR per rank at {len(steps)} steps; {_batch_table(evidence.per_rank, last_lr)}"
     why = "every rank used the same learning rate at every step"
     return CheckResult(
         "learning_rate",
@@ -251,14 +251,21 @@ def _lr_outliers(lrs: Mapping[int, float]) -> tuple[tuple[int, ...], float | Non
     return tuple(r for r in lrs if r not in majority), lrs[majority[0]], lrs
 
 
-def _batch_table(records: Records, lr: float | None) -> str:
+def _most_common(values: np.ndarray) -> int:
+    """The most frequent value (ties: the smallest)."""
+    found, counts = np.unique(values, return_counts=True)
+    return int(found[np.argmax(counts)])
+
+
+def _batch_table(per_rank: Mapping[int, np.ndarray], lr: float | None) -> str:
+    """``per_rank``: each rank's rows (``Evidence.per_rank``)."""
     unknown = "global batch unknown (sample indices not recorded)"
     sizes: list[int] = []
-    for recs in records.values():
-        lengths = Counter(len(r.indices) for r in recs if r.indices)
-        if not lengths:
+    for rows in per_rank.values():
+        lengths = rows["num_indices"][rows["num_indices"] > 0]
+        if not len(lengths):
             return unknown
-        sizes.append(lengths.most_common(1)[0][0])
+        sizes.append(_most_common(lengths))
     if not sizes:
         return unknown
     total = sum(sizes)
@@ -268,8 +275,7 @@ def _batch_table(records: Records, lr: float | None) -> str:
     batch = f"global batch {each} = {total}"
     if lr is None:
         return f"{batch}; LR not recorded"
-    micro = Counter(r.micro_batches for recs in records.values() for r in recs).most_common(1)
-    micro_batches = micro[0][0] if micro else 1
+    micro_batches = _most_common(np.concatenate([r["micro_batches"] for r in per_rank.values()]))
     # the unit an LR is usually tuned for: one micro-batch on one rank
     factor = total / max(1, sizes[0] // micro_batches)
     linear, sqrt = lr * factor, lr * math.sqrt(factor)

@@ -1,11 +1,12 @@
 """Ranks that wait for their next batch (part of the ``data_order`` check).
 
 Pure: from each rank's recorded data time per step (``StepRecord.times.data``, the wait
-for the loader's next batch) and step time.
+for the loader's next batch) and step time, over the steps every rank recorded.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -32,34 +33,35 @@ DATA_WAIT_FIX = (
 )
 
 
-def data_wait_findings(
-    records: Records, per_rank: Mapping[int, np.ndarray] | None = None
-) -> list[Finding]:
+def data_wait_findings(records: Records, table: tuple | None = None) -> list[Finding]:
     """Ranks that wait for their next batch: for a large share of each step, or (what a
     busy machine hides behind longer steps) far longer than the other ranks do, steadily,
-    which every rank then waits through in the gradient all-reduce. ``per_rank``: the
-    records as ``Evidence.per_rank`` holds them (built if not given)."""
-    if per_rank is None:
-        per_rank = StepColumns.from_records(records).by_rank()
-    waits = {}  # rank -> its data seconds per step, step totals, step numbers
-    for rank, rows in sorted(per_rank.items()):
-        rows = rows[DATA_WAIT_SKIP:]
-        total = step_seconds(rows)
-        rows, total = rows[total > 0], total[total > 0]
-        if len(rows) >= DATA_WAIT_MIN_STEPS:
-            waits[rank] = (rows["data"], total, [int(s) for s in rows["step"]])
+    which every rank then waits through in the gradient all-reduce. ``table``: the steps
+    every rank recorded, as ``Evidence.table`` holds them (built if not given); judged as
+    steps x ranks matrices, one pass each, whatever the number of ranks."""
+    if table is None:
+        table = StepColumns.from_records(records).aligned(tuple(records))
+    numbers, ranks, rows = table
+    rows, numbers = rows[DATA_WAIT_SKIP:], numbers[DATA_WAIT_SKIP:]
+    if not len(numbers):
+        return []
+    data = np.ascontiguousarray(rows["data"])  # steps x ranks
+    total = step_seconds(rows)
+    valid = total > 0
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)  # a rank with no valid step: nan
+        fraction = np.nanmedian(np.where(valid, data / total, np.nan), axis=0)
+        data_s = np.nanmedian(np.where(valid, data, np.nan), axis=0)
+    enough = valid.sum(axis=0) >= DATA_WAIT_MIN_STEPS
+    slow_at = enough & (fraction > DATA_WAIT_FRACTION) & (data_s >= DATA_WAIT_MIN_S)
     slow = {}  # rank -> (median fraction, median data seconds, first slow step)
-    for rank, (data, total, steps) in waits.items():
-        fraction, data_s = float(np.median(data / total)), float(np.median(data))
-        if fraction > DATA_WAIT_FRACTION and data_s >= DATA_WAIT_MIN_S:
-            first = next(
-                s for s, d, t in zip(steps, data, total, strict=True) if d > DATA_WAIT_FRACTION * t
-            )
-            slow[rank] = (fraction, data_s, first)
-    outliers = _data_wait_outliers(waits, skip=set(slow))
+    for j in np.flatnonzero(slow_at):
+        first = numbers[np.argmax(valid[:, j] & (data[:, j] > DATA_WAIT_FRACTION * total[:, j]))]
+        slow[int(ranks[j])] = (float(fraction[j]), float(data_s[j]), int(first))
+    outliers = _data_wait_outliers(numbers, ranks, data, total, valid, skip=slow_at)
     findings = []
     if slow:
-        ranks = tuple(slow)
+        slow_ranks = tuple(slow)
         shares = ", ".join(f"rank {r} {f:.0%} ({d * 1e3:.1f} ms)" for r, (f, d, _) in slow.items())
         what = f"waiting for data takes a large share of each step (median): {shares}"
         if len(slow) == len(records):
@@ -72,7 +74,7 @@ def data_wait_findings(
         findings.append(
             Finding(
                 "data_order",
-                ranks,
+                slow_ranks,
                 f"{what}, from step {step}",
                 step,
                 evidence,
@@ -81,7 +83,7 @@ def data_wait_findings(
             )
         )
     if outliers:
-        ranks = tuple(outliers)
+        out_ranks = tuple(outliers)
         mine = ", ".join(
             f"rank {r} {d * 1e3:.1f} ms ({f:.0%} of the step)"
             for r, (d, _, f, _) in outliers.items()
@@ -89,7 +91,7 @@ def data_wait_findings(
         others_ms = max(o for _, o, _, _ in outliers.values()) * 1e3
         step = min(v[3] for v in outliers.values())
         summary = (
-            f"{label_ranks(ranks)} wait far longer for data than the other ranks (median "
+            f"{label_ranks(out_ranks)} wait far longer for data than the other ranks (median "
             f"{mine} vs at most {others_ms:.1f} ms elsewhere, in most steps), from step {step}: "
             "every rank waits for it in the gradient all-reduce"
         )
@@ -99,37 +101,53 @@ def data_wait_findings(
             "data_fraction": {r: v[2] for r, v in outliers.items()},
         }
         findings.append(
-            Finding("data_order", ranks, summary, step, evidence, DATA_WAIT_FIX, "warning")
+            Finding("data_order", out_ranks, summary, step, evidence, DATA_WAIT_FIX, "warning")
         )
     return findings
 
 
-def _data_wait_outliers(waits: dict, skip: set[int]) -> dict[int, tuple[float, float, float, int]]:
+def _data_wait_outliers(
+    numbers: np.ndarray,
+    ranks: np.ndarray,
+    data: np.ndarray,
+    total: np.ndarray,
+    valid: np.ndarray,
+    skip: np.ndarray,
+) -> dict[int, tuple[float, float, float, int]]:
     """Ranks whose data wait is beyond every other rank's in most steps (its lower quartile
     above the others' upper quartile) by at least DATA_WAIT_OUTLIER_SHARE of the step:
     ``{rank: (median data s, the others' median, median share of the step, first step)}``.
-    Judged rank against rank, so that longer steps on a busy machine do not hide it."""
-    waits = {r: w for r, w in waits.items() if len(w[0]) >= DATA_WAIT_OUTLIER_MIN_STEPS}
-    if len(waits) < 2:
+    Judged rank against rank, so that longer steps on a busy machine do not hide it; only
+    ranks with DATA_WAIT_OUTLIER_MIN_STEPS valid steps take part. ``data``, ``total``,
+    ``valid``: steps x ranks; ``skip``: ranks already named as slow."""
+    judged = valid.sum(axis=0) >= DATA_WAIT_OUTLIER_MIN_STEPS
+    if judged.sum() < 2:
         return {}
-    pooled = np.concatenate([d for d, _, _ in waits.values()])
+    waits = np.where(valid, data, np.nan)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)
+        low, median = np.nanpercentile(waits, [25, 50], axis=0)
+        step_median = np.nanmedian(np.where(valid, total, np.nan), axis=0)
+        share = np.nanmedian(np.where(valid, data / total, np.nan), axis=0)
+    pooled = waits[:, judged][valid[:, judged]]
     pooled_median, pooled_high = np.percentile(pooled, [50, 75])
     found = {}
-    for rank, (data, total, steps) in waits.items():
-        if rank in skip:
-            continue
-        if len(waits) > POOLED_FROM:
+    for j in np.flatnonzero(judged & ~skip):
+        if judged.sum() > POOLED_FROM:
             others_median, others_high = pooled_median, pooled_high  # one rank moves them little
         else:
-            others = np.concatenate([d for r, (d, _, _) in waits.items() if r != rank])
-            others_median, others_high = np.percentile(others, [50, 75])
-        low = np.percentile(data, 25)
-        gap = float(np.median(data)) - float(others_median)
-        if low > others_high and gap >= DATA_WAIT_OUTLIER_SHARE * float(np.median(total)):
-            limit = others_high + DATA_WAIT_OUTLIER_SHARE * total
-            first = next(
-                (s for s, d, lim in zip(steps, data, limit, strict=True) if d > lim), steps[0]
+            others = judged.copy()
+            others[j] = False
+            others_median, others_high = np.percentile(waits[:, others][valid[:, others]], [50, 75])
+        gap = float(median[j]) - float(others_median)
+        if low[j] > others_high and gap >= DATA_WAIT_OUTLIER_SHARE * float(step_median[j]):
+            limit = others_high + DATA_WAIT_OUTLIER_SHARE * total[:, j]
+            beyond = valid[:, j] & (data[:, j] > limit)
+            first = numbers[np.argmax(beyond if beyond.any() else valid[:, j])]
+            found[int(ranks[j])] = (
+                float(median[j]),
+                float(others_median),
+                float(share[j]),
+                int(first),
             )
-            share = float(np.median(data / total))
-            found[rank] = (float(np.median(data)), float(others_median), share, first)
     return found
