@@ -1,6 +1,8 @@
 """TensorBoard export: event files written per rank, read back with TensorBoard's own
 event reader (no cluster: records from the demo job in this process)."""
 
+from dataclasses import replace
+
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -23,7 +25,7 @@ def test_every_rank_is_a_run_with_its_own_scalars(tmp_path):
     trace = Trace({0: info, 1: info})
     records = [job.step() for _ in range(4)]
     trace.add(0, records)
-    trace.add(1, [rec.__class__(**{**rec.__dict__, "loss": rec.loss + 1}) for rec in records])
+    trace.add(1, [replace(rec, loss=rec.loss + 1) for rec in records])
     folder = export_tensorboard(trace, tmp_path / "tb")
     for rank, shift in ((0, 0.0), (1, 1.0)):
         events = EventAccumulator(str(folder / f"rank{rank}"))

@@ -9,6 +9,7 @@ fingerprinted: one all-gather per parameter per recorded step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -160,8 +161,9 @@ def rss_bytes() -> int:
 
 def object_bytes(record) -> int:
     """Bytes of a step record with its tuples and numbers (sys.getsizeof, one level down)."""
-    total = sys.getsizeof(record) + sys.getsizeof(record.__dict__)
-    for value in record.__dict__.values():
+    total = sys.getsizeof(record)  # its slots: the references to the values below
+    for field in dataclasses.fields(record):
+        value = getattr(record, field.name)
         total += sys.getsizeof(value)
         if isinstance(value, tuple):
             total += sum(sys.getsizeof(v) for v in value)

@@ -1,13 +1,14 @@
 """What a rank records each optimizer step, and how a run of steps ended.
 
 Plain data (str, int, float, tuples): they pickle cheaply through ipyparallel and tests
-build them by hand. A step record as JSON is one line of a run folder's steps.jsonl.
+build them by hand. A step record as JSON is what the stepping channel carries.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from dataclasses import fields as dataclass_fields
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class InitialState:
     buffer_fingerprints: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepMemory:
     """Bytes held at the end of a step. CUDA fields are None where there is no CUDA."""
 
@@ -79,7 +80,7 @@ class StepMemory:
     dtlab_bytes: int = 0  # about what dtlab's own record buffer holds (part of rss)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepTimes:
     """Seconds spent in each phase of one step (backward includes DDP's gradient sync)."""
 
@@ -94,7 +95,7 @@ class StepTimes:
         return self.data + self.forward + self.backward + self.optimizer + self.record
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     """What one rank measured in one optimizer step (``step`` counts from 1).
 
@@ -201,18 +202,23 @@ class RunResult:
         return self.last_step - self.first_step
 
 
+# field names, once (the classes have slots, so no __dict__ to copy; slots take each
+# record in the notebook from ~2.7 KB to ~1.6 KB)
+_RECORD_FIELDS = tuple(f.name for f in dataclass_fields(StepRecord))
+_TIMES_FIELDS = tuple(f.name for f in dataclass_fields(StepTimes))
+_MEMORY_FIELDS = tuple(f.name for f in dataclass_fields(StepMemory))
+
+
 def step_record_to_dict(rank: int, record: StepRecord) -> dict:
-    """``{"rank": r, **record}`` as plain data: one line of a run folder's steps.jsonl.
+    """``{"rank": r, **record}`` as plain data: one JSON line on the stepping channel.
 
     Built by hand: ``dataclasses.asdict`` deep-copies every tuple, ~10x slower, and this
     runs for every rank at every step.
     """
-    return {
-        "rank": rank,
-        **record.__dict__,
-        "times": dict(record.times.__dict__),
-        "memory": dict(record.memory.__dict__),
-    }
+    data = {"rank": rank, **{name: getattr(record, name) for name in _RECORD_FIELDS}}
+    data["times"] = {name: getattr(record.times, name) for name in _TIMES_FIELDS}
+    data["memory"] = {name: getattr(record.memory, name) for name in _MEMORY_FIELDS}
+    return data
 
 
 def step_record_from_dict(data: dict) -> tuple[int, StepRecord]:
