@@ -30,6 +30,7 @@ sys.path.insert(0, str(HERE.parent.parent))
 
 import dtlab  # noqa: E402
 from dtlab import demo  # noqa: E402
+from dtlab.records import step_record_to_dict  # noqa: E402
 
 AGREEMENT_BYTES = 7 * 8  # stepping.agree: [pause, hit, failed, fp, -fp, seq, -seq] int64
 
@@ -96,10 +97,12 @@ def summary_bytes() -> dict:
         for label, config in (("demo", {}), ("16x parameters", {"dim": 256})):
             demo.attach(dt, num_samples=1024, **config)
             dt.step(5)
-            dt.trace.flush()
-            lines = (dt.trace.folder / "steps.jsonl").read_text().splitlines()[-5:]
+            records = [dt.trace.records[0][-k] for k in range(1, 6)]
             params = sum(p.numel for p in dt.trace.jobs[0].params)
-            size = statistics.median(len(line.encode()) for line in lines)
+            # as the stepping channel carries it: one JSON line per record
+            size = statistics.median(
+                len(json.dumps(step_record_to_dict(0, rec)).encode()) for rec in records
+            )
             out[label] = {"params": params, "bytes": size}
     finally:
         dt.shutdown()

@@ -1,5 +1,6 @@
 """Pure pieces of stepping: --until conditions, the step-record codec, Trace files."""
 
+import dataclasses
 import json
 import math
 from dataclasses import replace
@@ -9,7 +10,9 @@ import pytest
 from dtlab.agent.stepping import _RunState, condition_holds
 from dtlab.analysis.conditions import describe_condition, parse_condition
 from dtlab.records import Condition, step_record_from_dict, step_record_to_dict
-from dtlab.records.trace import FORMAT, Trace, new_run_folder
+from dtlab.records import trace as trace_module
+from dtlab.records.step_files import MERGE_AT, StepFiles
+from dtlab.records.trace import FORMAT, JOURNAL, Trace, new_run_folder
 from tests.fakes import healthy_trace, job_info, step_record
 
 
@@ -92,9 +95,24 @@ def test_trace_folder_round_trip_and_dataframe(tmp_path):
     trace.close()
 
 
-def test_a_half_written_last_line_is_dropped_but_a_bad_middle_line_is_an_error(tmp_path):
+def format_1_folder(trace: Trace, folder):
+    """A run folder as dtlab wrote them before Parquet: steps.jsonl, one record a line."""
+    folder.mkdir()
+    header = {"format": "dtlab-trace/1", "created": 1.0, "world_size": trace.world_size}
+    header["jobs"] = {str(r): dataclasses.asdict(j) for r, j in trace.jobs.items()}
+    (folder / "trace.json").write_text(json.dumps(header))
+    lines = [
+        json.dumps(step_record_to_dict(rank, rec))
+        for rank, recs in trace.records.items()
+        for rec in recs
+    ]
+    (folder / "steps.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def test_a_format_1_folder_loads_its_half_written_last_line_dropped(tmp_path):
     trace = healthy_trace(num_ranks=2, num_steps=3)
-    folder = trace.save(tmp_path / "run")
+    folder = format_1_folder(trace, tmp_path / "run")
     steps = folder / "steps.jsonl"
     steps.write_text(steps.read_text() + '{"rank": 0, "step": 4, "lo')
     assert Trace.load(folder).records == trace.records
@@ -104,11 +122,90 @@ def test_a_half_written_last_line_is_dropped_but_a_bad_middle_line_is_an_error(t
         Trace.load(folder)
 
 
+def test_every_field_of_a_record_survives_the_step_files(tmp_path):
+    odd = step_record(
+        3,
+        rank=1,
+        lr=None,
+        scale=65536.0,
+        skipped=True,
+        grad_norm=math.nan,  # a NaN norm is a finding, not "not recorded" (None)
+        missing_grads=(1, 4),
+        unreached=(),
+        epoch_starts=(2,),
+        nonfinite_module="layers.1.mlp",
+        nonfinite_found="forward hook",
+        rng=(("torch", 123), ("numpy", (1 << 64) - 5)),
+        input_fingerprints=(7, 8),
+        synced_micro_batches=1,
+        comm_calls=2,
+        comm_bytes=4096,
+        grad_fingerprint=(1 << 64) - 1,
+    )
+    odd = replace(odd, memory=replace(odd.memory, cuda_allocated=2**40, cuda_peak=0))
+    trace = Trace({r: job_info(r) for r in range(2)}, folder=tmp_path / "run")
+    trace.add(0, [step_record(s, 0) for s in (1, 2, 3)])
+    trace.add(1, [step_record(1, 1), step_record(2, 1), odd])
+    trace.close()
+    loaded = Trace.load(tmp_path / "run").records[1][-1]
+    assert math.isnan(loaded.grad_norm) and loaded.lr is None  # (nan != nan: compare the rest)
+    assert replace(loaded, grad_norm=0.0) == replace(odd, grad_norm=0.0)
+    assert loaded.unreached == () and loaded.memory.cuda_reserved is None
+
+
+def test_many_flushes_leave_few_files_and_lose_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(trace_module, "PART_ROWS", 2)  # a part at every flush here
+    trace = Trace({r: job_info(r) for r in range(2)}, folder=tmp_path / "run")
+    for step in range(1, 41):  # 40 runs of one step each: 40 parts, merged as they pile up
+        for rank in range(2):
+            trace.add(rank, [step_record(step, rank)])
+        trace.flush()
+    parts = StepFiles(tmp_path / "run").parts()
+    assert len(parts) < MERGE_AT + 1  # 40 = 5 x 8: five level-1 parts
+    assert {level for level, *_ in parts} == {1}
+    assert Trace.load(tmp_path / "run").records == trace.records
+    trace.close()
+
+
+def test_runs_between_parts_are_in_the_journal_until_the_trace_closes(tmp_path):
+    folder = tmp_path / "run"
+    trace = Trace({r: job_info(r) for r in range(2)}, folder=folder)
+    trace.add(0, [step_record(1, 0)])
+    trace.add_lines(1, [json.dumps(step_record_to_dict(1, step_record(1, 1)))])
+    trace.flush()  # the end of a run: two records, far from a part's worth
+    journal = folder / "steps" / JOURNAL
+    assert journal.is_file() and not StepFiles(folder).parts()
+    assert Trace.load(folder).records == trace.records  # a notebook that died here
+    trace.add(0, [step_record(2, 0)])
+    trace.add(1, [step_record(2, 1)])
+    trace.flush()
+    assert len(journal.read_text().splitlines()) == 4
+    trace.close()
+    assert not journal.exists() and len(StepFiles(folder).parts()) == 1
+    assert Trace.load(folder).records == trace.records
+
+
+def test_a_part_cut_off_mid_write_is_ignored_and_a_corrupt_one_is_named(tmp_path):
+    trace = healthy_trace(num_ranks=2, num_steps=3)
+    folder = trace.save(tmp_path / "run")
+    (folder / "steps" / "L0-000000000006-2.parquet.tmp").write_bytes(b"PAR1 half a file")
+    assert Trace.load(folder).records == trace.records
+    (part,) = [p for p in (folder / "steps").iterdir() if p.suffix == ".parquet"]
+    part.write_bytes(part.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"{part.name}: not a dtlab step file"):
+        Trace.load(folder)
+
+
+def test_the_dataframe_takes_a_step_range():
+    frame = healthy_trace(num_ranks=2, num_steps=10).to_dataframe(steps=range(4, 7))
+    assert sorted(set(frame["step"])) == [4, 5, 6] and len(frame) == 6
+
+
 def test_loading_something_that_is_not_a_run_folder_says_so(tmp_path):
     with pytest.raises(ValueError, match="no trace.json"):
         Trace.load(tmp_path)
     (tmp_path / "trace.json").write_text(json.dumps({"format": "other/9"}))
-    with pytest.raises(ValueError, match="this dtlab reads 'dtlab-trace/1'"):
+    with pytest.raises(ValueError, match="this dtlab reads 'dtlab-trace/1' and 'dtlab-trace/2'"):
         Trace.load(tmp_path)
 
 

@@ -220,9 +220,14 @@ class StepColumns:
         done, new = self._rows[: self._settled], self._rows[self._settled : self._size]
         new = _by_step_then_rank(new)
         last, first = (done[-1] if len(done) else None), (new[0] if len(new) else None)
-        if last is None or first is None or (first["step"], first["rank"]) > (
-            last["step"],
-            last["rank"],
+        if (
+            last is None
+            or first is None
+            or (first["step"], first["rank"])
+            > (
+                last["step"],
+                last["rank"],
+            )
         ):
             self._rows[self._settled : self._settled + len(new)] = new  # in place, after
             self._size = self._settled + len(new)

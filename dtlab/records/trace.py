@@ -2,12 +2,18 @@
 
 A run folder (``runs/<timestamp>/`` by default, ``DTLAB_RUNS_DIR`` moves it) holds:
 
-- ``trace.json``: ``{"format": "dtlab-trace/1", "created": <epoch s>, "world_size": N,
+- ``trace.json``: ``{"format": "dtlab-trace/2", "created": <epoch s>, "world_size": N,
   "jobs": {"<rank>": JobInfo}, "meta": {...}}``
-- ``steps.jsonl``: one JSON object per line, ``{"rank": r, **StepRecord}`` (summaries:
-  the per-parameter tuples stay on the ranks), appended as steps finish (a run that
-  crashed still leaves every step it finished);
+- ``steps/``: the step records (summaries: the per-parameter tuples stay on the ranks) as
+  zstd Parquet parts of at least ``PART_ROWS`` records, merged as they pile up
+  (:mod:`dtlab.records.step_files`), and ``steps/journal.jsonl``: the records since the
+  last part, as the ranks sent them (one JSON line each), appended at the end of every
+  run, so a notebook that dies loses no step a run finished; ``pd.read_parquet(folder /
+  "steps")`` reads the parts;
 - ``doctor.json``: the last ``%dt_doctor`` results, a list of CheckResult with Findings.
+
+Format ``dtlab-trace/1`` folders (one JSON line per record in ``steps.jsonl``, ~1 KB per
+rank-step against ~50-100 B as Parquet) still load.
 
 Records are the dataclasses of :mod:`dtlab.records` as plain data
 (:func:`dtlab.records.step_record_to_dict`);
@@ -22,7 +28,6 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TextIO
 
 from dtlab.records import (
     DeepSpeedInfo,
@@ -33,8 +38,12 @@ from dtlab.records import (
     step_record_to_dict,
 )
 from dtlab.records.columns import StepColumns
+from dtlab.records.step_files import StepFiles
 
-FORMAT = "dtlab-trace/1"
+FORMAT = "dtlab-trace/2"
+FORMATS = ("dtlab-trace/1", FORMAT)  # what Trace.load reads
+PART_ROWS = 4096  # records kept in the journal before they become a Parquet part
+JOURNAL = "journal.jsonl"
 RUNS_DIR_ENV = "DTLAB_RUNS_DIR"
 
 
@@ -81,7 +90,10 @@ class Trace:
         self.columns = StepColumns()  # the same records' numbers, as columns (the doctor's)
         self.checks: list = []  # the last %dt_doctor results (CheckResult), kept with the run
         self.folder = Path(folder) if folder is not None else None
-        self._steps_file: TextIO | None = None
+        # records not yet in a part: (rank, record, its JSON line as it came, or None)
+        self._pending: list[tuple[int, StepRecord, str | None]] = []
+        self._journaled = 0  # how many of them the journal holds
+        self._files: StepFiles | None = None
         if self.folder is not None:
             self._write_header()
 
@@ -139,34 +151,51 @@ class Trace:
     def add(self, rank: int, records: Iterable[StepRecord]) -> None:
         """Append a rank's new records (older or repeated steps are ignored)."""
         for rec in records:
-            self._append(rank, rec, None)
+            self._append(rank, rec)
 
     def add_lines(self, rank: int, lines: Iterable[str]) -> None:
-        """Append records that arrive as JSON lines (written to the run folder verbatim)."""
+        """Append records that arrive as JSON lines (the stepping channel's)."""
         for line in lines:
             line_rank, rec = step_record_from_dict(json.loads(line))
             if line_rank != rank:
                 raise ValueError(f"a record of rank {line_rank} arrived from rank {rank}")
             self._append(rank, rec, line)
 
-    def _append(self, rank: int, rec: StepRecord, line: str | None) -> None:
+    def _append(self, rank: int, rec: StepRecord, line: str | None = None) -> None:
         mine = self.records.setdefault(rank, [])
         if mine and rec.step <= mine[-1].step:
             return
         mine.append(rec)
         self.columns.append(rank, rec)
-        if self._steps_file is not None:
-            line = line if line is not None else json.dumps(step_record_to_dict(rank, rec))
-            self._steps_file.write(line + "\n")
+        if self._files is not None:
+            self._pending.append((rank, rec, line))
 
     def flush(self) -> None:
-        if self._steps_file is not None:
-            self._steps_file.flush()
+        """Put the records added since the last flush in the run folder: appended to the
+        journal, or, once there are PART_ROWS of them, written as a Parquet part."""
+        if self._files is None or not self._pending:
+            return
+        journal = self._files.folder / JOURNAL
+        if len(self._pending) >= PART_ROWS:
+            self._write_part()
+            return
+        self._files.folder.mkdir(parents=True, exist_ok=True)
+        with open(journal, "a") as out:  # the lines as they came (encoded if added here)
+            for rank, rec, line in self._pending[self._journaled :]:
+                out.write((line or json.dumps(step_record_to_dict(rank, rec))) + "\n")
+        self._journaled = len(self._pending)
+
+    def _write_part(self) -> None:
+        assert self._files is not None
+        pending, self._pending, self._journaled = self._pending, [], 0
+        self._files.write([(rank, rec) for rank, rec, _ in pending])
+        (self._files.folder / JOURNAL).unlink(missing_ok=True)  # its lines are in the part
 
     def close(self) -> None:
-        if self._steps_file is not None:
-            self._steps_file.close()
-            self._steps_file = None
+        """Write what is left as a part (no journal stays behind)."""
+        if self._files is not None and self._pending:
+            self._write_part()
+        self._files = None
 
     # --- as data ------------------------------------------------------------------------
     def to_records(self) -> list[dict]:
@@ -183,11 +212,15 @@ class Trace:
                 rows.append(row)
         return rows
 
-    def to_dataframe(self):
-        """The records as a pandas DataFrame, one row per (rank, step)."""
+    def to_dataframe(self, steps: range | None = None):
+        """The records as a pandas DataFrame, one row per (rank, step); ``steps``: only
+        those (e.g. ``range(100, 200)``)."""
         import pandas as pd
 
-        return pd.DataFrame.from_records(self.to_records())
+        rows = self.to_records()
+        if steps is not None:
+            rows = [row for row in rows if row["step"] in steps]
+        return pd.DataFrame.from_records(rows)
 
     # --- files --------------------------------------------------------------------------
     def _write_header(self) -> None:
@@ -201,7 +234,7 @@ class Trace:
             "meta": self.meta,
         }
         (self.folder / "trace.json").write_text(json.dumps(header, indent=1))
-        self._steps_file = open(self.folder / "steps.jsonl", "a")  # noqa: SIM115 - kept open
+        self._files = StepFiles(self.folder)
 
     def keep_checks(self, results: list) -> None:
         """Keep ``%dt_doctor`` results with the run (``doctor.json`` in its folder)."""
@@ -228,14 +261,22 @@ class Trace:
         if not header_path.is_file():
             raise ValueError(f"{folder} is not a dtlab run folder: it has no trace.json")
         header = json.loads(header_path.read_text())
-        if header.get("format") != FORMAT:
+        if header.get("format") not in FORMATS:
             raise ValueError(
-                f"{header_path}: format {header.get('format')!r}, this dtlab reads {FORMAT!r}"
+                f"{header_path}: format {header.get('format')!r}, this dtlab reads "
+                + " and ".join(map(repr, FORMATS))
             )
         jobs = {int(r): job_from_json(j) for r, j in header["jobs"].items()}
         trace = cls(jobs, meta=header.get("meta"), created=header.get("created"))
         trace.folder = folder
-        steps = folder / "steps.jsonl"
+        if header["format"] != "dtlab-trace/1":
+            for rank, rec in StepFiles(folder).read():
+                trace.add(rank, [rec])
+        # format 1's records, or format 2's since its last part (a repeat is ignored)
+        if header["format"] == "dtlab-trace/1":
+            steps = folder / "steps.jsonl"
+        else:
+            steps = folder / "steps" / JOURNAL
         lines = steps.read_text().splitlines() if steps.is_file() else []
         for number, line in enumerate(lines, 1):
             if not line.strip():

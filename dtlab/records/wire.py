@@ -7,7 +7,7 @@ then ``done`` or ``error``. A frame is one JSON object carrying the session ``ke
 frame without the right key, or that does not parse, is dropped (:func:`decode` returns
 None), so a stray or hostile sender can never make a rank step.
 
-Step records travel inside replies as steps.jsonl lines (``records``): whole-step
+Step records travel inside replies as JSON lines (``records``): whole-step
 summaries, the per-parameter tuples stay on the rank.
 """
 
@@ -104,7 +104,7 @@ class RankReply:
     rank: int
     step: int = 0  # the job's step count when sent
     attach: int | None = None  # how many jobs were attached on this rank so far
-    records: tuple[str, ...] = ()  # steps.jsonl lines of the steps made since the last reply
+    records: tuple[str, ...] = ()  # JSON lines of the steps made since the last reply
     stopped: str | None = None  # done replies: one of STOPS
     hit: bool = False  # done replies: the condition held at the last step on this rank
     output: str = ""  # what a script job printed since the last reply
