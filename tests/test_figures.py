@@ -288,3 +288,37 @@ def test_every_figure_has_the_white_template_and_a_height():
         assert fig.layout.template == white
         assert fig.layout.height and fig.layout.height >= 300
         assert fig.layout.title.text
+
+
+def many_ranks(num_ranks=64, num_steps=30, **odd):
+    """A data-parallel trace of many ranks; ``odd``: {rank: {step: changes}}."""
+    trace = Trace({r: job_info(r) for r in range(num_ranks)})
+    rng = np.random.default_rng(0)
+    for rank in range(num_ranks):
+        recs = []
+        for step in range(1, num_steps + 1):
+            changes = odd.get(f"r{rank}", {}).get(step, {})
+            loss = 2.0 / step + 0.01 * rng.standard_normal()
+            recs.append(step_record(step, rank, **{"loss": loss, **changes}))
+        trace.add(rank, recs)
+    return trace
+
+
+def test_many_ranks_are_a_band_a_median_and_the_ranks_that_stand_out():
+    leak = {
+        s: {"memory": StepMemory(500_000_000 + s * 40 * MIB, 592, 592, 1184)} for s in range(10, 31)
+    }
+    nan = {s: {"loss": float("nan")} for s in range(20, 31)}
+    trace = many_ranks(r17=leak, r40=nan)
+    fig = loss_figure(trace)
+    names = [t.name for t in fig.data]
+    # the band (two edges), the median, and rank 40 whose loss went NaN: not 64 lines
+    assert names[1:3] == ["lowest to highest of 64 ranks", "median of 64 ranks"]
+    assert names[3:] == ["rank 40 (stands out)"] and "1 rank standing out" in fig.layout.title.text
+    assert len(fig.data[2].y) == 30 and min(fig.data[1].y) < fig.data[2].y[5] < max(fig.data[0].y)
+    memory = memory_figure(trace)
+    assert [t.name for t in memory.data[3:]] == ["rank 17 (stands out)"]
+    assert memory.data[3].y[-1] == pytest.approx((500_000_000 + 30 * 40 * MIB) / MIB)
+    # every rank alike: no rank is singled out
+    calm = memory_figure(many_ranks())
+    assert len(calm.data) == 3 and "none standing out" in calm.layout.title.text

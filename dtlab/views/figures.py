@@ -28,6 +28,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative, sequential
 from plotly.subplots import make_subplots
 
+from dtlab.analysis.rank_groups import GROUP_ABOVE, rank_bands
 from dtlab.control.errors import OptionError
 from dtlab.records import StepMemory, StepRecord, StepTimes
 from dtlab.records.trace import Trace
@@ -106,9 +107,62 @@ def _run_label(trace: Trace, default: str) -> str:
     return trace.folder.name if trace.folder is not None else default
 
 
+def _grouped(fig: go.Figure, trace: Trace, column: str, scale: float, max_points: int) -> str:
+    """Past GROUP_ABOVE ranks: ``column`` (of records.columns.ROW, divided by ``scale``) as
+    the min-max band of every rank, its median, and the ranks that stand out
+    (analysis/rank_groups.py). Returns what the title should say about it."""
+    steps, ranks, table = trace.columns.aligned(trace.ranks)
+    bands = rank_bands(steps, ranks, table[column] / scale)
+    keep = downsample(list(range(len(steps))), list(range(len(steps))), max_points)[0]
+    x = steps[keep].tolist()
+    grey = "rgba(120, 120, 120, 0.25)"
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=bands.high[keep].tolist(),
+            mode="lines",
+            line={"width": 0, "color": grey},
+            name="highest rank",
+            showlegend=False,
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=bands.low[keep].tolist(),
+            mode="lines",
+            line={"width": 0, "color": grey},
+            fill="tonexty",
+            fillcolor=grey,
+            name=f"lowest to highest of {bands.num_ranks} ranks",
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=bands.median[keep].tolist(),
+            mode="lines",
+            line={"color": "rgb(60, 60, 60)"},
+            name=f"median of {bands.num_ranks} ranks",
+        )
+    )
+    for rank, series in bands.outliers.items():
+        fig.add_trace(_line(x, series[keep].tolist(), rank, suffix=" (stands out)"))
+    standing = len(bands.outliers)
+    return f"{bands.num_ranks} ranks as a band and their median" + (
+        f", {standing} rank{'s' if standing != 1 else ''} standing out"
+        if standing
+        else ", none standing out"
+    )
+
+
 def loss_figure(trace: Trace, other: Trace | None = None, *, max_points: int = 2000) -> go.Figure:
-    """Loss per rank; ``other`` (a second run) is overlaid dashed as ``"rank r (other)"``."""
+    """Loss per rank; ``other`` (a second run) is overlaid dashed as ``"rank r (other)"``.
+    Past GROUP_ABOVE ranks: a band, the median and the ranks that stand out."""
     fig = go.Figure()
+    if len(_ranks(trace)) > GROUP_ABOVE and other is None:
+        said = _grouped(fig, trace, "loss", 1.0, max_points)
+        return _layout(fig, f"Loss: {said}", "step", "loss", 420)
     for rank in _ranks(trace):
         fig.add_trace(_line(*_series(trace.records[rank], _loss, max_points), rank))
     title = "Loss per rank"
@@ -208,6 +262,9 @@ def memory_figure(trace: Trace, *, field: str = "rss", max_points: int = 2000) -
     if field not in MEMORY_FIELDS:
         raise OptionError(f"no memory field {field!r}; valid fields: {', '.join(MEMORY_FIELDS)}")
     fig = go.Figure()
+    if len(_ranks(trace)) > GROUP_ABOVE:
+        said = _grouped(fig, trace, field, MIB, max_points)
+        return _layout(fig, f"Memory: {field}, {said}", "step", f"{field} (MiB)", 420)
     for rank in _ranks(trace):
         x, y = _series(trace.records[rank], _memory_mib(field), max_points)
         if x or not trace.records[rank]:
