@@ -1,0 +1,174 @@
+"""The notebook side at 512 and 1,024 ranks on a 2-core machine: fake ranks on the real wire.
+
+    python benchmarks/scale_sim.py                        # 64, 512 and 1,024 ranks, 100 steps
+    python benchmarks/scale_sim.py --ranks 512 --steps 300
+
+Fake ranks are zmq DEALER sockets in a few helper processes (asyncio, no torch): each says
+hello, then answers every RunRequest the notebook's stepping Channel sends with a ``done``
+RankReply carrying its step records as JSON lines, exactly what a real rank's
+agent/stepping.py sends. The records are doctor_scale.py's simulated data-parallel job (300
+parameters; one rank's weights part from the others at 40 % of the run, one rank leaks
+4 MiB a step, one is a 1.5x straggler), so the notebook's Trace fills with what a real
+512-rank job would send, and the doctor must find the planted problems at the end.
+
+The notebook side is dtlab's own: Channel.send of a RunRequest to every rank, Channel.receive
+until every rank's done reply arrived, RankReply decoding, and Trace.add_lines (JSON
+decode, the StepRecord, the columns). Reported per step: wall time of one step of every
+rank (broadcast, gather, decode, store), the notebook's CPU time, its CPU per rank-record,
+the target (issue 20: <= 1 ms + 5 us x N for dt.step(1) at N simulated ranks), and the
+doctor's time and verdict over the whole trace. The fake ranks do no work, so the time is
+the notebook's and the transport's; they share the 2 cores with it, which the wall time
+includes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from doctor_scale import job, named, simulate  # noqa: E402
+
+from dtlab.analysis.doctor import all_findings, run_checks  # noqa: E402
+from dtlab.analysis.registry import registered  # noqa: E402
+from dtlab.control.channel import Channel  # noqa: E402
+from dtlab.records import Evidence, step_record_to_dict  # noqa: E402
+from dtlab.records.trace import Trace  # noqa: E402
+from dtlab.records.wire import RankReply, RunRequest, decode_request, encode  # noqa: E402
+
+HELPERS = 2  # processes holding the fake ranks (one per core)
+
+
+def fake_ranks(address: str, key: str, ranks: list[int], total: int, steps: int, ready) -> None:
+    """A helper process: one DEALER per rank, replaying its simulated records."""
+    import zmq
+    import zmq.asyncio
+
+    records, *_ = simulate(total, steps)
+    lines = {r: [json.dumps(step_record_to_dict(r, rec)) for rec in records[r]] for r in ranks}
+    del records
+    context = zmq.asyncio.Context()
+
+    async def rank_loop(rank: int) -> None:
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.IDENTITY, str(rank).encode())
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(address)
+        await socket.send(encode(RankReply("hello", None, rank), key))
+        made = 0
+        while True:
+            request = decode_request(await socket.recv(), key)
+            if not isinstance(request, RunRequest):
+                continue
+            if request.steps < 0:  # the benchmark's end
+                break
+            new = lines[rank][made : made + request.steps]
+            made += len(new)
+            reply = RankReply(
+                "done", request.id, rank, step=made, records=tuple(new), stopped="steps"
+            )
+            await socket.send(encode(reply, key))
+        socket.close()
+
+    async def main() -> None:
+        ready.set()
+        await asyncio.gather(*(rank_loop(r) for r in ranks))
+
+    asyncio.run(main())
+
+
+def measure(ranks: int, steps: int) -> dict:
+    channel = Channel()
+    ctx = mp.get_context("spawn")
+    readies, helpers = [], []
+    for h in range(HELPERS):
+        ready = ctx.Event()
+        mine = list(range(h, ranks, HELPERS))
+        helper = ctx.Process(
+            target=fake_ranks, args=(channel.address, channel.key, mine, ranks, steps, ready)
+        )
+        helper.start()
+        readies.append(ready)
+        helpers.append(helper)
+    _, params, planted, _ = simulate(ranks, 1)  # the jobs, and which ranks carry what
+    jobs = {r: job(r, params) for r in range(ranks)}
+    trace = Trace(jobs)
+    try:
+        for ready in readies:
+            ready.wait(300)
+        missing = channel.wait_connected(range(ranks), timeout=300)
+        if missing:
+            raise RuntimeError(f"{len(missing)} fake ranks never connected")
+        walls, cpus, ingest = [], [], []
+        for step in range(1, steps + 1):
+            t0, c0 = time.perf_counter(), time.process_time()
+            channel.send(range(ranks), RunRequest(id=step, steps=1))
+            done = 0
+            took = 0.0
+            while done < ranks:
+                for data in channel.receive(10.0):
+                    reply = RankReply.from_dict(data)
+                    if reply.kind == "done" and reply.id == step:
+                        i0 = time.process_time()
+                        trace.add_lines(reply.rank, reply.records)
+                        took += time.process_time() - i0
+                        done += 1
+            walls.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
+            ingest.append(took)
+        channel.send(range(ranks), RunRequest(id=0, steps=-1))  # the helpers stop
+    finally:
+        for helper in helpers:
+            helper.join(30)
+            if helper.is_alive():
+                helper.kill()
+        channel.close()
+    t0 = time.perf_counter()
+    evidence = Evidence(
+        records=trace.records, columns=trace.columns, names=tuple(p.name for p in params), jobs=jobs
+    )
+    findings = all_findings(run_checks(evidence, registered()))
+    doctor = time.perf_counter() - t0
+    skip = steps // 10  # first steps: connections and caches warm up
+    return {
+        "wall_ms": statistics.median(walls[skip:]) * 1e3,
+        "wall_q": [q * 1e3 for q in statistics.quantiles(walls[skip:], n=4)],
+        "cpu_ms": statistics.median(cpus[skip:]) * 1e3,
+        "ingest_us": statistics.median(ingest[skip:]) / ranks * 1e6,
+        "doctor_s": doctor,
+        "named": named(findings, planted),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 512, 1024])
+    parser.add_argument("--steps", type=int, default=100)
+    args = parser.parse_args()
+    print(
+        f"one step of every fake rank at a time, {args.steps} steps, fake ranks in {HELPERS} "
+        "processes (medians after the first tenth of the steps)"
+    )
+    for ranks in args.ranks:
+        m = measure(ranks, args.steps)
+        target = 1.0 + 0.005 * ranks
+        q1, _, q3 = m["wall_q"]
+        print(
+            f"{ranks} ranks: step {m['wall_ms']:.1f} ms (IQR {q1:.1f}-{q3:.1f}; target "
+            f"{target:.1f} ms, {m['wall_ms'] / target:.1f}x), notebook CPU {m['cpu_ms']:.1f} ms "
+            f"a step, decode and store {m['ingest_us']:.1f} us per rank-record (target 10); "
+            f"doctor over the trace {m['doctor_s']:.2f} s, planted problems named: "
+            + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in m["named"].items())
+        )
+
+
+if __name__ == "__main__":
+    main()
