@@ -5,12 +5,13 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import ipyparallel as ipp
 import pytest
 
 import dtlab
-from dtlab.control.cluster import running
+from dtlab.control.cluster import cluster_log_path, running
 from dtlab.control.errors import DtlabError, LaunchError, RankError, RankTimeoutError
 from tests.conftest import default_threads, quiet, signal_when_exists
 
@@ -127,8 +128,9 @@ def test_ctrl_c_interrupts_the_ranks(live2, tmp_path):
     assert live2.status() == {0: "idle", 1: "idle"}
 
 
-def test_dead_rank_is_named_quickly(cluster_cleanup):
+def test_dead_rank_is_named_quickly(cluster_cleanup, capfd):
     dt = dtlab.launch(2, progress=quiet)
+    log = cluster_log_path(dt.engines.cluster)
     victim = dt.infos[1].pid
     threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
     start = time.monotonic()
@@ -141,6 +143,9 @@ def test_dead_rank_is_named_quickly(cluster_cleanup):
     with pytest.raises(RankError, match="rank 1 died"):
         dt.run(os.getpid)  # later calls name the dead rank instead of hanging
     assert dtlab.launch(2, progress=quiet) is not dt  # relaunch replaces the broken session
+    # ipyparallel's account of the stopped engines goes to its log file, not the notebook
+    assert "Output for" not in capfd.readouterr().err
+    assert "Starting 2 engines" in Path(log).read_text()
 
 
 def test_relaunch_reuses_live_ranks_and_rebuilds_changed_group(live2):

@@ -14,6 +14,7 @@ controller, then makes sure no process it started is left (by pid).
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import secrets
 import signal
@@ -77,6 +78,7 @@ def make_cluster(config: LaunchConfig) -> ipp.Cluster:
         delay=0,
         log_level=30,
     )
+    cluster.log = cluster_logger(cluster)
     env = dict(config.env)
     if local:
         # ipyparallel engines do not set it (torchrun does): without it torch takes every
@@ -95,6 +97,25 @@ def make_cluster(config: LaunchConfig) -> ipp.Cluster:
         for key, value in values.items():
             setattr(cluster.config[section], key, value)
     return cluster
+
+
+def cluster_log_path(cluster: ipp.Cluster) -> str:
+    return os.path.join(cluster.profile_dir, "log", f"{cluster.cluster_id}.log")
+
+
+def cluster_logger(cluster: ipp.Cluster) -> logging.Logger:
+    """ipyparallel's own log for this cluster, in a file (``cluster_log_path``): its
+    default handler prints, at WARNING, every line a stopped engine set wrote (tracebacks
+    of all ranks, torch's warnings) into the notebook, where dtlab says what happened."""
+    os.makedirs(os.path.dirname(cluster_log_path(cluster)), exist_ok=True)
+    logger = logging.getLogger(f"dtlab.ipyparallel.{cluster.cluster_id}")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    if not logger.handlers:
+        handler = logging.FileHandler(cluster_log_path(cluster), delay=True)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+    return logger
 
 
 class EngineCluster:
@@ -290,6 +311,9 @@ class EngineCluster:
             os.unlink(exit_log_path(self.cluster))
         except OSError:
             pass
+        logger = self.cluster.log
+        for handler in getattr(logger, "handlers", ()):  # the log file stays; its fd goes
+            handler.close()
 
     def _ask_engines_to_exit(self) -> None:
         """Engines that exit by themselves end mpiexec (or the Slurm job) at once; the
