@@ -74,8 +74,9 @@ def _or_minus_one(value) -> int:
     return -1 if value is None else value
 
 
-def row_of(rank: int, rec: StepRecord) -> tuple:
-    """One record as a ROW tuple (the order of ROW's fields)."""
+def row_of(rank: int, rec: StepRecord, indices_at: int = 0) -> tuple:
+    """One record as a ROW tuple (the order of ROW's fields); its sample indices start at
+    ``indices_at`` in the columns' index array."""
     t, m = rec.times, rec.memory
     return (
         rank,
@@ -107,7 +108,7 @@ def row_of(rank: int, rec: StepRecord) -> tuple:
         _or_minus_one(rec.synced_micro_batches),
         rec.epoch,
         len(rec.indices),
-        0,  # indices_at: set by StepColumns
+        indices_at,
         len(rec.epoch_starts),
         len(rec.missing_grads),
         -1 if rec.unreached is None else len(rec.unreached),
@@ -172,6 +173,10 @@ class StepColumns:
         self._settled = 0  # rows[:settled] are in order; the rest arrived since
         self._indices = np.zeros(8 * capacity, dtype=np.int64)  # every row's, one after another
         self._indices_size = 0
+        # appended since the last read, as Python tuples and ints: made into array rows in
+        # one np.fromiter call when read
+        self._waiting: list[tuple] = []
+        self._waiting_indices: list[int] = []
         self._aligned: tuple[tuple, tuple] | None = None  # ((size, ranks) it was built for, it)
         self._ranks: tuple[int, np.ndarray] | None = None  # (size, the ranks with rows)
 
@@ -186,21 +191,34 @@ class StepColumns:
         return len(self.rows())
 
     def append(self, rank: int, rec: StepRecord) -> None:
-        if self._size == len(self._rows):
-            self._rows = _grown(self._rows, self._size, 2 * len(self._rows))
-        self._rows[self._size] = row_of(rank, rec)
+        at = self._indices_size + len(self._waiting_indices)
+        self._waiting.append(row_of(rank, rec, at))
         if rec.indices:
-            n, at = len(rec.indices), self._indices_size
+            self._waiting_indices.extend(rec.indices)
+
+    def _take_waiting(self) -> None:
+        """The rows appended since the last read, into the arrays."""
+        if self._waiting:
+            new = np.fromiter(self._waiting, dtype=ROW, count=len(self._waiting))
+            self._waiting = []
+            size = self._size + len(new)
+            if size > len(self._rows):
+                self._rows = _grown(self._rows, self._size, max(size, 2 * len(self._rows)))
+            self._rows[self._size : size] = new
+            self._size = size
+        if self._waiting_indices:
+            new_indices = np.fromiter(self._waiting_indices, np.int64, len(self._waiting_indices))
+            self._waiting_indices = []
+            at, n = self._indices_size, len(new_indices)
             if at + n > len(self._indices):
-                self._indices = _grown(self._indices, at, 2 * (at + n))
-            self._indices[at : at + n] = rec.indices
-            self._rows["indices_at"][self._size] = at
+                self._indices = _grown(self._indices, at, max(at + n, 2 * len(self._indices)))
+            self._indices[at : at + n] = new_indices
             self._indices_size = at + n
-        self._size += 1
 
     def indices(self) -> np.ndarray:
         """Every row's sample indices, one after another (``row["indices_at"]``, and
         ``row["num_indices"]`` of them)."""
+        self._take_waiting()
         return self._indices[: self._indices_size]
 
     def extend(self, rank: int, recs: Iterable[StepRecord]) -> None:
@@ -210,6 +228,7 @@ class StepColumns:
     def rows(self) -> np.ndarray:
         """Every row, by step then rank; a (rank, step) that arrived twice keeps its first
         row, as Trace does (a view: valid until the next append)."""
+        self._take_waiting()
         if self._settled < self._size:
             self._settle()
         return self._rows[: self._size]
