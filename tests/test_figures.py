@@ -322,3 +322,15 @@ def test_many_ranks_are_a_band_a_median_and_the_ranks_that_stand_out():
     # every rank alike: no rank is singled out
     calm = memory_figure(many_ranks())
     assert len(calm.data) == 3 and "none standing out" in calm.layout.title.text
+
+
+def test_the_dashboard_of_many_ranks_is_bands_and_the_ranks_that_stand_out():
+    nan = {s: {"loss": float("nan")} for s in range(20, 31)}
+    fig = dashboard_figure(many_ranks(r40=nan))
+    names = [t.name for t in fig.data]
+    assert len(fig.data) <= 3 * (3 + 4) and names.count("rank 40 (stands out)") == 1
+    titles = [note.text for note in fig.layout.annotations]
+    assert (
+        titles[0] == "Loss: 1 rank standing out" and titles[2] == "Memory (RSS): none standing out"
+    )
+    assert sum(t.showlegend is not False for t in fig.data if "median" in t.name) == 1

@@ -107,15 +107,25 @@ def _run_label(trace: Trace, default: str) -> str:
     return trace.folder.name if trace.folder is not None else default
 
 
-def _grouped(fig: go.Figure, trace: Trace, column: str, scale: float, max_points: int) -> str:
+def _grouped(
+    fig: go.Figure,
+    trace: Trace,
+    column: str,
+    scale: float,
+    max_points: int,
+    row: int | None = None,
+) -> str:
     """Past GROUP_ABOVE ranks: ``column`` (of records.columns.ROW, divided by ``scale``) as
     the min-max band of every rank, its median, and the ranks that stand out
-    (analysis/rank_groups.py). Returns what the title should say about it."""
+    (analysis/rank_groups.py), in subplot ``row`` if given (then the band and median
+    are in the legend once, from row 1). Returns what the title should say about it."""
     steps, ranks, table = trace.columns.aligned(trace.ranks)
     bands = rank_bands(steps, ranks, table[column] / scale)
     keep = downsample(list(range(len(steps))), list(range(len(steps))), max_points)[0]
     x = steps[keep].tolist()
     grey = "rgba(120, 120, 120, 0.25)"
+    where = {} if row is None else {"row": row, "col": 1}
+    legend = row is None or row == 1
     fig.add_trace(
         go.Scatter(
             x=x,
@@ -124,7 +134,8 @@ def _grouped(fig: go.Figure, trace: Trace, column: str, scale: float, max_points
             line={"width": 0, "color": grey},
             name="highest rank",
             showlegend=False,
-        )
+        ),
+        **where,
     )
     fig.add_trace(
         go.Scatter(
@@ -135,7 +146,10 @@ def _grouped(fig: go.Figure, trace: Trace, column: str, scale: float, max_points
             fill="tonexty",
             fillcolor=grey,
             name=f"lowest to highest of {bands.num_ranks} ranks",
-        )
+            legendgroup="band",
+            showlegend=legend,
+        ),
+        **where,
     )
     fig.add_trace(
         go.Scatter(
@@ -144,10 +158,14 @@ def _grouped(fig: go.Figure, trace: Trace, column: str, scale: float, max_points
             mode="lines",
             line={"color": "rgb(60, 60, 60)"},
             name=f"median of {bands.num_ranks} ranks",
-        )
+            legendgroup="median",
+            showlegend=legend,
+        ),
+        **where,
     )
     for rank, series in bands.outliers.items():
-        fig.add_trace(_line(x, series[keep].tolist(), rank, suffix=" (stands out)"))
+        line = _line(x, series[keep].tolist(), rank, suffix=" (stands out)")
+        fig.add_trace(line.update(legendgroup=f"rank {rank}"), **where)
     standing = len(bands.outliers)
     return f"{bands.num_ranks} ranks as a band and their median" + (
         f", {standing} rank{'s' if standing != 1 else ''} standing out"
@@ -358,6 +376,8 @@ def dashboard_figure(trace: Trace, *, max_points: int = 2000) -> go.Figure:
     A rank's three traces share a legend group, so one click hides it in every panel.
     """
     ranks = _ranks(trace)
+    if len(ranks) > GROUP_ABOVE:
+        return _grouped_dashboard(trace, max_points)
     every = dashboard_series(trace, max_points)
     fig = make_subplots(
         rows=len(DASHBOARD_PANELS),
@@ -373,12 +393,34 @@ def dashboard_figure(trace: Trace, *, max_points: int = 2000) -> go.Figure:
             fig.add_trace(
                 _line(x, y, rank, legendgroup=f"rank {rank}", showlegend=row == 1), row=row, col=1
             )
+    return _dashboard_layout(fig, "Training per rank")
+
+
+def _grouped_dashboard(trace: Trace, max_points: int) -> go.Figure:
+    """The dashboard past GROUP_ABOVE ranks: each panel a band, a median and the ranks
+    that stand out (which may change from one refresh to the next: redrawn whole)."""
+    columns = {"loss": ("loss", 1.0), "grad_norm": ("grad_norm", 1.0), "memory": ("rss", MIB)}
+    fig = make_subplots(
+        rows=len(DASHBOARD_PANELS),
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.07,
+        subplot_titles=_PANEL_TITLES,
+    )
+    for row, panel in enumerate(DASHBOARD_PANELS, 1):
+        said = _grouped(fig, trace, *columns[panel], max_points, row=row)
+        note = fig.layout.annotations[row - 1]
+        note.text = f"{note.text}: {said.rpartition(', ')[2]}"  # "none standing out"
+    return _dashboard_layout(fig, f"Training: {len(_ranks(trace))} ranks as a band and a median")
+
+
+def _dashboard_layout(fig: go.Figure, title: str) -> go.Figure:
     for row, unit in enumerate(_PANEL_UNITS, 1):
         fig.update_yaxes(title_text=unit, row=row, col=1)
     fig.update_xaxes(title_text="step", row=len(DASHBOARD_PANELS), col=1)
     # with the controls above it, the dashboard fits a 900 px high window
     fig.update_layout(
-        title="Training per rank",
+        title=title,
         template=TEMPLATE,
         height=DASHBOARD_HEIGHT,
         margin={"t": 60, "b": 40},

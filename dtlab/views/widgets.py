@@ -133,13 +133,18 @@ class Dashboard(Panel):
 
     def refresh(self, force: bool = True) -> None:
         """Redraw the figure from the trace (one batched update)."""
-        from dtlab.views.figures import dashboard_series, dashboard_titles
+        from dtlab.analysis.rank_groups import GROUP_ABOVE
+        from dtlab.views.figures import dashboard_figure, dashboard_series, dashboard_titles
 
         now = time.monotonic()
         trace = self.session.trace
         if trace is None or (not force and now - self._last_refresh < self.refresh_s):
             return
         self._last_refresh = now
+        if len(trace.ranks) > GROUP_ABOVE:  # bands, and outliers that may change: anew
+            self.figure = dashboard_figure(trace, max_points=self.max_points)
+            self._draw()
+            return
         series = dashboard_series(trace, self.max_points)
         if len(series) != len(self.figure.data):
             self.status.value = "the number of ranks changed: run dt.dashboard() again"
