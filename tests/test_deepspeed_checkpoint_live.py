@@ -11,6 +11,7 @@ import os
 
 import pytest
 
+from dtlab.views.reports import restart_summary
 from tests.test_deepspeed_live import config_file, ds_args
 from tests.test_script_live import SCRIPTS, losses_in, torchrun
 
@@ -74,6 +75,11 @@ def test_a_dead_rank_restarts_from_the_scripts_own_deepspeed_checkpoint(live4, t
     # can take the last ones with it), at most the 4 steps every rank made
     assert 1 <= event["step"] <= 4, event
     assert "rank 2 died" in event["reason"]
+    # it resumed at (or past) that step: no step of the run again to compare, and so said,
+    # never "bit for bit"
+    said = restart_summary(4, event)
+    assert not event["compared"] and "not compared with the first run" in said, said
+    assert said.endswith("the job is at step 4")
     dt.continue_script()
     # the micro-batches the script made after its restart (its file holds those) are the
     # ones the run that never died made from there, bit for bit

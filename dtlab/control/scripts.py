@@ -180,13 +180,21 @@ class Scripts:
         target = session.recovery.current_step()
         before = session.trace.at(target) if target else {}
         resumed_at = self._run_to(target, fresh=True, progress=progress)
-        after = session.trace.at(target) if target else {}
+        # only a step the run again made itself compares: one that resumed at or past the
+        # target (its checkpoint is newer than what the notebook had heard) has none
+        reached = resumed_at < target
+        after = session.trace.at(target) if reached else {}
         differ = sorted(
             r
             for r, rec in before.items()
             if rec.param_fingerprint
             and after.get(r) is not None
             and after[r].param_fingerprint != rec.param_fingerprint
+        )
+        compared = (
+            bool(before)
+            and all(r.param_fingerprint for r in before.values())
+            and all(after.get(r) is not None for r in before)
         )
         event = {
             "time": time.time(),
@@ -196,7 +204,7 @@ class Scripts:
             "step": target,
             "rerun": True,
             "resumed_at": resumed_at,
-            "compared": bool(before) and all(r.param_fingerprint for r in before.values()),
+            "compared": compared,
             "differ": differ,
             "why": _why_differ(before, after, target) if differ else "",
         }

@@ -262,6 +262,14 @@ def restart_summary(world_size: int, event: dict) -> str:
 def _rerun_summary(world_size: int, event: dict) -> str:
     """A script job's restart: run again to its step, and whether its weights got there."""
     resumed = event.get("resumed_at") or 0
+    if resumed and resumed >= event["step"]:  # its checkpoint is past what dtlab had heard
+        return (
+            f"restarted {world_size} ranks in {event['seconds']:.1f} s; the script ran again "
+            f"and resumed itself from its checkpoint at step {resumed} (DeepSpeed's "
+            f"load_checkpoint), past step {event['step']}, the last step every rank had "
+            "reported before the failure: not compared with the first run (the run again made "
+            f"no step both runs recorded); the job is at step {resumed}"
+        )
     line = f"restarted {world_size} ranks in {event['seconds']:.1f} s; the script ran again" + (
         f", resumed itself from its checkpoint at step {resumed} (DeepSpeed's load_checkpoint) "
         f"and went on to step {event['step']}"
