@@ -126,43 +126,23 @@ def _grouped(
     grey = "rgba(120, 120, 120, 0.25)"
     where = {} if row is None else {"row": row, "col": 1}
     legend = row is None or row == 1
-    fig.add_trace(
-        go.Scatter(
-            x=x,
-            y=bands.high[keep].tolist(),
-            mode="lines",
-            line={"width": 0, "color": grey},
-            name="highest rank",
-            showlegend=False,
+    edge = {"width": 0, "color": grey}
+    n = bands.num_ranks
+    parts = (  # the high edge, then the low one filled up to it, then the median
+        (bands.high, {"line": edge, "name": "highest rank", "showlegend": False}),
+        (
+            bands.low,
+            {"line": edge, "fill": "tonexty", "fillcolor": grey, "legendgroup": "band"}
+            | {"name": f"lowest to highest of {n} ranks", "showlegend": legend},
         ),
-        **where,
-    )
-    fig.add_trace(
-        go.Scatter(
-            x=x,
-            y=bands.low[keep].tolist(),
-            mode="lines",
-            line={"width": 0, "color": grey},
-            fill="tonexty",
-            fillcolor=grey,
-            name=f"lowest to highest of {bands.num_ranks} ranks",
-            legendgroup="band",
-            showlegend=legend,
+        (
+            bands.median,
+            {"line": {"color": "rgb(60, 60, 60)"}, "legendgroup": "median"}
+            | {"name": f"median of {n} ranks", "showlegend": legend},
         ),
-        **where,
     )
-    fig.add_trace(
-        go.Scatter(
-            x=x,
-            y=bands.median[keep].tolist(),
-            mode="lines",
-            line={"color": "rgb(60, 60, 60)"},
-            name=f"median of {bands.num_ranks} ranks",
-            legendgroup="median",
-            showlegend=legend,
-        ),
-        **where,
-    )
+    for values, style in parts:
+        fig.add_trace(go.Scatter(x=x, y=values[keep].tolist(), mode="lines", **style), **where)
     for rank, series in bands.outliers.items():
         line = _line(x, series[keep].tolist(), rank, suffix=" (stands out)")
         fig.add_trace(line.update(legendgroup=f"rank {rank}"), **where)
