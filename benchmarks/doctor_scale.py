@@ -140,6 +140,8 @@ def measure(ranks: int, steps: int) -> dict:
     for step in range(steps):  # in the order they arrive: a step of every rank at a time
         for rank, recs in records.items():
             trace.add(rank, recs[step : step + 1])
+        if (step + 1) % 10 == 0:
+            trace.flush()  # the end of a run of 10 steps, as the stepper does
     stored = time.perf_counter() - t0
     evidence = Evidence(
         records=trace.records, columns=trace.columns, names=tuple(p.name for p in params), jobs=jobs

@@ -172,7 +172,9 @@ class Trace:
 
     def flush(self) -> None:
         """Put the records added since the last flush in the run folder: appended to the
-        journal, or, once there are PART_ROWS of them, written as a Parquet part."""
+        journal, or, once there are PART_ROWS of them, written as a Parquet part. The
+        columns take in the new rows now (the end of a run), not at the doctor's first read."""
+        self.columns.rows()
         if self._files is None or not self._pending:
             return
         journal = self._files.folder / JOURNAL
