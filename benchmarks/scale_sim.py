@@ -5,15 +5,16 @@
 
 Fake ranks are zmq DEALER sockets in a few helper processes (asyncio, no torch): each says
 hello, then answers every RunRequest the notebook's stepping Channel sends with a ``done``
-RankReply carrying its step records as JSON lines, exactly what a real rank's
-agent/stepping.py sends. The records are doctor_scale.py's simulated data-parallel job (300
+RankReply carrying its step records as packed rows (records/packed.py), exactly what a real
+rank's agent/stepping.py sends. The records are doctor_scale.py's simulated data-parallel job (300
 parameters; one rank's weights part from the others at 40 % of the run, one rank leaks
 4 MiB a step, one is a 1.5x straggler), so the notebook's Trace fills with what a real
 512-rank job would send, and the doctor must find the planted problems at the end.
 
-The notebook side is dtlab's own: Channel.send of a RunRequest to every rank, Channel.receive
-until every rank's done reply arrived, RankReply decoding, and Trace.add_lines (JSON
-decode, the StepRecord, the columns). Reported per step: wall time of one step of every
+The notebook side is dtlab's own: Channel.send of a RunRequest to every rank,
+Channel.receive_with_rows until every rank's done reply arrived, RankReply decoding, and
+Trace.add_packed (the rows checked, kept, appended to the columns; no StepRecord is made
+until something reads one). Reported per step: wall time of one step of every
 rank (broadcast, gather, decode, store), the notebook's CPU time, its CPU per rank-record,
 the target (issue 20: <= 1 ms + 5 us x N for dt.step(1) at N simulated ranks), and the
 doctor's time and verdict over the whole trace. The fake ranks do no work, so the time is
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -40,9 +40,10 @@ from doctor_scale import job, named, simulate  # noqa: E402
 from dtlab.analysis.doctor import all_findings, run_checks  # noqa: E402
 from dtlab.analysis.registry import registered  # noqa: E402
 from dtlab.control.channel import Channel  # noqa: E402
-from dtlab.records import Evidence, step_record_to_dict  # noqa: E402
+from dtlab.records import Evidence  # noqa: E402
+from dtlab.records.packed import pack  # noqa: E402
 from dtlab.records.trace import Trace  # noqa: E402
-from dtlab.records.wire import RankReply, RunRequest, decode_request, encode  # noqa: E402
+from dtlab.records.wire import RankReply, RunRequest, decode_request, frames  # noqa: E402
 
 HELPERS = 2  # processes holding the fake ranks (one per core)
 
@@ -52,9 +53,9 @@ def fake_ranks(address: str, key: str, ranks: list[int], total: int, steps: int,
     import zmq
     import zmq.asyncio
 
-    records, *_ = simulate(total, steps)
-    lines = {r: [json.dumps(step_record_to_dict(r, rec)) for rec in records[r]] for r in ranks}
-    del records
+    all_records, *_ = simulate(total, steps)
+    records = {r: all_records[r] for r in ranks}
+    del all_records
     context = zmq.asyncio.Context()
 
     async def rank_loop(rank: int) -> None:
@@ -62,7 +63,7 @@ def fake_ranks(address: str, key: str, ranks: list[int], total: int, steps: int,
         socket.setsockopt(zmq.IDENTITY, str(rank).encode())
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(address)
-        await socket.send(encode(RankReply("hello", None, rank), key))
+        await socket.send_multipart(frames(RankReply("hello", None, rank), key))
         made = 0
         while True:
             request = decode_request(await socket.recv(), key)
@@ -70,12 +71,11 @@ def fake_ranks(address: str, key: str, ranks: list[int], total: int, steps: int,
                 continue
             if request.steps < 0:  # the benchmark's end
                 break
-            new = lines[rank][made : made + request.steps]
+            new = records[rank][made : made + request.steps]
             made += len(new)
-            reply = RankReply(
-                "done", request.id, rank, step=made, records=tuple(new), stopped="steps"
-            )
-            await socket.send(encode(reply, key))
+            rows = pack(rank, new).to_bytes()
+            reply = RankReply("done", request.id, rank, step=made, rows=rows, stopped="steps")
+            await socket.send_multipart(frames(reply, key))
         socket.close()
 
     async def main() -> None:
@@ -114,11 +114,11 @@ def measure(ranks: int, steps: int) -> dict:
             done = 0
             took = 0.0
             while done < ranks:
-                for data in channel.receive(10.0):
-                    reply = RankReply.from_dict(data)
+                for data, rows in channel.receive_with_rows(10.0):
+                    reply = RankReply.from_dict(data, rows)
                     if reply.kind == "done" and reply.id == step:
                         i0 = time.process_time()
-                        trace.add_lines(reply.rank, reply.records)
+                        trace.add_packed(reply.rank, reply.rows)
                         took += time.process_time() - i0
                         done += 1
             walls.append(time.perf_counter() - t0)

@@ -11,6 +11,7 @@ from dtlab.agent.stepping import _RunState, condition_holds
 from dtlab.analysis.conditions import describe_condition, parse_condition
 from dtlab.records import Condition, step_record_from_dict, step_record_to_dict
 from dtlab.records import trace as trace_module
+from dtlab.records.packed import pack
 from dtlab.records.step_files import MERGE_AT, StepFiles
 from dtlab.records.trace import FORMAT, JOURNAL, Trace, new_run_folder
 from tests.fakes import healthy_trace, job_info, step_record
@@ -81,9 +82,9 @@ def test_trace_folder_round_trip_and_dataframe(tmp_path):
     assert folder.parent == tmp_path and new_run_folder(tmp_path) != folder
     trace = Trace({r: job_info(r) for r in range(2)}, folder=folder, meta={"backend": "gloo"})
     trace.add(0, [step_record(1, 0), step_record(2, 0)])
-    trace.add_lines(1, [json.dumps(step_record_to_dict(1, step_record(1, 1)))])
+    trace.add_packed(1, pack(1, [step_record(1, 1)]).to_bytes())
     with pytest.raises(ValueError, match="record of rank 0 arrived from rank 1"):
-        trace.add_lines(1, [json.dumps(step_record_to_dict(0, step_record(3, 0)))])
+        trace.add_packed(1, pack(0, [step_record(3, 0)]).to_bytes())
     trace.flush()
     loaded = Trace.load(folder)
     assert loaded.records == trace.records and loaded.jobs == trace.jobs
@@ -171,7 +172,7 @@ def test_runs_between_parts_are_in_the_journal_until_the_trace_closes(tmp_path):
     folder = tmp_path / "run"
     trace = Trace({r: job_info(r) for r in range(2)}, folder=folder)
     trace.add(0, [step_record(1, 0)])
-    trace.add_lines(1, [json.dumps(step_record_to_dict(1, step_record(1, 1)))])
+    trace.add_packed(1, pack(1, [step_record(1, 1)]).to_bytes())
     trace.flush()  # the end of a run: two records, far from a part's worth
     journal = folder / "steps" / JOURNAL
     assert journal.is_file() and not StepFiles(folder).parts()
@@ -179,9 +180,51 @@ def test_runs_between_parts_are_in_the_journal_until_the_trace_closes(tmp_path):
     trace.add(0, [step_record(2, 0)])
     trace.add(1, [step_record(2, 1)])
     trace.flush()
-    assert len(journal.read_text().splitlines()) == 4
+    assert journal_entries(journal) == 4  # a batch a rank a run
     trace.close()
     assert not journal.exists() and len(StepFiles(folder).parts()) == 1
+    assert Trace.load(folder).records == trace.records
+
+
+def journal_entries(journal) -> int:
+    data, at, count = journal.read_bytes(), 0, 0
+    while at < len(data):
+        at += 4 + int.from_bytes(data[at : at + 4], "little")
+        count += 1
+    assert at == len(data)
+    return count
+
+
+def test_a_journal_cut_off_mid_write_loses_its_last_entry_and_a_corrupt_one_is_named(tmp_path):
+    folder = tmp_path / "run"
+    trace = Trace({r: job_info(r) for r in range(2)}, folder=folder)
+    for rank in range(2):
+        trace.add(rank, [step_record(1, rank), step_record(2, rank)])
+    trace.flush()
+    journal = folder / "steps" / JOURNAL
+    whole = journal.read_bytes()
+    journal.write_bytes(whole + whole[:30])  # a third entry, cut off
+    assert Trace.load(folder).records == trace.records
+    journal.write_bytes(whole[:4] + b"XXXX" + whole[8:])  # the first entry's magic
+    with pytest.raises(ValueError, match=r"journal.bin: byte 0: not a batch .*not a step-record"):
+        Trace.load(folder)
+
+
+def test_a_format_2_folder_with_its_json_journal_loads(tmp_path):
+    trace = healthy_trace(num_ranks=2, num_steps=6)
+    folder = tmp_path / "run"
+    early = Trace(trace.jobs, folder=folder)
+    for rank, recs in trace.records.items():
+        early.add(rank, recs[:4])
+    early.close()  # a part of steps 1-4, as format 2 wrote them too
+    lines = [
+        json.dumps(step_record_to_dict(rank, rec))
+        for rank, recs in trace.records.items()
+        for rec in recs[4:]
+    ]
+    (folder / "steps" / "journal.jsonl").write_text("\n".join(lines) + "\n")
+    header = json.loads((folder / "trace.json").read_text())
+    (folder / "trace.json").write_text(json.dumps({**header, "format": "dtlab-trace/2"}))
     assert Trace.load(folder).records == trace.records
 
 

@@ -111,8 +111,10 @@ def test_the_run_summary_says_one_loss_when_ranks_agree_and_the_last_stage_for_a
     result = RunResult(first_step=0, last_step=10, stopped="steps", seconds=1.0)
     agreed = run_summary(result, healthy_trace())
     assert agreed.endswith("; loss 0.2 on every rank") and "(rank 0) .." not in agreed
-    differ = healthy_trace(num_ranks=2)
-    differ.records[1][-1] = changed(differ.records[1][-1], loss=0.5)
+    differ = Trace({r: job_info(r) for r in (0, 1)})
+    for rank in (0, 1):
+        recs = [step_record(s, rank) for s in range(1, 11)]
+        differ.add(rank, recs[:-1] + [changed(recs[-1], loss=0.5 if rank else recs[-1].loss)])
     assert run_summary(result, differ).endswith("; loss 0.2 (rank 0) .. 0.5 (rank 1)")
     stages = Trace(
         {r: job_info(r, params=(ParamInfo(f"blocks.{r}.w", (2,), "float32", 2),)) for r in (0, 1)}

@@ -5,6 +5,7 @@ instead of acted on."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -16,6 +17,8 @@ from dtlab.records.wire import (
     decode_reply,
     decode_request,
     encode,
+    frames,
+    reply_from,
 )
 
 KEY = "k" * 32
@@ -48,7 +51,7 @@ def test_a_request_reads_back_as_sent(message):
     "reply",
     [
         RankReply("hello", None, 2),
-        RankReply("progress", 7, 1, step=12, attach=1, records=('{"rank": 1}',), output="hi\n"),
+        RankReply("progress", 7, 1, step=12, attach=1, rows=b"DTR1...", output="hi\n"),
         RankReply("done", 7, 0, step=15, attach=1, stopped="until", hit=True),
         RankReply(
             "error",
@@ -60,7 +63,10 @@ def test_a_request_reads_back_as_sent(message):
     ],
 )
 def test_a_reply_reads_back_as_sent(reply):
-    assert decode_reply(encode(reply, KEY), KEY) == reply
+    first, *rows = frames(reply, KEY)
+    assert rows == ([reply.rows] if reply.rows else [])  # the records: a frame of their own
+    assert b"DTR1" not in first
+    assert decode_reply(first, KEY, *rows) == reply
 
 
 def test_frames_that_are_not_ours_are_dropped():
@@ -80,3 +86,35 @@ def test_a_request_is_plain_json_with_the_key():
     frame = json.loads(encode(RunRequest(id=9, steps=2, until=Condition("step", 4)), KEY))
     assert frame["key"] == KEY and frame["op"] == "run"
     assert frame["until"] == {"kind": "step", "value": 4}
+
+
+def test_the_channel_hands_each_reply_its_rows_and_drops_what_is_not_ours():
+    import zmq
+
+    from dtlab.control.channel import Channel
+    from dtlab.records.packed import pack
+    from tests.fakes import step_record
+
+    channel = Channel()
+    rank = zmq.Context.instance().socket(zmq.DEALER)
+    rank.setsockopt(zmq.IDENTITY, b"1")
+    rank.setsockopt(zmq.LINGER, 0)
+    rank.connect(channel.address)
+    try:
+        rows = pack(1, [step_record(1, 1).summary()]).to_bytes()
+        reply = RankReply("done", 3, 1, step=1, rows=rows, stopped="steps")
+        rank.send_multipart(frames(RankReply("hello", None, 1), channel.key))
+        rank.send_multipart([b"a", b"b", b"c"])  # too many frames
+        rank.send_multipart(frames(reply, "not the key"))
+        rank.send_multipart(frames(reply, channel.key))
+        got = []
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            got = channel.receive_with_rows(0.5)
+        assert channel.connected == {1}
+        ((data, received),) = got
+        assert received == rows and decode_reply(json.dumps(data).encode(), KEY) is None
+        assert reply_from(data, received) == reply
+    finally:
+        rank.close()
+        channel.close()

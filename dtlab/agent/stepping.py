@@ -18,7 +18,6 @@ after the same step, and "diverged" means the fingerprints were not all equal.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import signal
 import time
@@ -31,8 +30,9 @@ import torch
 from dtlab.agent import job as jobs
 from dtlab.agent.groups import control_group
 from dtlab.agent.state import RANK
-from dtlab.records import Condition, RemoteFailure, StepRecord, step_record_to_dict
-from dtlab.records.wire import PauseRequest, RankReply, RunRequest, decode_request, encode
+from dtlab.records import Condition, RemoteFailure, StepRecord
+from dtlab.records.packed import pack
+from dtlab.records.wire import PauseRequest, RankReply, RunRequest, decode_request, frames
 
 AGREE_AFTER_ERROR_S = 5.0  # a failed rank waits this long for peers at the step boundary
 AGREE_S = 1.0  # in a plain run, ranks agree (pause?) about this often: one agreement costs
@@ -222,7 +222,7 @@ class StepServer:
 
         reply = RankReply(kind, msg_id, self.rank, **fields)
         try:  # never block the engine on a notebook that went away
-            self.socket.send(encode(reply, self.key), zmq.NOBLOCK)
+            self.socket.send_multipart(frames(reply, self.key), zmq.NOBLOCK)
         except zmq.Again:
             pass
 
@@ -320,7 +320,7 @@ class StepServer:
             msg_id,
             step=job.step_count if job is not None else 0,
             attach=jobs.attach_count(),
-            records=self._lines(pending),
+            rows=self._rows(pending),
             error=error,
             output=_output_of(job),
         )
@@ -335,17 +335,17 @@ class StepServer:
         except BaseException:
             pass  # peers are elsewhere (e.g. in DDP's all-reduce); the notebook regroups
 
-    def _lines(self, records: list[StepRecord]) -> tuple[str, ...]:
-        return tuple(json.dumps(step_record_to_dict(self.rank, r.summary())) for r in records)
+    def _rows(self, records: list[StepRecord]) -> bytes:
+        return pack(self.rank, [r.summary() for r in records]).to_bytes() if records else b""
 
     def _report(self, kind: str, state: _RunState, job, **fields) -> None:
-        lines, state.pending = self._lines(state.pending), []
+        rows, state.pending = self._rows(state.pending), []
         self._send(
             kind,
             state.msg_id,
             step=job.step_count,
             attach=jobs.attach_count(),
-            records=lines,
+            rows=rows,
             output=_output_of(job),
             **fields,
         )

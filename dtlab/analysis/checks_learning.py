@@ -18,7 +18,7 @@ import numpy as np
 from dtlab.analysis.evidence import shape_of
 from dtlab.analysis.registry import check
 from dtlab.records import CheckResult, Evidence, Finding
-from dtlab.records.columns import ROW
+from dtlab.records.row import ROW
 
 Rows = Mapping[int, np.ndarray]  # {rank: its rows (records.columns.ROW) in step order}
 MIN_STEPS = 5

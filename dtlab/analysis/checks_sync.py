@@ -70,10 +70,10 @@ def _divergence_without_details(evidence: Evidence, found: list[Finding]) -> lis
         if step is None:
             continue
         groups: dict[int, list[int]] = {}
-        for rank, recs in sorted(evidence.records.items()):
-            rec = next((r for r in recs if r.step == step), None)
-            if rec is not None:
-                groups.setdefault(getattr(rec, SUMMARY_FIELDS[kind]), []).append(rank)
+        for rank, rows in sorted(evidence.per_rank.items()):  # the rows, not the records
+            at = int(np.searchsorted(rows["step"], step))
+            if at < len(rows) and rows["step"][at] == step:
+                groups.setdefault(int(rows[SUMMARY_FIELDS[kind]][at]), []).append(rank)
         ordered = sorted(groups.values(), key=lambda g: (-len(g), g))
         majority = ordered[0] if 2 * len(ordered[0]) > sum(map(len, ordered)) else None
         if majority is not None:

@@ -21,6 +21,7 @@ from dtlab.analysis.evidence import shape_of
 from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.registry import check
 from dtlab.records import CheckResult, Evidence, Finding, StepRecord
+from dtlab.records.row import NULLABLE
 
 Records = Mapping[int, Sequence[StepRecord]]
 
@@ -28,6 +29,7 @@ MAX_SKIP_RUN = 2  # GradScaler: more skipped steps in a row than this ...
 SCALER_WARMUP_STEPS = 10  # ... unless the run ends while the scaler calibrates
 MIN_SCALE = 1.0  # a scale under 1 shrinks gradients: the overflow is not the scaler's
 LR_REL_TOL = 1e-12
+_SCALE_IS_NONE = 1 << NULLABLE.index("scale")  # the row's nulls bit: no scaler
 
 NONFINITE_REMEDY = (
     "with fp16 use torch.amp.GradScaler (it skips overflowing steps); else lower the LR "
@@ -60,7 +62,7 @@ def check_numerics(evidence: Evidence) -> CheckResult:
     """
     records = evidence.records
     findings = _nonfinite_findings(records, evidence.step_columns.rows())
-    findings += _scaler_findings(records, _scaler_name(evidence))
+    findings += _scaler_findings(evidence.per_rank, _scaler_name(evidence))
     why = (
         "every loss was finite, no step applied inf/nan gradients, and GradScaler (if any) "
         "skipped no more steps than calibration does"
@@ -125,8 +127,9 @@ def _nonfinite_findings(records: Records, rows: np.ndarray) -> list[Finding]:
     return [Finding("numerics", ranks, summary, step, evidence, fix, "error")]
 
 
-def _scaler_trouble(recs: Sequence[StepRecord]) -> dict | None:
-    skipped = [r.step for r in recs if r.skipped]
+def _scaler_trouble(rows: np.ndarray) -> dict | None:
+    """One rank's loss-scaler history from its rows (ROW, in step order)."""
+    skipped = rows["step"][rows["skipped"]].tolist()
     runs: list[list[int]] = []  # [first, last] step of each run of consecutive skips
     for s in skipped:
         if runs and runs[-1][1] == s - 1:
@@ -134,11 +137,11 @@ def _scaler_trouble(recs: Sequence[StepRecord]) -> dict | None:
         else:
             runs.append([s, s])
     long = [a for a, b in runs if b - a + 1 > MAX_SKIP_RUN and b > SCALER_WARMUP_STEPS]
-    scaled = [(r.step, r.scale) for r in recs if r.scale is not None]
-    low = [step for step, scale in scaled if scale < MIN_SCALE]
+    has_scale = (rows["nulls"] & _SCALE_IS_NONE) == 0
+    scaled_steps, scales = rows["step"][has_scale].tolist(), rows["scale"][has_scale].tolist()
+    low = [step for step, scale in zip(scaled_steps, scales, strict=True) if scale < MIN_SCALE]
     if not long and not low:
         return None
-    scales = [scale for _, scale in scaled]
     return {
         "first_step": min(long + low[:1]),
         "num_skipped": len(skipped),
@@ -156,8 +159,8 @@ def _scaler_name(evidence: Evidence) -> str:
     return "GradScaler"
 
 
-def _scaler_findings(records: Records, scaler: str = "GradScaler") -> list[Finding]:
-    trouble = {r: t for r, recs in sorted(records.items()) if (t := _scaler_trouble(recs))}
+def _scaler_findings(per_rank: dict, scaler: str = "GradScaler") -> list[Finding]:
+    trouble = {r: t for r, rows in sorted(per_rank.items()) if (t := _scaler_trouble(rows))}
     if not trouble:
         return []
     ranks = tuple(trouble)

@@ -2,8 +2,9 @@
 
 It carries two protocols: the stepping channel's (rank end :mod:`dtlab.agent.stepping`,
 messages typed in :mod:`dtlab.records.wire`) and the sidecars' (:mod:`dtlab.agent.sidecar`).
-Frames are JSON objects with a random session key: nothing received is unpickled or
-executed, and a frame without the key is dropped; what a reply means is its protocol's.
+Messages are JSON objects with a random session key (a stepping reply may add one frame of
+packed step records, :mod:`dtlab.records.packed`): nothing received is unpickled or
+executed, and a message without the key is dropped; what a reply means is its protocol's.
 """
 
 from __future__ import annotations
@@ -51,15 +52,22 @@ class Channel:
 
         Holds the socket's lock while it waits: another thread's ``send`` (a pause) waits
         at most ``timeout``; zmq sockets must never be used by two threads at once."""
-        frames = []
+        return [reply for reply, _ in self.receive_with_rows(timeout)]
+
+    def receive_with_rows(self, timeout: float) -> list[tuple[dict, bytes]]:
+        """As :meth:`receive`, each reply with the frame of packed step records that came
+        after its JSON (b"" when none did; the stepping channel's replies carry them)."""
+        messages = []
         with self._lock:
             if self.socket.poll(int(timeout * 1000), zmq.POLLIN):
                 while self.socket.poll(0, zmq.POLLIN):
-                    frames.append(self.socket.recv_multipart()[-1])
+                    messages.append(self.socket.recv_multipart())
         replies = []
-        for frame in frames:
+        for parts in messages:
+            if len(parts) not in (2, 3):  # identity, JSON, maybe rows
+                continue
             try:
-                reply = json.loads(frame)
+                reply = json.loads(parts[1])
             except ValueError:
                 continue
             if not isinstance(reply, dict) or reply.get("key") != self.key:
@@ -67,7 +75,7 @@ class Channel:
             if reply.get("kind") == "hello" and isinstance(reply.get("rank"), int):
                 self.connected.add(reply["rank"])
             else:
-                replies.append(reply)
+                replies.append((reply, parts[2] if len(parts) == 3 else b""))
         return replies
 
     def wait_connected(self, ranks: Iterable[int], timeout: float) -> set[int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import statistics
+import warnings
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
@@ -145,7 +146,7 @@ class Stepper:
             if self.active is not None and reply.id == self.active.id:
                 self.active.handle(reply)
                 continue
-            if self.trace is not None and reply.records:
+            if self.trace is not None and reply.rows:
                 self.ingest(reply)
             if reply.kind in ("done", "error"):
                 self.session.activity.end_run(reply.rank, reply.id)
@@ -157,9 +158,12 @@ class Stepper:
             self.on_output(reply.rank, reply.output)
         if reply.attach != self.attach_counts.get(reply.rank):
             self._calls_seen = -1  # attached behind our back: look again before the next run
-        if reply.records:  # only a run's replies carry records: it started the trace
+        if reply.rows:  # only a run's replies carry records: it started the trace
             assert self.trace is not None
-            self.trace.add_lines(reply.rank, reply.records)
+            try:
+                self.trace.add_packed(reply.rank, reply.rows)
+            except ValueError as e:  # kept out of the trace; the run goes on
+                warnings.warn(f"rank {reply.rank}: step records dropped: {e}", stacklevel=2)
 
     # --- what a Run asks of it (runs.RunHost) ------------------------------------------
     @property
@@ -171,7 +175,7 @@ class Stepper:
 
     def receive(self, timeout: float) -> None:
         assert self.channel is not None  # asked by a run, or by read_late_replies: connected
-        replies = (reply_from(data) for data in self.channel.receive(timeout))
+        replies = (reply_from(data, rows) for data, rows in self.channel.receive_with_rows(timeout))
         self.dispatch([reply for reply in replies if reply is not None])
 
     def rank_finished(self, rank: int) -> None:

@@ -5,20 +5,25 @@ pickle cheaply through ipyparallel, read back from JSON, and tests build them by
 without a cluster. This package imports neither torch nor any notebook library, so both
 ends (agent/ on the ranks, control/ and analysis/ in the notebook) share it.
 
-=====================  ==================================================================
-module                 holds
-=====================  ==================================================================
-``records.ranks``      an engine's facts, a rank's plan and self-description, cell output
-``records.steps``      what a rank measures each optimizer step; conditions, run results
-``records.wire``       the stepping channel's messages (notebook <-> rank), typed
-``records.findings``   the doctor's evidence, each check's verdict, its findings
-``records.hangs``      what a rank's sidecar says it is doing (stack, collectives)
-``records.scripts``    where a user's own script stands on every rank
-``records.stages``     a pipeline job's per-stage reports, block costs, schedule events
-``records.plans``      pipeline partition plans (which blocks each stage holds)
-``records.trace``      a job's step records by rank, in memory and in a run folder
-``records.checkpoints`` checkpoint folders on disk: names, manifest, checksums, catalogue
-=====================  ==================================================================
+========================  ==================================================================
+module                    holds
+========================  ==================================================================
+``records.ranks``         an engine's facts, a rank's plan and self-description, cell output
+``records.steps``         what a rank measures each optimizer step; conditions, run results
+``records.wire``          the stepping channel's messages (notebook <-> rank), typed
+``records.findings``      the doctor's evidence, each check's verdict, its findings
+``records.hangs``         what a rank's sidecar says it is doing (stack, collectives)
+``records.scripts``       where a user's own script stands on every rank
+``records.stages``        a pipeline job's per-stage reports, block costs, schedule events
+``records.plans``         pipeline partition plans (which blocks each stage holds)
+``records.row``           one step record as a fixed-layout numpy row (``ROW``)
+``records.packed``        a batch of step records as binary rows: the wire's frames
+``records.rank_records``  a rank's records, made into objects only when read
+``records.columns``       every rank's rows as columns (what the doctor reads)
+``records.step_files``    a run folder's rows as Parquet parts
+``records.trace``         a job's step records by rank, in memory and in a run folder
+``records.checkpoints``   checkpoint folders on disk: names, manifest, checksums, catalogue
+========================  ==================================================================
 
 The dataclasses are re-exported here (``from dtlab.records import StepRecord``);
 ``trace`` and ``checkpoints`` are imported as modules.

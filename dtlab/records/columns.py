@@ -6,115 +6,19 @@ walk. A :class:`StepColumns` holds those numbers as one structured numpy array t
 as records arrive (amortised doubling), so a check reads a column, or a steps x ranks
 matrix of it, in one vectorised pass.
 
-Missing values have fixed stand-ins so that every column has one dtype: ``nan`` for a
-float that is None (``lr``, ``scale``, ``grad_norm``, CUDA bytes), ``-1`` for an int that
-is None (``synced_micro_batches``, ``comm_calls``, ``comm_bytes``). Fingerprints are
-unsigned 64-bit (0: not recorded).
+The rows are :data:`dtlab.records.row.ROW` (what a rank sends, :mod:`dtlab.records.packed`):
+``nan`` or ``-1`` stand in for None, and fingerprints are unsigned 64-bit (0: not recorded).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from dtlab.records.packed import Frame, join
+from dtlab.records.row import NULLABLE, ROW, TIME_FIELDS, row_of
 from dtlab.records.steps import StepRecord
-
-ROW = np.dtype(
-    [
-        ("rank", np.int32),
-        ("step", np.int64),
-        ("time", np.float64),
-        ("loss", np.float64),
-        ("lr", np.float64),
-        ("scale", np.float64),
-        ("skipped", np.bool_),
-        ("data", np.float64),
-        ("forward", np.float64),
-        ("backward", np.float64),
-        ("optimizer", np.float64),
-        ("record", np.float64),
-        ("rss", np.int64),
-        ("param_bytes", np.int64),
-        ("grad_bytes", np.int64),
-        ("optimizer_bytes", np.int64),
-        ("dtlab_bytes", np.int64),
-        ("cuda_allocated", np.float64),
-        ("cuda_reserved", np.float64),
-        ("cuda_peak", np.float64),
-        ("grad_norm", np.float64),
-        ("grad_fingerprint", np.uint64),
-        ("param_fingerprint", np.uint64),
-        ("buffer_fingerprint", np.uint64),
-        ("num_nonfinite", np.int64),
-        ("micro_batches", np.int32),
-        ("synced_micro_batches", np.int32),
-        ("epoch", np.int64),
-        ("num_indices", np.int32),
-        ("indices_at", np.int64),  # where this row's sample indices start in indices()
-        ("epoch_starts", np.int32),  # how many epochs began inside this step
-        ("num_missing", np.int32),  # parameters without a gradient after the step
-        ("num_unreached", np.int32),  # ... that this rank's own backward did not reach
-        ("comm_calls", np.int64),
-        ("comm_bytes", np.int64),
-    ]
-)
-TIME_FIELDS = ("data", "forward", "backward", "optimizer", "record")
-
-
-_MASK64 = (1 << 64) - 1  # fingerprints as unsigned 64-bit, whatever sign they came with
-
-
-def _or_nan(value) -> float:
-    return math.nan if value is None else value
-
-
-def _or_minus_one(value) -> int:
-    return -1 if value is None else value
-
-
-def row_of(rank: int, rec: StepRecord, indices_at: int = 0) -> tuple:
-    """One record as a ROW tuple (the order of ROW's fields); its sample indices start at
-    ``indices_at`` in the columns' index array."""
-    t, m = rec.times, rec.memory
-    return (
-        rank,
-        rec.step,
-        rec.time,
-        rec.loss,
-        _or_nan(rec.lr),
-        _or_nan(rec.scale),
-        rec.skipped,
-        t.data,
-        t.forward,
-        t.backward,
-        t.optimizer,
-        t.record,
-        m.rss,
-        m.param_bytes,
-        m.grad_bytes,
-        m.optimizer_bytes,
-        m.dtlab_bytes,
-        _or_nan(m.cuda_allocated),
-        _or_nan(m.cuda_reserved),
-        _or_nan(m.cuda_peak),
-        _or_nan(rec.grad_norm),
-        rec.grad_fingerprint & _MASK64,
-        rec.param_fingerprint & _MASK64,
-        rec.buffer_fingerprint & _MASK64,
-        rec.num_nonfinite,
-        rec.micro_batches,
-        _or_minus_one(rec.synced_micro_batches),
-        rec.epoch,
-        len(rec.indices),
-        indices_at,
-        len(rec.epoch_starts),
-        len(rec.missing_grads),
-        -1 if rec.unreached is None else len(rec.unreached),
-        _or_minus_one(rec.comm_calls),
-        _or_minus_one(rec.comm_bytes),
-    )
 
 
 def _grown(array: np.ndarray, used: int, size: int) -> np.ndarray:
@@ -177,6 +81,7 @@ class StepColumns:
         # one np.fromiter call when read
         self._waiting: list[tuple] = []
         self._waiting_indices: list[int] = []
+        self._frames: list[Frame] = []  # frames of packed rows appended since the last read
         self._aligned: tuple[tuple, tuple] | None = None  # ((size, ranks) it was built for, it)
         self._ranks: tuple[int, np.ndarray] | None = None  # (size, the ranks with rows)
 
@@ -191,6 +96,8 @@ class StepColumns:
         return len(self.rows())
 
     def append(self, rank: int, rec: StepRecord) -> None:
+        if self._frames:  # rows keep the order they arrived in
+            self._take_waiting()
         at = self._indices_size + len(self._waiting_indices)
         self._waiting.append(row_of(rank, rec, at))
         if rec.indices:
@@ -198,6 +105,10 @@ class StepColumns:
 
     def _take_waiting(self) -> None:
         """The rows appended since the last read, into the arrays."""
+        if self._frames:
+            frames, self._frames = self._frames, []
+            batch = join(frames)
+            self.append_rows(batch.rows, batch.indices)
         if self._waiting:
             new = np.fromiter(self._waiting, dtype=ROW, count=len(self._waiting))
             self._waiting = []
@@ -214,6 +125,29 @@ class StepColumns:
                 self._indices = _grown(self._indices, at, max(at + n, 2 * len(self._indices)))
             self._indices[at : at + n] = new_indices
             self._indices_size = at + n
+
+    def append_frame(self, frame: Frame) -> None:
+        """A rank's checked frame of packed rows, as it came: made into rows with every
+        other frame that arrived since the last read, in one pass."""
+        if self._waiting:  # rows keep the order they arrived in
+            self._take_waiting()
+        self._frames.append(frame)
+
+    def append_rows(self, rows: np.ndarray, indices: np.ndarray) -> None:
+        """Rows of ROW (``rows["indices_at"]`` counting from the start of ``indices``)."""
+        self._take_waiting()
+        at, n = self._indices_size, len(indices)
+        if n:
+            if at + n > len(self._indices):
+                self._indices = _grown(self._indices, at, max(at + n, 2 * len(self._indices)))
+            self._indices[at : at + n] = indices
+            self._indices_size = at + n
+        size = self._size + len(rows)
+        if size > len(self._rows):
+            self._rows = _grown(self._rows, self._size, max(size, 2 * len(self._rows)))
+        self._rows[self._size : size] = rows
+        self._rows["indices_at"][self._size : size] += at
+        self._size = size
 
     def indices(self) -> np.ndarray:
         """Every row's sample indices, one after another (``row["indices_at"]``, and
@@ -304,4 +238,4 @@ class StepColumns:
         return found
 
 
-__all__ = ["ROW", "TIME_FIELDS", "StepColumns", "row_of", "step_seconds"]
+__all__ = ["NULLABLE", "ROW", "TIME_FIELDS", "StepColumns", "row_of", "step_seconds"]

@@ -1,4 +1,4 @@
-"""A run folder's step records as Parquet files (trace format ``dtlab-trace/2``).
+"""A run folder's step records as Parquet files (trace formats ``dtlab-trace/2`` and ``/3``).
 
 ``<run>/steps/`` holds parts named ``L<level>-<first>-<count>.parquet``. Each
 :meth:`StepFiles.write` (a Trace's flush: the end of every run) adds a level-0 part, written
@@ -20,16 +20,19 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 
-from dtlab.records.steps import StepMemory, StepRecord, StepTimes
+import numpy as np
+
+from dtlab.records.packed import EXTRA_FIELDS, Packed, as_tuples
+from dtlab.records.row import NULLABLE, ROW
+from dtlab.records.steps import StepMemory, StepTimes
 
 MERGE_AT = 8  # parts of one level merged into one of the next
 FOLDER = "steps"
 _PART = re.compile(r"^L(\d+)-(\d+)-(\d+)\.parquet$")
-_UINT64 = (1 << 64) - 1
 
 # the record's own numbers, one typed column each (the rest goes to ``extra``)
 _SCALARS = {
@@ -52,8 +55,8 @@ _SCALARS = {
 }
 _TIMES = {f.name: "float64" for f in fields(StepTimes)}
 _MEMORY = {f.name: "int64" for f in fields(StepMemory)}
-_DEFAULTS = {f.name: f.default for f in fields(StepRecord) if f.name not in _SCALARS}
-_EXTRA = tuple(name for name in _DEFAULTS if name not in ("times", "memory", "indices"))
+_BIT = {name: 1 << bit for bit, name in enumerate(NULLABLE)}
+_NULL_AS_MINUS_ONE = {"synced_micro_batches", "comm_calls", "comm_bytes"}
 
 
 def _pa():
@@ -73,55 +76,88 @@ def _schema():
     return pa.schema(columns)
 
 
-def _extra(rec: StepRecord) -> str | None:
-    found = {}
-    for name in _EXTRA:
-        value = getattr(rec, name)
-        if value != _DEFAULTS[name]:
-            found[name] = value
-    return json.dumps(found) if found else None
-
-
-def to_table(rows: Iterable[tuple[int, StepRecord]]):
-    """``(rank, record)`` pairs as one Arrow table (the schema above)."""
+def table_of(batch: Packed):
+    """A batch of rows (any ranks) as one Arrow table (the schema above)."""
     pa, _ = _pa()
-    rows = list(rows)
-    data: dict[str, list] = {"rank": [rank for rank, _ in rows]}
-    for name in _SCALARS:
-        data[name] = [getattr(rec, name) for _, rec in rows]
-    for name in ("grad_fingerprint", "param_fingerprint", "buffer_fingerprint"):
-        bad = next((v for v in data[name] if not 0 <= v <= _UINT64), None)
-        if bad is not None:
-            raise ValueError(f"{name} {bad} is not an unsigned 64-bit fingerprint")
-    for name in _TIMES:
-        data[f"times.{name}"] = [getattr(rec.times, name) for _, rec in rows]
-    for name in _MEMORY:
-        data[f"memory.{name}"] = [getattr(rec.memory, name) for _, rec in rows]
-    data["indices"] = [rec.indices for _, rec in rows]
-    data["extra"] = [_extra(rec) for _, rec in rows]
+    rows, n = batch.rows, len(batch.rows)
+    nulls = rows["nulls"]
+
+    def column(name: str, row_name: str, kind: str):
+        values = rows[row_name]
+        mask = (nulls & _BIT[name]) != 0 if name in _BIT else None
+        if kind == "int64" and values.dtype.kind == "f":  # CUDA bytes: nan where None
+            values = np.where(mask, 0, values).astype(np.int64) if mask is not None else values
+        if kind == "bool":
+            values = values.astype(bool)
+        return pa.array(values, type=pa.type_for_alias(kind), mask=mask)
+
+    data = {"rank": pa.array(rows["rank"], pa.int32())}
+    data.update({name: column(name, name, kind) for name, kind in _SCALARS.items()})
+    data.update({f"times.{n_}": column(n_, n_, kind) for n_, kind in _TIMES.items()})
+    data.update({f"memory.{n_}": column(n_, n_, kind) for n_, kind in _MEMORY.items()})
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(rows["num_indices"], out=offsets[1:])
+    data["indices"] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(batch.indices))
+    extra: list[str | None] = [None] * n
+    for i, found in batch.extras.items():
+        extra[i] = json.dumps(found)
+    data["extra"] = pa.array(extra, pa.string())
     return pa.Table.from_pydict(data, schema=_schema())
 
 
-def from_table(table) -> Iterator[tuple[int, StepRecord]]:
-    """The inverse of :func:`to_table`."""
-    columns = table.to_pydict()
+def packed_of(table) -> Packed:
+    """The inverse of :func:`table_of`."""
+    pa, _ = _pa()
     n = table.num_rows
-    for i in range(n):
-        extra = columns["extra"][i]
-        fields_ = {name: columns[name][i] for name in _SCALARS}
-        fields_["times"] = StepTimes(**{k: columns[f"times.{k}"][i] for k in _TIMES})
-        fields_["memory"] = StepMemory(**{k: columns[f"memory.{k}"][i] for k in _MEMORY})
-        fields_["indices"] = tuple(columns["indices"][i] or ())
-        if extra:
-            for name, value in json.loads(extra).items():
-                if name not in _DEFAULTS:
-                    raise ValueError(f"unknown field {name!r} in a step record")
-                fields_[name] = _as_tuples(value) if isinstance(value, list) else value
-        yield columns["rank"][i], StepRecord(**fields_)
+    rows = np.zeros(n, dtype=ROW)
+    nulls = np.zeros(n, dtype=np.uint16)
 
+    def read(column: str, name: str) -> None:
+        values = table.column(column).combine_chunks()
+        missing = values.is_null().to_numpy(zero_copy_only=False)
+        if missing.any():
+            if name not in _BIT:
+                raise ValueError(f"column {column} has nulls")
+            nulls[missing] |= _BIT[name]
+        if missing.any():
+            values = values.fill_null(False if pa.types.is_boolean(values.type) else 0)
+        filled = values.to_numpy(zero_copy_only=False)
+        if rows.dtype[name].kind == "f":
+            filled = np.where(missing, np.nan, filled)
+        elif name in _NULL_AS_MINUS_ONE:
+            filled = np.where(missing, -1, filled)
+        rows[name] = filled
 
-def _as_tuples(value: list) -> tuple:
-    return tuple(_as_tuples(v) if isinstance(v, list) else v for v in value)
+    rows["rank"] = table.column("rank").to_numpy()
+    for name in _SCALARS:
+        read(name, name)
+    for name in _TIMES:
+        read(f"times.{name}", name)
+    for name in _MEMORY:
+        read(f"memory.{name}", name)
+    lists = table.column("indices").combine_chunks()
+    offsets = lists.offsets.to_numpy()
+    rows["num_indices"] = np.diff(offsets)
+    rows["indices_at"] = offsets[:-1] - offsets[0]
+    indices = lists.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+    extras: dict[int, dict] = {}
+    unreached = np.full(n, -1, dtype=np.int32)
+    for i, text in enumerate(table.column("extra").to_pylist()):
+        if not text:
+            continue
+        found = json.loads(text)
+        if not isinstance(found, dict) or set(found) - set(EXTRA_FIELDS):
+            raise ValueError(f"row {i}: extra {text[:80]!r} is not a step record's")
+        found = {name: as_tuples(v) for name, v in found.items()}
+        extras[i] = found
+        rows["epoch_starts"][i] = len(found.get("epoch_starts", ()))
+        rows["num_missing"][i] = len(found.get("missing_grads", ()))
+        if found.get("unreached") is not None:
+            unreached[i] = len(found["unreached"])
+    rows["num_unreached"] = unreached
+    nulls[unreached < 0] |= _BIT["unreached"]
+    rows["nulls"] = nulls
+    return Packed(rows, indices, extras)
 
 
 class StepFiles:
@@ -139,14 +175,14 @@ class StepFiles:
                     found.append((int(m[1]), int(m[2]), int(m[3]), path))
         return sorted(found, key=lambda p: (p[1], -p[0]))
 
-    def write(self, rows: list[tuple[int, StepRecord]]) -> None:
-        """Add the records as a new part, then merge full levels."""
-        if not rows:
+    def write(self, batch: Packed) -> None:
+        """Add the rows as a new part, then merge full levels."""
+        if not len(batch):
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         parts = self.parts()
         first = max((p[1] + p[2] for p in parts), default=0)
-        self._write(to_table(rows), 0, first, len(rows))
+        self._write(table_of(batch), 0, first, len(batch))
         self._merge()
 
     def _write(self, table, level: int, first: int, count: int) -> Path:
@@ -174,18 +210,17 @@ class StepFiles:
             for part in group:
                 part[3].unlink()
 
-    def read(self) -> Iterator[tuple[int, StepRecord]]:
-        """Every record, in the order written; a part that cannot be read is a ValueError
-        naming it."""
+    def read(self) -> Iterator[Packed]:
+        """Every part's rows, in the order written; a part that cannot be read is a
+        ValueError naming it."""
         _, pq = _pa()
         for _, _, _, path in self.parts():
             try:
                 table = pq.read_table(path, schema=_schema())
-                yield from from_table(table)
+                batch = packed_of(table)
             except (OSError, ValueError, TypeError, KeyError) as e:
-                if isinstance(e, ValueError) and str(e).startswith(str(path)):
-                    raise
                 raise ValueError(f"{path}: not a dtlab step file ({e})") from e
+            yield batch
 
     def num_bytes(self) -> int:
         return sum(p[3].stat().st_size for p in self.parts())

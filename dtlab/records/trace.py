@@ -6,17 +6,16 @@ A run folder (``runs/<timestamp>/`` by default, ``DTLAB_RUNS_DIR`` moves it) hol
   "jobs": {"<rank>": JobInfo}, "meta": {...}}``
 - ``steps/``: the step records (summaries: the per-parameter tuples stay on the ranks) as
   zstd Parquet parts of at least ``PART_ROWS`` records, merged as they pile up
-  (:mod:`dtlab.records.step_files`), and ``steps/journal.jsonl``: the records since the
-  last part, as the ranks sent them (one JSON line each), appended at the end of every
-  run, so a notebook that dies loses no step a run finished; ``pd.read_parquet(folder /
-  "steps")`` reads the parts;
+  (:mod:`dtlab.records.step_files`), and ``steps/journal.bin``: the records since the
+  last part, as the ranks sent them (packed rows, :mod:`dtlab.records.packed`, each batch
+  after its length as a little-endian uint32), appended at the end of every run, so a
+  notebook that dies loses no step a run finished; ``pd.read_parquet(folder / "steps")``
+  reads the parts;
 - ``doctor.json``: the last ``%dt_doctor`` results, a list of CheckResult with Findings.
 
-Format ``dtlab-trace/1`` folders (one JSON line per record in ``steps.jsonl``, ~1 KB per
-rank-step against ~50-100 B as Parquet) still load.
-
-Records are the dataclasses of :mod:`dtlab.records` as plain data
-(:func:`dtlab.records.step_record_to_dict`);
+Older folders still load: ``dtlab-trace/2`` (the same parts, a journal of JSON lines in
+``steps/journal.jsonl``) and ``dtlab-trace/1`` (one JSON line per record in
+``steps.jsonl``, ~1 KB per rank-step against ~50-100 B as Parquet).
 ``Trace.load(folder)`` reads a folder back, so another notebook can plot or compare it.
 """
 
@@ -25,9 +24,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import struct
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+
+import numpy as np
 
 from dtlab.records import (
     DeepSpeedInfo,
@@ -35,15 +37,18 @@ from dtlab.records import (
     ParamInfo,
     StepRecord,
     step_record_from_dict,
-    step_record_to_dict,
 )
 from dtlab.records.columns import StepColumns
+from dtlab.records.packed import Frame, Packed, join, pack, read_frame, unpack
+from dtlab.records.rank_records import RankRecords
 from dtlab.records.step_files import StepFiles
 
-FORMAT = "dtlab-trace/2"
-FORMATS = ("dtlab-trace/1", FORMAT)  # what Trace.load reads
+FORMAT = "dtlab-trace/3"
+FORMATS = ("dtlab-trace/1", "dtlab-trace/2", FORMAT)  # what Trace.load reads
 PART_ROWS = 4096  # records kept in the journal before they become a Parquet part
-JOURNAL = "journal.jsonl"
+JOURNAL = "journal.bin"
+JSON_JOURNAL = "journal.jsonl"  # format 2's
+_LENGTH = struct.Struct("<I")
 RUNS_DIR_ENV = "DTLAB_RUNS_DIR"
 
 
@@ -73,7 +78,8 @@ def new_run_folder(root: str | os.PathLike | None = None) -> Path:
 
 
 class Trace:
-    """Step records keyed by rank: ``trace.records[rank]`` is a list in step order."""
+    """Step records keyed by rank: ``trace.records[rank]`` is a sequence in step order
+    (:class:`RankRecords`: each StepRecord is made when first read)."""
 
     def __init__(
         self,
@@ -86,12 +92,12 @@ class Trace:
         self.jobs = dict(sorted(jobs.items()))
         self.meta = dict(meta or {})
         self.created = time.time() if created is None else created
-        self.records: dict[int, list[StepRecord]] = {rank: [] for rank in self.jobs}
+        self.records: dict[int, RankRecords] = {rank: RankRecords() for rank in self.jobs}
         self.columns = StepColumns()  # the same records' numbers, as columns (the doctor's)
         self.checks: list = []  # the last %dt_doctor results (CheckResult), kept with the run
         self.folder = Path(folder) if folder is not None else None
-        # records not yet in a part: (rank, record, its JSON line as it came, or None)
-        self._pending: list[tuple[int, StepRecord, str | None]] = []
+        self._pending: list[Frame] = []  # records not yet in a part, frame by frame
+        self._pending_rows = 0
         self._journaled = 0  # how many of them the journal holds
         self._files: StepFiles | None = None
         if self.folder is not None:
@@ -101,7 +107,7 @@ class Trace:
     def empty(cls, ranks) -> Trace:
         """A trace with no job and no steps yet (for views made before the first step)."""
         trace = cls({})
-        trace.records = {rank: [] for rank in ranks}
+        trace.records = {rank: RankRecords() for rank in ranks}
         return trace
 
     # --- what it holds ------------------------------------------------------------------
@@ -126,7 +132,7 @@ class Trace:
         """The last step every rank has recorded (0 before the first)."""
         if not self.records:
             return 0
-        return min((recs[-1].step if recs else 0) for recs in self.records.values())
+        return min(recs.last_step for recs in self.records.values())
 
     def at(self, step: int) -> dict[int, StepRecord]:
         """``{rank: record}`` of one step, for the ranks that recorded it."""
@@ -150,25 +156,36 @@ class Trace:
     # --- growing it ---------------------------------------------------------------------
     def add(self, rank: int, records: Iterable[StepRecord]) -> None:
         """Append a rank's new records (older or repeated steps are ignored)."""
-        for rec in records:
-            self._append(rank, rec)
+        mine = self.records.setdefault(rank, RankRecords())
+        added = [rec for rec in records if mine.append(rec)]
+        if added:
+            self.columns.extend(rank, added)
+            if self._files is not None:
+                frame = read_frame(pack(rank, added).to_bytes())
+                self._pending.append(frame)
+                self._pending_rows += frame.rows
 
-    def add_lines(self, rank: int, lines: Iterable[str]) -> None:
-        """Append records that arrive as JSON lines (the stepping channel's)."""
-        for line in lines:
-            line_rank, rec = step_record_from_dict(json.loads(line))
-            if line_rank != rank:
-                raise ValueError(f"a record of rank {line_rank} arrived from rank {rank}")
-            self._append(rank, rec, line)
-
-    def _append(self, rank: int, rec: StepRecord, line: str | None = None) -> None:
-        mine = self.records.setdefault(rank, [])
-        if mine and rec.step <= mine[-1].step:
-            return
-        mine.append(rec)
-        self.columns.append(rank, rec)
+    def add_packed(self, rank: int, data: bytes) -> None:
+        """Append the records of a rank's reply: a frame of packed rows as it came (one that
+        is not one, or holds another rank's records, is a ValueError and adds nothing)."""
+        frame = read_frame(data, rank)
+        mine = self.records.setdefault(rank, RankRecords())
+        if not mine.fresh(frame):  # older or repeated steps among them: those are dropped
+            batch = mine.new_rows(join([frame]))
+            if not len(batch):
+                return
+            frame = read_frame(batch.to_bytes(), rank)
+        mine.add_frame(frame)
+        self.columns.append_frame(frame)
         if self._files is not None:
-            self._pending.append((rank, rec, line))
+            self._pending.append(frame)
+            self._pending_rows += frame.rows
+
+    def _add_mixed(self, batch: Packed) -> None:
+        """A batch of any ranks' rows (a part read back), rank by rank."""
+        ranks = batch.rows["rank"]
+        for rank in np.unique(ranks).tolist():
+            self.add_packed(rank, batch.take(ranks == rank).to_bytes())
 
     def flush(self) -> None:
         """Put the records added since the last flush in the run folder: appended to the
@@ -177,21 +194,20 @@ class Trace:
         self.columns.rows()
         if self._files is None or not self._pending:
             return
-        journal = self._files.folder / JOURNAL
-        if len(self._pending) >= PART_ROWS:
+        if self._pending_rows >= PART_ROWS:
             self._write_part()
             return
         self._files.folder.mkdir(parents=True, exist_ok=True)
-        with open(journal, "a") as out:  # the lines as they came (encoded if added here)
-            for rank, rec, line in self._pending[self._journaled :]:
-                out.write((line or json.dumps(step_record_to_dict(rank, rec))) + "\n")
+        with open(self._files.folder / JOURNAL, "ab") as out:
+            for frame in self._pending[self._journaled :]:  # as they came
+                out.write(_LENGTH.pack(len(frame.data)) + frame.data)
         self._journaled = len(self._pending)
 
     def _write_part(self) -> None:
         assert self._files is not None
-        pending, self._pending, self._journaled = self._pending, [], 0
-        self._files.write([(rank, rec) for rank, rec, _ in pending])
-        (self._files.folder / JOURNAL).unlink(missing_ok=True)  # its lines are in the part
+        pending, self._pending, self._journaled, self._pending_rows = self._pending, [], 0, 0
+        self._files.write(join(pending))
+        (self._files.folder / JOURNAL).unlink(missing_ok=True)  # its rows are in the part
 
     def close(self) -> None:
         """Write what is left as a part (no journal stays behind)."""
@@ -272,28 +288,53 @@ class Trace:
         trace = cls(jobs, meta=header.get("meta"), created=header.get("created"))
         trace.folder = folder
         if header["format"] != "dtlab-trace/1":
-            for rank, rec in StepFiles(folder).read():
-                trace.add(rank, [rec])
-        # format 1's records, or format 2's since its last part (a repeat is ignored)
-        if header["format"] == "dtlab-trace/1":
-            steps = folder / "steps.jsonl"
-        else:
-            steps = folder / "steps" / JOURNAL
-        lines = steps.read_text().splitlines() if steps.is_file() else []
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                rank, rec = step_record_from_dict(json.loads(line))
-            except (ValueError, KeyError, TypeError) as e:
-                if number == len(lines):  # a run killed mid-write leaves half a last line
-                    break
-                raise ValueError(f"{steps}:{number}: not a step record ({e})") from e
-            trace.add(rank, [rec])
+            for part in StepFiles(folder).read():
+                trace._add_mixed(part)
+        # the records since the last part (a repeat is ignored)
+        journal = folder / "steps" / JOURNAL
+        if journal.is_file():
+            _read_journal(trace, journal)
+        json_lines = folder / ("steps.jsonl" if header["format"] == "dtlab-trace/1" else "steps")
+        if json_lines.is_dir():
+            json_lines = json_lines / JSON_JOURNAL
+        if json_lines.is_file():
+            _read_json_lines(trace, json_lines)
         doctor = folder / "doctor.json"
         if doctor.is_file():
             trace.checks = [_check_from_json(c) for c in json.loads(doctor.read_text())]
         return trace
+
+
+def _read_journal(trace: Trace, journal: Path) -> None:
+    data = journal.read_bytes()
+    at = 0
+    while at < len(data):
+        if at + _LENGTH.size > len(data):
+            break  # a run killed mid-write leaves half a last entry
+        (size,) = _LENGTH.unpack_from(data, at)
+        if at + _LENGTH.size + size > len(data):
+            break
+        try:
+            batch = unpack(data[at + _LENGTH.size : at + _LENGTH.size + size])
+        except ValueError as e:
+            raise ValueError(f"{journal}: byte {at}: not a batch of step records ({e})") from e
+        trace._add_mixed(batch)
+        at += _LENGTH.size + size
+
+
+def _read_json_lines(trace: Trace, path: Path) -> None:
+    """Format 1's records, or format 2's journal: one JSON line per record."""
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rank, rec = step_record_from_dict(json.loads(line))
+        except (ValueError, KeyError, TypeError) as e:
+            if number == len(lines):  # a run killed mid-write leaves half a last line
+                break
+            raise ValueError(f"{path}:{number}: not a step record ({e})") from e
+        trace.add(rank, [rec])
 
 
 def _check_from_json(data: Mapping):

@@ -3,12 +3,14 @@
 The notebook (control/stepper.py, through control/channel.py) sends a :class:`RunRequest`
 or a :class:`PauseRequest` to the ranks; each rank (agent/stepping.py) answers with
 :class:`RankReply` frames: ``hello`` once when it connects, ``progress`` during a run,
-then ``done`` or ``error``. A frame is one JSON object carrying the session ``key``; a
-frame without the right key, or that does not parse, is dropped (:func:`decode` returns
+then ``done`` or ``error``. A message is one JSON object carrying the session ``key``; a
+message without the right key, or that does not parse, is dropped (the decoders return
 None), so a stray or hostile sender can never make a rank step.
 
-Step records travel inside replies as JSON lines (``records``): whole-step
-summaries, the per-parameter tuples stay on the rank.
+A reply's step records (whole-step summaries: the per-parameter tuples stay on the rank)
+travel as a second zmq frame after the JSON one: packed binary rows
+(:mod:`dtlab.records.packed`), which the notebook takes in without a Python object per
+record. :func:`frames` and :func:`reply_from` are the two ends.
 """
 
 from __future__ import annotations
@@ -104,17 +106,18 @@ class RankReply:
     rank: int
     step: int = 0  # the job's step count when sent
     attach: int | None = None  # how many jobs were attached on this rank so far
-    records: tuple[str, ...] = ()  # JSON lines of the steps made since the last reply
+    rows: bytes = b""  # the steps made since the last reply, packed (records.packed)
     stopped: str | None = None  # done replies: one of STOPS
     hit: bool = False  # done replies: the condition held at the last step on this rank
     output: str = ""  # what a script job printed since the last reply
     error: RemoteFailure | None = None  # error replies
 
     def to_dict(self) -> dict:
+        """The reply as JSON-able data, without its rows (they travel as their own frame)."""
         error = self.error
+        fields = {k: v for k, v in self.__dict__.items() if k != "rows"}
         return {
-            **self.__dict__,
-            "records": list(self.records),
+            **fields,
             "error": (
                 {"ename": error.ename, "evalue": error.evalue, "traceback": error.traceback}
                 if error
@@ -123,7 +126,7 @@ class RankReply:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> RankReply:
+    def from_dict(cls, data: dict, rows: bytes = b"") -> RankReply:
         error = data.get("error")
         msg_id = data.get("id")
         return cls(
@@ -132,7 +135,7 @@ class RankReply:
             rank=int(data["rank"]),
             step=int(data.get("step") or 0),
             attach=data.get("attach"),
-            records=tuple(data.get("records") or ()),
+            rows=rows,
             stopped=data.get("stopped"),
             hit=bool(data.get("hit")),
             output=data.get("output") or "",
@@ -149,8 +152,15 @@ class RankReply:
 
 
 def encode(message: Request | RankReply, key: str) -> bytes:
-    """One frame: the message as JSON with the session key."""
+    """The message as JSON with the session key (a reply's rows not included)."""
     return json.dumps({"key": key, **message.to_dict()}).encode()
+
+
+def frames(message: Request | RankReply, key: str) -> list[bytes]:
+    """The zmq frames of a message: its JSON, then a reply's packed rows if it has any."""
+    first = encode(message, key)
+    rows = getattr(message, "rows", b"")
+    return [first, rows] if rows else [first]
 
 
 def decode_request(frame: bytes, key: str) -> Request | None:
@@ -166,18 +176,19 @@ def decode_request(frame: bytes, key: str) -> Request | None:
         return None
 
 
-def decode_reply(frame: bytes, key: str) -> RankReply | None:
+def decode_reply(frame: bytes, key: str, rows: bytes = b"") -> RankReply | None:
     """A rank's reply, or None for a frame that is not one of ours."""
     data = _checked(frame, key)
-    return reply_from(data) if data is not None else None
+    return reply_from(data, rows) if data is not None else None
 
 
-def reply_from(data: dict) -> RankReply | None:
-    """A reply from its JSON object (the key already checked), or None if it is not one."""
+def reply_from(data: dict, rows: bytes = b"") -> RankReply | None:
+    """A reply from its JSON object (the key already checked) and the frame of packed rows
+    that came with it, or None if it is not one."""
     if data.get("kind") not in REPLY_KINDS:
         return None
     try:
-        return RankReply.from_dict(data)
+        return RankReply.from_dict(data, rows)
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
 

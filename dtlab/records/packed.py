@@ -1,0 +1,265 @@
+"""Step records as packed binary rows: what a rank sends, and what the notebook keeps.
+
+A :class:`Packed` holds a batch of step records as
+
+- ``rows``: a numpy array of :data:`~dtlab.records.columns.ROW`, one row per record: every
+  number of the record (``nulls`` says which were None), ``rank`` included;
+- ``indices``: the records' sample indices one after another (row ``i``'s are
+  ``indices[rows["indices_at"][i]:][:rows["num_indices"][i]]``);
+- ``extras``: ``{row: {field: value}}`` for what a record carries that is neither a number
+  of the row nor at its default (epoch starts, missing gradients, RNG fingerprints, a
+  non-finite module...).
+
+As bytes (:meth:`Packed.to_bytes`: one zmq frame on the stepping channel, one entry of a run
+folder's journal) it is ``MAGIC``, three little-endian uint32 (rows, indices, bytes of
+extras), the rows, the indices as int64, and the extras as JSON ``[[row, {field: value}],
+...]``. :func:`unpack` checks everything a corrupt or hostile frame could get wrong (sizes,
+counts, offsets, the rank, field names) and raises ValueError saying what; nothing in a
+frame is executed or unpickled.
+
+The notebook takes in a frame without a Python object per record: :func:`read_frame` checks
+it (the header, and the rank, step and index count of each row, read in place) and keeps
+the bytes as they came (a :class:`Frame`); :func:`join` turns every frame that arrived since
+the last read into rows with one numpy pass; a :class:`StepRecord` is made only when code
+asks for that record (:meth:`Packed.record`).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from dtlab.records.row import NULLABLE, ROW, row_of
+from dtlab.records.steps import StepMemory, StepRecord, StepTimes
+
+MAGIC = b"DTR1"
+_HEADER = struct.Struct("<4sIII")
+# the row's numbers, by record field (times.* and memory.* go to their own dataclasses)
+_ROW_FIELDS = {
+    "step",
+    "time",
+    "loss",
+    "lr",
+    "scale",
+    "skipped",
+    "grad_norm",
+    "grad_fingerprint",
+    "param_fingerprint",
+    "buffer_fingerprint",
+    "num_nonfinite",
+    "micro_batches",
+    "synced_micro_batches",
+    "epoch",
+    "comm_calls",
+    "comm_bytes",
+}
+_DEFAULTS = {f.name: f.default for f in fields(StepRecord)}
+# a record's fields that travel as extras when they are not at their default
+EXTRA_FIELDS = tuple(
+    name for name in _DEFAULTS if name not in _ROW_FIELDS | {"times", "memory", "indices"}
+)
+_AT = {name: i for i, name in enumerate(ROW.names or ())}
+_TIMES = tuple(f.name for f in fields(StepTimes))
+_MEMORY = tuple(f.name for f in fields(StepMemory))
+_INT_MEMORY = {"cuda_allocated", "cuda_reserved", "cuda_peak"}  # float columns (nan: None)
+_BIT = {name: 1 << bit for bit, name in enumerate(NULLABLE)}
+# where Packed._record finds each field in a row's tuple, and its None bit (0: never None)
+_ROW_AT = tuple((name, _AT[name], _BIT.get(name, 0)) for name in sorted(_ROW_FIELDS))
+_MEMORY_AT = tuple((_AT[n], _BIT.get(n, 0), n in _INT_MEMORY) for n in _MEMORY)
+_TIMES_AT = tuple(_AT[name] for name in _TIMES)
+_NULLS_AT, _INDICES_AT, _NUM_INDICES_POS = _AT["nulls"], _AT["indices_at"], _AT["num_indices"]
+
+
+def extras_of(rec: StepRecord) -> dict:
+    """What of ``rec`` is neither a number of its row nor at its default."""
+    return {name: v for name in EXTRA_FIELDS if (v := getattr(rec, name)) != _DEFAULTS[name]}
+
+
+def as_tuples(value):
+    """JSON's lists, nested, as the tuples a record holds."""
+    return tuple(as_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+@dataclass
+class Packed:
+    """A batch of step records as rows (see the module's description)."""
+
+    rows: np.ndarray
+    indices: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    extras: dict[int, dict] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def record(self, i: int) -> StepRecord:
+        """Row ``i`` as the StepRecord it was made from."""
+        return self._record(self.rows[i].item(), i)
+
+    def records(self) -> list[StepRecord]:
+        """Every row as its StepRecord (one pass: cheaper than row by row)."""
+        return [self._record(values, i) for i, values in enumerate(self.rows.tolist())]
+
+    def _record(self, values: tuple, i: int) -> StepRecord:
+        nulls = values[_NULLS_AT]
+        found: dict[str, Any] = {
+            name: None if nulls & bit else values[at] for name, at, bit in _ROW_AT
+        }
+        memory = StepMemory(
+            *(  # type: ignore[arg-type]  # None only where the field may be None
+                None if nulls & bit else (int(values[at]) if whole else values[at])
+                for at, bit, whole in _MEMORY_AT
+            )
+        )
+        at, n = values[_INDICES_AT], values[_NUM_INDICES_POS]
+        return StepRecord(
+            **found,
+            times=StepTimes(*(values[at] for at in _TIMES_AT)),
+            memory=memory,
+            indices=tuple(self.indices[at : at + n].tolist()) if n else (),
+            **self.extras.get(i, {}),
+        )
+
+    def take(self, keep: np.ndarray) -> Packed:
+        """The rows where ``keep`` (a bool per row) holds, with their indices and extras."""
+        if keep.all():
+            return self
+        rows = self.rows[keep]
+        indices = self.indices[np.repeat(keep, self.rows["num_indices"])]
+        rows["indices_at"] = np.cumsum(rows["num_indices"]) - rows["num_indices"]
+        new_at = np.cumsum(keep) - 1
+        extras = {int(new_at[i]): v for i, v in self.extras.items() if keep[i]}
+        return Packed(rows, indices, extras)
+
+    def to_bytes(self) -> bytes:
+        extras = (
+            json.dumps(sorted(self.extras.items()), separators=(",", ":")).encode()
+            if self.extras
+            else b""
+        )
+        header = _HEADER.pack(MAGIC, len(self.rows), len(self.indices), len(extras))
+        return b"".join((header, self.rows.tobytes(), self.indices.astype("<i8").tobytes(), extras))
+
+
+def pack(rank: int, records: Sequence[StepRecord]) -> Packed:
+    """A rank's records as one batch (what its replies carry)."""
+    at, tuples, extras = 0, [], {}
+    indices: list[int] = []
+    for i, rec in enumerate(records):
+        tuples.append(row_of(rank, rec, at))
+        if rec.indices:
+            indices.extend(rec.indices)
+            at += len(rec.indices)
+        if found := extras_of(rec):
+            extras[i] = found
+    rows = np.fromiter(tuples, dtype=ROW, count=len(tuples))
+    return Packed(rows, np.fromiter(indices, np.int64, len(indices)), extras)
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One batch of a rank's records as it came (checked by :func:`read_frame`)."""
+
+    data: bytes
+    rows: int
+    indices: int
+    extras: dict[int, dict]
+    steps: tuple[int, ...]  # each row's step
+
+
+_ROW_KEYS = struct.Struct("<iq")  # rank, step: the row's first two fields
+_NUM_INDICES = struct.Struct("<i")
+_OFFSETS = {name: spec[1] for name, spec in (ROW.fields or {}).items()}
+_NUM_INDICES_AT = _OFFSETS["num_indices"]
+assert _OFFSETS["rank"] == 0 and _OFFSETS["step"] == 4  # what _ROW_KEYS reads
+
+
+def read_frame(data: bytes, rank: int | None = None) -> Frame:
+    """The batch in ``data`` (from :meth:`Packed.to_bytes`), checked; ``rank``: every row
+    must be this rank's. Raises ValueError saying what is wrong with a frame that is not
+    one. Reads the few numbers it checks in place: no array is made."""
+    if len(data) < _HEADER.size:
+        raise ValueError(f"a step-record frame of {len(data)} bytes is shorter than its header")
+    magic, n, k, e = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise ValueError(f"not a step-record frame (it starts {magic!r}, not {MAGIC!r})")
+    size = ROW.itemsize
+    rows_end = _HEADER.size + n * size
+    if len(data) != rows_end + 8 * k + e:
+        raise ValueError(
+            f"a step-record frame of {len(data)} bytes, but its header says {n} rows, "
+            f"{k} sample indices and {e} bytes of extras ({rows_end + 8 * k + e} bytes)"
+        )
+    steps, counted = [], 0
+    for at in range(_HEADER.size, rows_end, size):
+        row_rank, step = _ROW_KEYS.unpack_from(data, at)
+        if rank is not None and row_rank != rank:
+            raise ValueError(f"a record of rank {row_rank} arrived from rank {rank}")
+        if step < 1:
+            raise ValueError(f"a step record with step {step} (steps count from 1)")
+        (num,) = _NUM_INDICES.unpack_from(data, at + _NUM_INDICES_AT)
+        if num < 0:
+            break
+        counted += num
+        steps.append(step)
+    if len(steps) != n or counted != k:
+        raise ValueError(f"the rows' sample-index counts do not add up to the frame's {k}")
+    return Frame(data, n, k, _extras(data[rows_end + 8 * k :], n) if e else {}, tuple(steps))
+
+
+def _extras(text: bytes, n: int) -> dict[int, dict]:
+    extras: dict[int, dict] = {}
+    try:
+        for i, found in json.loads(text):
+            if not (isinstance(i, int) and 0 <= i < n and isinstance(found, dict)):
+                raise ValueError(f"extras for row {i!r} of {n}")
+            unknown = set(found) - set(EXTRA_FIELDS)
+            if unknown:
+                raise ValueError(f"unknown fields {sorted(unknown)}")
+            extras[i] = {name: as_tuples(value) for name, value in found.items()}
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"a step-record frame's extras are not valid ({err})") from err
+    return extras
+
+
+def join(frames: Sequence[Frame]) -> Packed:
+    """Checked frames as one batch of rows: one numpy pass for all of them."""
+    size = ROW.itemsize
+    rows_parts, index_parts, extras = [], [], {}
+    first = 0
+    for f in frames:
+        view = memoryview(f.data)
+        rows_end = _HEADER.size + f.rows * size
+        rows_parts.append(view[_HEADER.size : rows_end])
+        index_parts.append(view[rows_end : rows_end + 8 * f.indices])
+        if f.extras:
+            extras.update({first + i: found for i, found in f.extras.items()})
+        first += f.rows
+    rows = np.frombuffer(b"".join(rows_parts), ROW).copy()
+    indices = np.frombuffer(b"".join(index_parts), "<i8").astype(np.int64)
+    num = rows["num_indices"]
+    rows["indices_at"] = np.cumsum(num, dtype=np.int64) - num  # never trust offsets sent
+    return Packed(rows, indices, extras)
+
+
+def unpack(frame: bytes, rank: int | None = None) -> Packed:
+    """The batch in ``frame``, checked (:func:`read_frame`) and as rows."""
+    return join([read_frame(frame, rank)])
+
+
+__all__ = [
+    "EXTRA_FIELDS",
+    "MAGIC",
+    "Frame",
+    "Packed",
+    "as_tuples",
+    "extras_of",
+    "join",
+    "pack",
+    "read_frame",
+    "unpack",
+]

@@ -1,0 +1,162 @@
+"""Step records as packed rows: the wire's binary frames, kept as they came in a Trace."""
+
+import json
+import math
+import struct
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from dtlab.records.columns import StepColumns
+from dtlab.records.packed import MAGIC, pack, unpack
+from dtlab.records.trace import Trace
+from tests.fakes import job_info, step_record
+
+
+def odd_record(step: int, rank: int):
+    """A record with every kind of field away from its default (None, nan, tuples, pairs)."""
+    rec = step_record(
+        step,
+        rank=rank,
+        lr=None,
+        scale=65536.0,
+        skipped=True,
+        grad_norm=math.nan,
+        missing_grads=(1, 4),
+        unreached=(),
+        epoch=2,
+        epoch_starts=(2,),
+        nonfinite_module="layers.1.mlp",
+        nonfinite_found="forward hook",
+        rng=(("torch", 123), ("numpy", (1 << 64) - 5)),
+        input_fingerprints=(7, 8),
+        module_outputs=(("layers.0", 5),),
+        synced_micro_batches=1,
+        comm_calls=2,
+        comm_bytes=4096,
+        grad_fingerprint=(1 << 64) - 1,
+        indices=(),
+    )
+    return replace(rec, memory=replace(rec.memory, cuda_allocated=2**40, cuda_peak=0))
+
+
+def same(a, b) -> bool:
+    """Records equal, a nan equal to a nan."""
+
+    def nan(v) -> bool:
+        return isinstance(v, float) and math.isnan(v)
+
+    names = a.__dataclass_fields__
+    return all(
+        getattr(a, n) == getattr(b, n) or (nan(getattr(a, n)) and nan(getattr(b, n))) for n in names
+    )
+
+
+def test_every_field_survives_the_frame():
+    recs = [step_record(1, 3), odd_record(2, 3), step_record(3, 3, lr=math.nan)]
+    batch = unpack(pack(3, recs).to_bytes(), 3)
+    back = [batch.record(i) for i in range(len(recs))]
+    assert all(same(a, b) for a, b in zip(back, recs, strict=True))
+    assert back[1].lr is None and math.isnan(back[2].lr)  # None and nan stay apart
+    assert back[1].unreached == () and back[0].unreached is None
+    assert back[1].memory.cuda_reserved is None and back[1].memory.cuda_peak == 0
+
+
+def test_packed_rows_fill_the_columns_as_records_do():
+    recs = {r: [step_record(s, r) for s in range(1, 4)] + [odd_record(4, r)] for r in range(3)}
+    by_objects = StepColumns.from_records(recs)
+    trace = Trace({r: job_info(r) for r in range(3)})
+    for rank in (2, 0, 1):  # arrival order does not matter
+        trace.add_packed(rank, pack(rank, recs[rank][:2]).to_bytes())
+        trace.add_packed(rank, pack(rank, recs[rank][1:]).to_bytes())  # step 2 again
+    a, b = by_objects.rows(), trace.columns.rows()
+    for name in set(a.dtype.names) - {"indices_at"}:  # where they start: arrival order
+        assert np.array_equal(a[name], b[name], equal_nan=a[name].dtype.kind == "f"), name
+
+    def indices(columns):
+        every = columns.indices()
+        return [every[r["indices_at"] :][: r["num_indices"]].tolist() for r in columns.rows()]
+
+    assert indices(by_objects) == indices(trace.columns)
+    assert len(trace) == 12 and trace.last_step == 4
+    assert all(same(x, y) for x, y in zip(trace.records[1], recs[1], strict=True))
+
+
+def test_records_are_made_only_when_read():
+    trace = Trace({0: job_info(0)})
+    trace.add_packed(0, pack(0, [step_record(s, 0) for s in range(1, 101)]).to_bytes())
+    mine = trace.records[0]
+    assert mine._made.count(None) == 100  # the rows only
+    assert mine[-1] == step_record(100, 0) and mine[49].step == 50
+    assert mine._made.count(None) == 98
+    assert [r.step for r in mine[10:13]] == [11, 12, 13]
+    assert list(mine) == [step_record(s, 0) for s in range(1, 101)]
+
+
+def frame_with(rows: int = 1, indices: int = 0, extras: bytes = b"", body: bytes | None = None):
+    good = pack(0, [step_record(1, 0, indices=()).summary()]).to_bytes()  # no extras
+    header = struct.pack("<4sIII", MAGIC, rows, indices, len(extras))
+    return header + (good[16:] if body is None else body) + extras
+
+
+@pytest.mark.parametrize(
+    "frame, message",
+    [
+        (b"DTR", "shorter than its header"),
+        (b"JSON" + bytes(12), "not a step-record frame"),
+        (frame_with(rows=2), "its header says 2 rows"),
+        (frame_with(indices=1), "its header says 1 rows, 1 sample indices"),
+        (frame_with(extras=b"[[0, {"), "extras are not valid"),
+        (frame_with(extras=b'[[5, {"rng": []}]]'), "extras for row 5 of 1"),
+        (frame_with(extras=b'[[0, {"__class__": 1}]]'), r"unknown fields \['__class__'\]"),
+        (frame_with(extras=b'{"a": 1}'), "extras are not valid"),
+    ],
+)
+def test_a_frame_that_is_not_one_says_what_is_wrong(frame, message):
+    with pytest.raises(ValueError, match=message):
+        unpack(frame, 0)
+
+
+def test_counts_and_offsets_in_a_frame_are_checked_not_trusted():
+    batch = pack(0, [step_record(1, 0), step_record(2, 0)])
+    rows = batch.rows.copy()
+    rows["indices_at"] = [1000, -7]  # offsets outside: recomputed from the counts
+    frame = replace(batch, rows=rows).to_bytes()
+    back = unpack(frame, 0)
+    assert back.record(1).indices == step_record(2, 0).indices
+    rows["num_indices"] = [9, -1]
+    with pytest.raises(ValueError, match="counts do not add up"):
+        unpack(replace(batch, rows=rows).to_bytes(), 0)
+    rows = batch.rows.copy()
+    rows["step"] = [0, 1]
+    with pytest.raises(ValueError, match="step 0"):
+        unpack(replace(batch, rows=rows).to_bytes(), 0)
+    with pytest.raises(ValueError, match="record of rank 0 arrived from rank 5"):
+        unpack(batch.to_bytes(), 5)
+
+
+def test_a_bad_frame_adds_nothing_to_the_trace():
+    trace = Trace({0: job_info(0)})
+    trace.add_packed(0, pack(0, [step_record(1, 0)]).to_bytes())
+    with pytest.raises(ValueError):
+        trace.add_packed(0, pack(0, [step_record(2, 0)]).to_bytes()[:-3])
+    assert len(trace) == 1 and len(trace.columns) == 1 and trace.last_step == 1
+
+
+def test_extras_travel_as_json_data_only():
+    recs = [odd_record(1, 0)]
+    frame = pack(0, recs).to_bytes()
+    extras = json.loads(frame[16 + len(pack(0, recs).rows.tobytes()) :])
+    assert extras[0][0] == 0 and extras[0][1]["nonfinite_module"] == "layers.1.mlp"
+
+
+def test_records_added_one_by_one_and_as_frames_keep_their_places():
+    trace = Trace({0: job_info(0)})
+    trace.add_packed(0, pack(0, [step_record(1, 0), step_record(2, 0)]).to_bytes())
+    trace.add(0, [step_record(3, 0)])
+    trace.add_packed(0, pack(0, [step_record(s, 0) for s in (3, 4, 5)]).to_bytes())
+    assert trace.records[0][3].step == 4  # made alone, before the rest
+    assert [r.step for r in trace.records[0]] == [1, 2, 3, 4, 5]
+    assert list(trace.records[0]) == [step_record(s, 0) for s in range(1, 6)]
+    assert trace.columns.rows()["step"].tolist() == [1, 2, 3, 4, 5]
