@@ -2,8 +2,9 @@
 
 A run folder (``runs/<timestamp>/`` by default, ``DTLAB_RUNS_DIR`` moves it) holds:
 
-- ``trace.json``: ``{"format": "dtlab-trace/2", "created": <epoch s>, "world_size": N,
-  "jobs": {"<rank>": JobInfo}, "meta": {...}}``
+- ``trace.json``: ``{"format": "dtlab-trace/3", "created": <epoch s>, "world_size": N,
+  "params": [[ParamInfo, ...], ...], "jobs": {"<rank>": JobInfo}, "meta": {...}}``, each
+  job's ``params`` the number of its list in ``params`` (replicas share one);
 - ``steps/``: the step records (summaries: the per-parameter tuples stay on the ranks) as
   zstd Parquet parts of at least ``PART_ROWS`` records, merged as they pile up
   (:mod:`dtlab.records.step_files`), and ``steps/journal.bin``: the records since the
@@ -52,10 +53,17 @@ _LENGTH = struct.Struct("<I")
 RUNS_DIR_ENV = "DTLAB_RUNS_DIR"
 
 
-def job_from_json(data: Mapping) -> JobInfo:
+def job_from_json(data: Mapping, param_lists: list | None = None) -> JobInfo:
+    """A job from trace.json; its ``params``: a list, or (format 3) a number in
+    ``param_lists``, the header's parameter lists."""
     fields = dict(data)
+    params = data["params"]
+    if isinstance(params, int):
+        if not param_lists or not 0 <= params < len(param_lists):
+            raise ValueError(f"a job names parameter list {params}; the trace has none such")
+        params = param_lists[params]
     fields["params"] = tuple(
-        ParamInfo(p["name"], tuple(p["shape"]), p["dtype"], p["numel"]) for p in data["params"]
+        ParamInfo(p["name"], tuple(p["shape"]), p["dtype"], p["numel"]) for p in params
     )
     fields["buffers"] = tuple(data.get("buffers", ()))
     if data.get("deepspeed"):
@@ -244,14 +252,29 @@ class Trace:
     def _write_header(self) -> None:
         assert self.folder is not None  # called only for a trace with a folder
         self.folder.mkdir(parents=True, exist_ok=True)
+        # the parameter lists once each (data-parallel replicas share one); a job names its
+        # list by number: 512 ranks x 300 parameters as dataclasses.asdict took seconds
+        param_lists: dict[tuple[ParamInfo, ...], int] = {}
+        jobs = {}
+        for rank, info in self.jobs.items():
+            params = param_lists.setdefault(info.params, len(param_lists))
+            fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
+            fields["params"] = params
+            if info.deepspeed is not None:
+                fields["deepspeed"] = dataclasses.asdict(info.deepspeed)
+            jobs[str(rank)] = fields
         header = {
             "format": FORMAT,
             "created": self.created,
             "world_size": self.world_size,
-            "jobs": {str(r): dataclasses.asdict(j) for r, j in self.jobs.items()},
+            "params": [
+                [{"name": p.name, "shape": p.shape, "dtype": p.dtype, "numel": p.numel} for p in ps]
+                for ps in param_lists
+            ],
+            "jobs": jobs,
             "meta": self.meta,
         }
-        (self.folder / "trace.json").write_text(json.dumps(header, indent=1))
+        (self.folder / "trace.json").write_text(json.dumps(header))
         self._files = StepFiles(self.folder)
 
     def keep_checks(self, results: list) -> None:
@@ -284,7 +307,8 @@ class Trace:
                 f"{header_path}: format {header.get('format')!r}, this dtlab reads "
                 + " and ".join(map(repr, FORMATS))
             )
-        jobs = {int(r): job_from_json(j) for r, j in header["jobs"].items()}
+        lists = header.get("params") or []
+        jobs = {int(r): job_from_json(j, lists) for r, j in header["jobs"].items()}
         trace = cls(jobs, meta=header.get("meta"), created=header.get("created"))
         trace.folder = folder
         if header["format"] != "dtlab-trace/1":
