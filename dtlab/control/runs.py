@@ -70,10 +70,9 @@ class Run:
         self.failures: dict[int, RemoteFailure] = {}
         self.first_step = host.current_step()  # after a rewind: where it resumed
         # after a failure on one rank, ranks may start a run at different steps
-        self.start_steps = {
-            recs[-1].step if recs else 0
-            for recs in (host.trace.records.values() if host.trace else [[]])
-        }
+        self.start_steps = (
+            {recs.last_step for recs in host.trace.records.values()} if host.trace else {0}
+        )
         self.started = self.last_check = self.last_reply = self.next_look = time.monotonic()
         self.hang: HangReport | None = None  # the HangReport taken when the run stopped progressing
         self.first_failure: float | None = None

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import statistics
 import warnings
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
+
+import numpy as np
 
 from dtlab.agent import api
 from dtlab.analysis.conditions import describe_condition
@@ -34,6 +35,7 @@ from dtlab.control.errors import DtlabError, OptionError
 from dtlab.control.network import EVERYWHERE, LOOPBACK, is_loopback, listen_address, route_ip
 from dtlab.control.runs import FAILURE_GRACE_S, POLL_S, Run
 from dtlab.records import Condition, RunResult
+from dtlab.records.columns import step_seconds
 from dtlab.records.trace import Trace, new_run_folder
 from dtlab.records.wire import PauseRequest, RankReply, RunRequest, reply_from
 
@@ -253,8 +255,11 @@ class Stepper:
     def step_s(self) -> float | None:
         if self.trace is None:  # no job synced yet: no step timed
             return None
-        recent = [r for recs in self.trace.records.values() for r in recs[-10:]]
-        return statistics.median(r.times.total for r in recent) if recent else None
+        rows = self.trace.columns.rows()  # by step, then rank: no record object made
+        if not len(rows):
+            return None
+        recent = rows[int(np.searchsorted(rows["step"], rows["step"][-1] - 9)) :]  # 10 steps
+        return float(np.median(step_seconds(recent)))
 
     def _agree_every(self) -> int:
         """Steps between agreements (~AGREE_S apart), from the last steps' durations."""
