@@ -16,8 +16,9 @@ Channel.receive_with_rows until every rank's done reply arrived, RankReply decod
 Trace.add_packed (the rows checked, kept, appended to the columns; no StepRecord is made
 until something reads one). Reported per step: wall time of one step of every
 rank (broadcast, gather, decode, store), the notebook's CPU time, its CPU per rank-record,
-the target (issue 20: <= 1 ms + 5 us x N for dt.step(1) at N simulated ranks), and the
-doctor's time and verdict over the whole trace. The fake ranks do no work, so the time is
+the target (issue 20: <= 1 ms + 5 us x N for dt.step(1) at N simulated ranks), how much
+the notebook process grew per rank-record (RSS, after the run), and the doctor's time and
+verdict over the whole trace. The fake ranks do no work, so the time is
 the notebook's and the transport's; they share the 2 cores with it, which the wall time
 includes.
 """
@@ -26,11 +27,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import multiprocessing as mp
 import statistics
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -108,6 +112,8 @@ def measure(ranks: int, steps: int) -> dict:
         if missing:
             raise RuntimeError(f"{len(missing)} fake ranks never connected")
         walls, cpus, ingest = [], [], []
+        gc.collect()
+        rss_before = psutil.Process().memory_info().rss
         for step in range(1, steps + 1):
             t0, c0 = time.perf_counter(), time.process_time()
             channel.send(range(ranks), RunRequest(id=step, steps=1))
@@ -124,6 +130,9 @@ def measure(ranks: int, steps: int) -> dict:
             walls.append(time.perf_counter() - t0)
             cpus.append(time.process_time() - c0)
             ingest.append(took)
+        trace.columns.rows()
+        gc.collect()
+        grown = psutil.Process().memory_info().rss - rss_before
         channel.send(range(ranks), RunRequest(id=0, steps=-1))  # the helpers stop
     finally:
         for helper in helpers:
@@ -145,6 +154,7 @@ def measure(ranks: int, steps: int) -> dict:
         "ingest_us": statistics.median(ingest[skip:]) / ranks * 1e6,
         "doctor_s": doctor,
         "named": named(findings, planted),
+        "bytes_per_record": grown / (ranks * steps),
     }
 
 
@@ -164,7 +174,8 @@ def main() -> None:
         print(
             f"{ranks} ranks: step {m['wall_ms']:.1f} ms (IQR {q1:.1f}-{q3:.1f}; target "
             f"{target:.1f} ms, {m['wall_ms'] / target:.1f}x), notebook CPU {m['cpu_ms']:.1f} ms "
-            f"a step, decode and store {m['ingest_us']:.1f} us per rank-record (target 10); "
+            f"a step, decode and store {m['ingest_us']:.1f} us per rank-record (target 10), "
+            f"notebook memory {m['bytes_per_record']:.0f} B per rank-record; "
             f"doctor over the trace {m['doctor_s']:.2f} s, planted problems named: "
             + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in m["named"].items())
         )
