@@ -160,3 +160,10 @@ def test_records_added_one_by_one_and_as_frames_keep_their_places():
     assert [r.step for r in trace.records[0]] == [1, 2, 3, 4, 5]
     assert list(trace.records[0]) == [step_record(s, 0) for s in range(1, 6)]
     assert trace.columns.rows()["step"].tolist() == [1, 2, 3, 4, 5]
+
+
+def test_a_frame_whose_steps_go_back_keeps_only_those_that_go_forward():
+    trace = Trace({0: job_info(0)})
+    trace.add_packed(0, pack(0, [step_record(s, 0) for s in (1, 3, 2, 3, 4)]).to_bytes())
+    assert [r.step for r in trace.records[0]] == [1, 3, 4]
+    assert trace.columns.rows()["step"].tolist() == [1, 3, 4]

@@ -168,9 +168,12 @@ class Frame:
     rows: int
     indices: int
     extras: dict[int, dict]
-    steps: tuple[int, ...]  # each row's step
+    first_step: int
+    last_step: int
+    increasing: bool  # each row's step after the one before
 
 
+_NO_EXTRAS: dict[int, dict] = {}  # shared by every frame without extras (never changed)
 _ROW_KEYS = struct.Struct("<iq")  # rank, step: the row's first two fields
 _NUM_INDICES = struct.Struct("<i")
 _OFFSETS = {name: spec[1] for name, spec in (ROW.fields or {}).items()}
@@ -194,7 +197,7 @@ def read_frame(data: bytes, rank: int | None = None) -> Frame:
             f"a step-record frame of {len(data)} bytes, but its header says {n} rows, "
             f"{k} sample indices and {e} bytes of extras ({rows_end + 8 * k + e} bytes)"
         )
-    steps, counted = [], 0
+    counted, seen, first, last, increasing = 0, 0, 0, 0, True
     for at in range(_HEADER.size, rows_end, size):
         row_rank, step = _ROW_KEYS.unpack_from(data, at)
         if rank is not None and row_rank != rank:
@@ -205,10 +208,12 @@ def read_frame(data: bytes, rank: int | None = None) -> Frame:
         if num < 0:
             break
         counted += num
-        steps.append(step)
-    if len(steps) != n or counted != k:
+        increasing = increasing and step > last
+        first, last, seen = first or step, step, seen + 1
+    if seen != n or counted != k:
         raise ValueError(f"the rows' sample-index counts do not add up to the frame's {k}")
-    return Frame(data, n, k, _extras(data[rows_end + 8 * k :], n) if e else {}, tuple(steps))
+    extras = _extras(data[rows_end + 8 * k :], n) if e else _NO_EXTRAS
+    return Frame(data, n, k, extras, first, last, increasing)
 
 
 def _extras(text: bytes, n: int) -> dict[int, dict]:

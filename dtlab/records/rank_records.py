@@ -44,12 +44,7 @@ class RankRecords(Sequence[StepRecord]):
 
     def fresh(self, frame: Frame) -> bool:
         """Does every row of ``frame`` come after the last step, each after the one before?"""
-        last = self.last_step
-        for step in frame.steps:
-            if step <= last:
-                return False
-            last = step
-        return True
+        return frame.increasing and frame.first_step > self.last_step
 
     def add_frame(self, frame: Frame) -> None:
         """Add a frame whose rows are all :meth:`fresh`."""
@@ -57,7 +52,7 @@ class RankRecords(Sequence[StepRecord]):
             self._starts.append(len(self._made))
             self._frames.append(frame)
             self._made.extend([None] * frame.rows)
-            self.last_step = frame.steps[-1]
+            self.last_step = frame.last_step
 
     def new_rows(self, batch: Packed) -> Packed:
         """The rows of ``batch`` whose steps come after the last, each after the one before."""
