@@ -302,7 +302,9 @@ class StepServer:
             elif state.hit:
                 state.stopped = "until"
                 return
-            if time.monotonic() - last_report >= state.report_s:
+            first = index == 0 < state.steps - 1  # at once (not in a one-step run: done says
+            # it): a rank that dies a few steps later has said where it was
+            if first or time.monotonic() - last_report >= state.report_s:
                 self._report("progress", state, job)
                 last_report = time.monotonic()
 
