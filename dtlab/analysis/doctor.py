@@ -31,6 +31,8 @@ def run_checks(
     results = []
     for entry in registered() if checks is None else checks:
         name, check = entry.name, entry.run
+        if entry.applies is not None and not entry.applies(evidence):
+            continue
         if evidence.is_pipeline and entry.compares == "replicas":
             results.append(
                 CheckResult(name, name, (), "", f"not checked: {PIPELINE_WHY}", checked=False)

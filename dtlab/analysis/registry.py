@@ -34,13 +34,23 @@ class RegisteredCheck:
     run: Check
     order: int  # where it stands in the report (smaller first)
     compares: str  # one of COMPARES
+    # None: always; else the check is left out of the report when it returns False (a
+    # check of something most jobs do not have, e.g. steps the trace's window left)
+    applies: Callable[[Evidence], bool] | None = None
 
 
 _REGISTRY: dict[str, RegisteredCheck] = {}
 
 
-def check(name: str, *, order: int, compares: str = "nothing") -> Callable[[Check], Check]:
-    """Register the decorated function as the doctor's check ``name``."""
+def check(
+    name: str,
+    *,
+    order: int,
+    compares: str = "nothing",
+    applies: Callable[[Evidence], bool] | None = None,
+) -> Callable[[Check], Check]:
+    """Register the decorated function as the doctor's check ``name`` (``applies``: when
+    it is in the report at all)."""
     if compares not in COMPARES:
         raise ValueError(f"compares must be one of {', '.join(COMPARES)}, got {compares!r}")
 
@@ -48,7 +58,7 @@ def check(name: str, *, order: int, compares: str = "nothing") -> Callable[[Chec
         known = _REGISTRY.get(name)
         if known is not None and known.run.__qualname__ != fn.__qualname__:
             raise ValueError(f"two doctor checks are named {name!r}: {known.run} and {fn}")
-        _REGISTRY[name] = RegisteredCheck(name, fn, order, compares)
+        _REGISTRY[name] = RegisteredCheck(name, fn, order, compares, applies)
         return fn
 
     return register

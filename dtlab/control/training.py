@@ -180,6 +180,7 @@ class Training:
         return Evidence(
             records=trace.records,
             columns=trace.columns,
+            history=trace.history.rows(),
             names=trace.param_names,
             jobs=trace.jobs,
             ranks={rank: info for rank, (info, _) in now.items()},

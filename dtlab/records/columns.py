@@ -66,6 +66,18 @@ def _by_step_then_rank(rows: np.ndarray) -> np.ndarray:
     return _first_of_each(np.take(raw, order, axis=0).reshape(-1).view(rows.dtype))
 
 
+def _compacted(rows: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``rows``' sample indices alone, one row's after another, and where each row's
+    start in them."""
+    counts = rows["num_indices"].astype(np.int64)
+    at = np.zeros(len(rows), dtype=np.int64)
+    if len(rows) > 1:
+        np.cumsum(counts[:-1], out=at[1:])
+    total = int(counts.sum())
+    where = np.repeat(rows["indices_at"] - at, counts) + np.arange(total, dtype=np.int64)
+    return indices[where], at
+
+
 class StepColumns:
     """One row per (rank, step), kept in step then rank order: rows that arrive after the
     last read wait at the end, and are sorted into place on the next read, so a read
@@ -189,6 +201,25 @@ class StepColumns:
             self._rows[: len(merged)] = merged
             self._size = len(merged)
         self._settled = self._size
+
+    def drop_through(self, step: int) -> np.ndarray:
+        """Forget the rows of steps up to ``step`` (a Trace's bounded window: they are in its
+        run folder); returns them (a copy, by step then rank). The arrays shrink to what
+        is left, so memory follows the window, not the run."""
+        rows = self.rows()
+        cut = int(np.searchsorted(rows["step"], step, side="right"))
+        if not cut:
+            return rows[:0].copy()
+        gone, kept = rows[:cut].copy(), rows[cut:]
+        indices, kept_at = _compacted(kept, self._indices[: self._indices_size])
+        size = len(kept)
+        self._rows = _grown(kept, size, max(1024, 2 * size))
+        self._rows["indices_at"][:size] = kept_at
+        self._indices = _grown(indices, len(indices), max(8 * 1024, 2 * len(indices)))
+        self._size = self._settled = size
+        self._indices_size = len(indices)
+        self._aligned = self._ranks = None
+        return gone
 
     def ranks(self) -> np.ndarray:
         """The ranks that have rows, ascending."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from dtlab.records.columns import StepColumns
 from dtlab.records.ranks import RankInfo
@@ -44,6 +45,9 @@ class Evidence:
     # the records' numbers as columns (a Trace keeps them as records arrive); built from
     # ``records`` when not given
     columns: StepColumns | None = field(default=None, compare=False)
+    # one SUMMARY row (records/summaries.py) per step the trace's window left behind: the
+    # steps before those in ``records`` (None or empty: every step is in ``records``)
+    history: Any = field(default=None, compare=False)
 
     @cached_property
     def step_columns(self) -> StepColumns:

@@ -15,7 +15,7 @@ from typing import overload
 
 import numpy as np
 
-from dtlab.records.packed import Frame, Packed, join
+from dtlab.records.packed import Frame, Packed, join, read_frame
 from dtlab.records.steps import StepRecord
 
 
@@ -28,6 +28,7 @@ class RankRecords(Sequence[StepRecord]):
         self._frames: list[Frame] = []
         self._rows: dict[int, Packed] = {}  # frames being read, as rows
         self.last_step = 0
+        self.dropped = 0  # records before the first kept (a Trace's window moved past them)
         for rec in records:
             self.append(rec)
 
@@ -53,6 +54,56 @@ class RankRecords(Sequence[StepRecord]):
             self._frames.append(frame)
             self._made.extend([None] * frame.rows)
             self.last_step = frame.last_step
+
+    def drop_through(self, step: int) -> int:
+        """Forget the records of steps up to ``step``; returns how many went. Positions
+        count from the first record kept."""
+        k = f = 0  # positions and frames to drop
+        while k < len(self._made):
+            if f < len(self._frames) and self._starts[f] == k:
+                frame = self._frames[f]
+                if frame.last_step <= step:
+                    k, f = k + frame.rows, f + 1
+                    continue
+                if frame.first_step <= step:  # it straddles: a frame of its later rows
+                    rows = join([frame])
+                    later = rows.rows["step"] > step  # steps increase within a frame
+                    gone = int(frame.rows - later.sum())
+                    self._frames[f] = read_frame(rows.take(later).to_bytes())
+                    self._rows.pop(f, None)
+                    self._starts[f] += gone
+                    k += gone
+                break
+            rec = self._made[k]
+            if rec is None or rec.step > step:
+                break
+            k += 1
+        if k:
+            del self._made[:k]
+            self._frames = self._frames[f:]
+            self._starts = [start - k for start in self._starts[f:]]
+            self._rows = {i - f: rows for i, rows in self._rows.items() if i >= f}
+            self.dropped += k
+        return k
+
+    def between(self, first: int, stop: int) -> list[StepRecord]:
+        """The records of steps ``first`` up to (not including) ``stop``; only the frames
+        that hold some are read."""
+        found: list[StepRecord] = []
+        k = f = 0
+        while k < len(self._made):
+            if f < len(self._frames) and self._starts[f] == k:
+                frame = self._frames[f]
+                if frame.last_step >= first and frame.first_step < stop:
+                    made = (self._make(j) for j in range(k, k + frame.rows))
+                    found.extend(rec for rec in made if first <= rec.step < stop)
+                k, f = k + frame.rows, f + 1
+                continue
+            rec = self._made[k]
+            if rec is not None and first <= rec.step < stop:
+                found.append(rec)
+            k += 1
+        return found
 
     def new_rows(self, batch: Packed) -> Packed:
         """The rows of ``batch`` whose steps come after the last, each after the one before."""

@@ -6,6 +6,9 @@ to a temporary name and renamed, so a run killed mid-write leaves every part it 
 and no half file. When ``MERGE_AT`` parts share a level they are merged into one part of
 the next level (as a log-structured store does): a run of a thousand ``dt.step(1)`` calls
 leaves a handful of files, and each record is rewritten about log_MERGE_AT(parts) times.
+A merge streams its parts batch by batch, so a long run's big merges need no more memory
+than a small one's; the row groups it writes carry step statistics, so reading a range of
+steps back (``Trace.read_steps``) skips the rest.
 
 One row per (rank, step): the numbers of a :class:`StepRecord` as typed columns (nulls
 where a value is None), sample indices as a list column, and whatever else a record carries
@@ -31,6 +34,7 @@ from dtlab.records.row import NULLABLE, ROW
 from dtlab.records.steps import StepMemory, StepTimes
 
 MERGE_AT = 8  # parts of one level merged into one of the next
+MERGE_BATCH = 65_536  # rows read and written at a time in a merge (a row group each)
 FOLDER = "steps"
 _PART = re.compile(r"^L(\d+)-(\d+)-(\d+)\.parquet$")
 
@@ -194,7 +198,7 @@ class StepFiles:
         return path
 
     def _merge(self) -> None:
-        pa, pq = _pa()
+        _, pq = _pa()
         while True:
             parts = self.parts()
             levels: dict[int, list] = {}
@@ -204,19 +208,26 @@ class StepFiles:
             if full is None:
                 return
             group = levels[full][:MERGE_AT]
-            table = pa.concat_tables(pq.read_table(p[3], schema=_schema()) for p in group)
             first, count = group[0][1], sum(p[2] for p in group)
-            self._write(table, full + 1, first, count)
+            path = self.folder / f"L{full + 1}-{first:012d}-{count}.parquet"
+            tmp = path.with_name(path.name + ".tmp")
+            # batch by batch: a merge of millions of rows holds MERGE_BATCH of them at a time
+            with pq.ParquetWriter(tmp, _schema(), compression="zstd", use_dictionary=True) as out:
+                for part in group:
+                    for batch in pq.ParquetFile(part[3]).iter_batches(MERGE_BATCH):
+                        out.write_batch(batch)
+            os.replace(tmp, path)
             for part in group:
                 part[3].unlink()
 
-    def read(self) -> Iterator[Packed]:
-        """Every part's rows, in the order written; a part that cannot be read is a
-        ValueError naming it."""
+    def read(self, steps: range | None = None) -> Iterator[Packed]:
+        """Every part's rows, in the order written (``steps``: only those); a part that
+        cannot be read is a ValueError naming it."""
         _, pq = _pa()
+        only = None if steps is None else [("step", ">=", steps.start), ("step", "<", steps.stop)]
         for _, _, _, path in self.parts():
             try:
-                table = pq.read_table(path, schema=_schema())
+                table = pq.read_table(path, schema=_schema(), filters=only)
                 batch = packed_of(table)
             except (OSError, ValueError, TypeError, KeyError) as e:
                 raise ValueError(f"{path}: not a dtlab step file ({e})") from e

@@ -27,7 +27,7 @@ import json
 import os
 import struct
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -43,10 +43,13 @@ from dtlab.records.columns import StepColumns
 from dtlab.records.packed import Frame, Packed, join, pack, read_frame, unpack
 from dtlab.records.rank_records import RankRecords
 from dtlab.records.step_files import StepFiles
+from dtlab.records.summaries import Summaries, summarize
 
 FORMAT = "dtlab-trace/3"
 FORMATS = ("dtlab-trace/1", "dtlab-trace/2", FORMAT)  # what Trace.load reads
 PART_ROWS = 4096  # records kept in the journal before they become a Parquet part
+WINDOW = 2000  # steps of every rank a Trace with a run folder keeps in memory
+WINDOW_ENV = "DTLAB_WINDOW"  # sets WINDOW (steps; 0: keep every step in memory)
 JOURNAL = "journal.bin"
 JSON_JOURNAL = "journal.jsonl"  # format 2's
 _LENGTH = struct.Struct("<I")
@@ -96,8 +99,14 @@ class Trace:
         folder: str | os.PathLike | None = None,
         meta: Mapping | None = None,
         created: float | None = None,
+        window: int | None = None,
     ):
         self.jobs = dict(sorted(jobs.items()))
+        # steps kept in memory once the older ones are in the run folder (0: all of them)
+        self.window = _window() if window is None else window
+        self.history = Summaries()  # one row per step the window left behind
+        self.first_step = 1  # the first step whose records are in memory
+        self._format = FORMAT  # how its run folder holds the records (a loaded one's own)
         self.meta = dict(meta or {})
         self.created = time.time() if created is None else created
         self.records: dict[int, RankRecords] = {rank: RankRecords() for rank in self.jobs}
@@ -143,7 +152,14 @@ class Trace:
         return min(recs.last_step for recs in self.records.values())
 
     def at(self, step: int) -> dict[int, StepRecord]:
-        """``{rank: record}`` of one step, for the ranks that recorded it."""
+        """``{rank: record}`` of one step, for the ranks that recorded it (read back from the
+        run folder when the window has moved past it)."""
+        if step < self.first_step:
+            return {
+                rank: recs[0]
+                for rank, recs in self.read_steps(range(step, step + 1)).records.items()
+                if len(recs)
+            }
         found = {}
         for rank, recs in self.records.items():
             for rec in reversed(recs):
@@ -210,12 +226,66 @@ class Trace:
             for frame in self._pending[self._journaled :]:  # as they came
                 out.write(_LENGTH.pack(len(frame.data)) + frame.data)
         self._journaled = len(self._pending)
+        self._slide()
 
     def _write_part(self) -> None:
         assert self._files is not None
         pending, self._pending, self._journaled, self._pending_rows = self._pending, [], 0, 0
         self._files.write(join(pending))
         (self._files.folder / JOURNAL).unlink(missing_ok=True)  # its rows are in the part
+        self._slide()
+
+    def _slide(self) -> None:
+        """Forget the steps before the last ``window`` once they are all in the run folder
+        (after a flush), leaving their summaries in ``history``. It slides a quarter
+        window at a time, so the columns are compacted every window/4 steps, not every step."""
+        if not self.window or not self._all_on_disk():
+            return
+        last = max((recs.last_step for recs in self.records.values()), default=0)
+        if last - self.first_step + 1 <= self.window + max(1, self.window // 4):
+            return
+        through = last - self.window
+        self.history.add(self.columns.drop_through(through))
+        for recs in self.records.values():
+            recs.drop_through(through)
+        self.first_step = through + 1
+
+    def _all_on_disk(self) -> bool:
+        """Does the run folder hold every record in memory (in a form read_steps reads)?"""
+        if self.folder is None or self._format != FORMAT:
+            return False
+        if self._files is None:  # loaded, or closed: nothing waits to be written
+            return not self._pending
+        return self._journaled == len(self._pending)
+
+    @property
+    def whole(self) -> bool:
+        """Every step recorded is in memory (the window has not moved)."""
+        return len(self.history) == 0 and self.first_step == 1
+
+    def summaries(self) -> np.ndarray:
+        """One SUMMARY row per step of the whole run (:mod:`dtlab.records.summaries`): the
+        steps the window left, then those in memory."""
+        window = summarize(self.columns.rows())
+        if len(self.history):
+            window = window[window["step"] > self.history.last_step]
+        return np.concatenate([self.history.rows(), window])
+
+    def read_steps(self, steps: range) -> Trace:
+        """The records of ``steps`` as a Trace of their own (no folder): from memory when
+        the window holds them, else read back from the run folder."""
+        steps = range(max(steps.start, 1), steps.stop)
+        part = Trace(self.jobs, meta=self.meta, created=self.created)
+        if steps.start >= self.first_step or self.folder is None or self._format != FORMAT:
+            for rank, recs in self.records.items():
+                part.add(rank, recs.between(steps.start, steps.stop))
+            return part
+        self.flush()  # what is in memory, in the folder too
+        for batch in _batches(self.folder, steps):
+            part._add_mixed(
+                batch.take((batch.rows["step"] >= steps.start) & (batch.rows["step"] < steps.stop))
+            )
+        return part
 
     def close(self) -> None:
         """Write what is left as a part (no journal stays behind)."""
@@ -240,13 +310,13 @@ class Trace:
 
     def to_dataframe(self, steps: range | None = None):
         """The records as a pandas DataFrame, one row per (rank, step); ``steps``: only
-        those (e.g. ``range(100, 200)``)."""
+        those (e.g. ``range(100, 200)``; read back from the run folder where the window has
+        moved past them). Without ``steps``: the steps in memory (``trace.first_step`` on)."""
         import pandas as pd
 
-        rows = self.to_records()
         if steps is not None:
-            rows = [row for row in rows if row["step"] in steps]
-        return pd.DataFrame.from_records(rows)
+            return pd.DataFrame.from_records(self.read_steps(steps).to_records())
+        return pd.DataFrame.from_records(self.to_records())
 
     # --- files --------------------------------------------------------------------------
     def _write_header(self) -> None:
@@ -287,16 +357,24 @@ class Trace:
 
     def save(self, folder: str | os.PathLike) -> Path:
         """Write the whole trace to ``folder`` (a copy; this trace keeps its own folder)."""
-        copy = Trace(self.jobs, folder=folder, meta=self.meta, created=self.created)
+        copy = Trace(
+            self.jobs, folder=folder, meta=self.meta, created=self.created, window=self.window
+        )
+        if not self.whole and self.folder is not None:
+            self.flush()
+            for batch in _batches(self.folder, range(1, self.last_step + 1)):
+                copy._add_mixed(batch)
+                copy.flush()  # part by part: the copy's window bounds its memory too
         for rank, recs in self.records.items():
-            copy.add(rank, recs)
+            copy.add(rank, recs)  # (steps it has are ignored)
         copy.keep_checks(self.checks)
         copy.close()
         return Path(folder)
 
     @classmethod
-    def load(cls, folder: str | os.PathLike) -> Trace:
-        """Read a run folder written by dtlab; raises ValueError naming what is wrong."""
+    def load(cls, folder: str | os.PathLike, *, window: int | None = None) -> Trace:
+        """Read a run folder written by dtlab (the last ``window`` steps into memory, as a
+        live Trace keeps them); raises ValueError naming what is wrong."""
         folder = Path(folder)
         header_path = folder / "trace.json"
         if not header_path.is_file():
@@ -309,11 +387,12 @@ class Trace:
             )
         lists = header.get("params") or []
         jobs = {int(r): job_from_json(j, lists) for r, j in header["jobs"].items()}
-        trace = cls(jobs, meta=header.get("meta"), created=header.get("created"))
-        trace.folder = folder
+        trace = cls(jobs, meta=header.get("meta"), created=header.get("created"), window=window)
+        trace.folder, trace._format = folder, header["format"]
         if header["format"] != "dtlab-trace/1":
             for part in StepFiles(folder).read():
                 trace._add_mixed(part)
+                trace._slide()  # a long run's parts, one by one, in bounded memory
         # the records since the last part (a repeat is ignored)
         journal = folder / "steps" / JOURNAL
         if journal.is_file():
@@ -329,7 +408,29 @@ class Trace:
         return trace
 
 
-def _read_journal(trace: Trace, journal: Path) -> None:
+def _window() -> int:
+    text = os.environ.get(WINDOW_ENV, "").strip()
+    if not text:
+        return WINDOW
+    try:
+        steps = int(text)
+    except ValueError:
+        raise ValueError(f"${WINDOW_ENV}={text!r}: give a number of steps (0: keep all)") from None
+    if steps < 0:
+        raise ValueError(f"${WINDOW_ENV}={text!r}: give a number of steps >= 0 (0: keep all)")
+    return steps
+
+
+def _batches(folder: Path, steps: range) -> Iterator[Packed]:
+    """The rows of a run folder (format 3) that may hold ``steps``, part by part, then the
+    journal's batches."""
+    yield from StepFiles(folder).read(steps)
+    journal = folder / "steps" / JOURNAL
+    if journal.is_file():
+        yield from _journal_batches(journal)
+
+
+def _journal_batches(journal: Path) -> Iterator[Packed]:
     data = journal.read_bytes()
     at = 0
     while at < len(data):
@@ -342,8 +443,13 @@ def _read_journal(trace: Trace, journal: Path) -> None:
             batch = unpack(data[at + _LENGTH.size : at + _LENGTH.size + size])
         except ValueError as e:
             raise ValueError(f"{journal}: byte {at}: not a batch of step records ({e})") from e
-        trace._add_mixed(batch)
+        yield batch
         at += _LENGTH.size + size
+
+
+def _read_journal(trace: Trace, journal: Path) -> None:
+    for batch in _journal_batches(journal):
+        trace._add_mixed(batch)
 
 
 def _read_json_lines(trace: Trace, path: Path) -> None:

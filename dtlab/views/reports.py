@@ -149,6 +149,9 @@ def doctor_summary(results: Sequence) -> str:
         lines.append(f"{len(findings)} finding(s) ({counts}), most severe first:")
         for number, f in enumerate(findings, 1):
             lines.append(f"{number}. [{f.severity}] {f.summary}{_since(f)}")
+    for r in results:
+        if r.check == "earlier_steps":  # a long run: the window has moved
+            lines.append(f"earlier steps: read from {r.looked_at}")
     for r in unchecked:
         why = r.passed_because.removeprefix("not checked: ")
         lines.append(
