@@ -61,7 +61,7 @@ def job(rank: int) -> JobInfo:
     )
 
 
-def frame(rank: int, first: int, count: int, parts_at: int) -> bytes:
+def frame(rank: int, ranks: int, first: int, count: int, parts_at: int) -> bytes:
     """A rank's packed rows for steps ``first`` .. ``first + count - 1``."""
     steps = np.arange(first, first + count, dtype=np.int64)
     rows = np.zeros(count, dtype=ROW)
@@ -87,7 +87,8 @@ def frame(rank: int, first: int, count: int, parts_at: int) -> bytes:
     rows["num_unreached"], rows["comm_calls"], rows["comm_bytes"] = -1, -1, -1
     # None: scale, the CUDA bytes, comm calls and bytes, unreached (bits as in NULLABLE)
     rows["nulls"] = (1 << 1) | (1 << 3) | (1 << 4) | (1 << 5) | (1 << 7) | (1 << 8) | (1 << 9)
-    base = (steps[:, None] * 1000 + rank * INDICES + np.arange(INDICES)).reshape(-1)
+    # a DistributedSampler's shard: every rank reads its own samples, none twice an epoch
+    base = (steps[:, None] * ranks * INDICES + rank * INDICES + np.arange(INDICES)).reshape(-1)
     return Packed(rows, base.astype(np.int64)).to_bytes()
 
 
@@ -97,7 +98,7 @@ def measure(ranks: int, steps: int, window: int, run: int, out) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         warm = Trace({r: job(r) for r in range(2)}, folder=Path(tmp) / "warm")  # imports
         for rank in range(2):
-            warm.add_packed(rank, frame(rank, 1, 20, 10))
+            warm.add_packed(rank, frame(rank, 2, 1, 20, 10))
         warm.close()
         run_checks(Evidence(records=warm.records, names=warm.param_names, jobs=warm.jobs))
         del warm
@@ -107,7 +108,7 @@ def measure(ranks: int, steps: int, window: int, run: int, out) -> None:
         for first in range(1, steps + 1, run):
             count = min(run, steps - first + 1)
             for rank in range(ranks):
-                trace.add_packed(rank, frame(rank, first, count, parts_at))
+                trace.add_packed(rank, frame(rank, ranks, first, count, parts_at))
             trace.flush()
         took = time.perf_counter() - t0
         held = proc.memory_info().rss - before

@@ -20,6 +20,7 @@ module                    holds
 ``records.packed``        a batch of step records as binary rows: the wire's frames
 ``records.rank_records``  a rank's records, made into objects only when read
 ``records.columns``       every rank's rows as columns (what the doctor reads)
+``records.summaries``     one row per step across ranks (the steps a Trace's window left)
 ``records.step_files``    a run folder's rows as Parquet parts
 ``records.trace``         a job's step records by rank, in memory and in a run folder
 ``records.checkpoints``   checkpoint folders on disk: names, manifest, checksums, catalogue

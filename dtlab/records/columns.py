@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from dtlab.records.packed import Frame, join
+from dtlab.records.packed import Frame, Packed, join
 from dtlab.records.row import NULLABLE, ROW, TIME_FIELDS, row_of
 from dtlab.records.steps import StepRecord
 
@@ -202,6 +202,27 @@ class StepColumns:
             self._size = len(merged)
         self._settled = self._size
 
+    def find(self, rank: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row ``(rank, step)`` (an array of one, ``indices_at`` 0) and its sample indices;
+        KeyError if there is none."""
+        rows = self.rows()
+        lo, hi = np.searchsorted(rows["step"], [step, step + 1])
+        k = int(lo + np.searchsorted(rows["rank"][lo:hi], rank))
+        if k >= hi or rows["rank"][k] != rank:
+            raise KeyError(f"no record of rank {rank} at step {step} in memory")
+        row = rows[k : k + 1].copy()
+        at, n = int(row["indices_at"][0]), int(row["num_indices"][0])
+        row["indices_at"] = 0
+        return row, self.indices()[at : at + n].copy()
+
+    def rank_batch(self, rank: int) -> Packed:
+        """Every row of ``rank`` in step order, with its sample indices (no extras)."""
+        rows = self.rows()
+        mine = rows[rows["rank"] == rank]
+        indices, at = _compacted(mine, self.indices())
+        mine["indices_at"] = at
+        return Packed(mine, indices)
+
     def drop_through(self, step: int) -> np.ndarray:
         """Forget the rows of steps up to ``step`` (a Trace's bounded window: they are in its
         run folder); returns them (a copy, by step then rank). The arrays shrink to what
@@ -213,9 +234,10 @@ class StepColumns:
         gone, kept = rows[:cut].copy(), rows[cut:]
         indices, kept_at = _compacted(kept, self._indices[: self._indices_size])
         size = len(kept)
-        self._rows = _grown(kept, size, max(1024, 2 * size))
+        # room for a third more: a window slides by a quarter (growing past it doubles)
+        self._rows = _grown(kept, size, max(1024, size + size // 3))
         self._rows["indices_at"][:size] = kept_at
-        self._indices = _grown(indices, len(indices), max(8 * 1024, 2 * len(indices)))
+        self._indices = _grown(indices, len(indices), max(8 * 1024, len(indices) * 4 // 3))
         self._size = self._settled = size
         self._indices_size = len(indices)
         self._aligned = self._ranks = None

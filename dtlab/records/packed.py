@@ -173,6 +173,11 @@ class Frame:
     increasing: bool  # each row's step after the one before
 
 
+def frame_rows(frame: Frame) -> np.ndarray:
+    """The frame's rows, a read-only view into its bytes."""
+    return np.frombuffer(frame.data, dtype=ROW, count=frame.rows, offset=_HEADER.size)
+
+
 _NO_EXTRAS: dict[int, dict] = {}  # shared by every frame without extras (never changed)
 _ROW_KEYS = struct.Struct("<iq")  # rank, step: the row's first two fields
 _NUM_INDICES = struct.Struct("<i")

@@ -1,32 +1,46 @@
-"""One rank's step records in step order, kept as the frames they arrived in.
+"""One rank's step records in step order, made from the Trace's columns when read.
 
 A rank's records arrive as frames of packed rows (:mod:`dtlab.records.packed`); making a
 StepRecord of each as it comes would cost the notebook tens of microseconds per rank and
 step, most of them for records nobody reads one by one (the doctor and the figures read
-the columns). :class:`RankRecords` is a sequence of StepRecord that keeps the frames as
-they came and makes the record at a position the first time it is read (then keeps it).
+the columns). The rows themselves live once, in the Trace's :class:`StepColumns`; a
+:class:`RankRecords` keeps only each frame's steps (8 bytes a record) and its rare fields
+(extras), and makes the record at a position from its row the first time it is read (then
+keeps it).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Iterator, Sequence
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import numpy as np
 
-from dtlab.records.packed import Frame, Packed, join, read_frame
+from dtlab.records.packed import Frame, Packed, frame_rows
 from dtlab.records.steps import StepRecord
+
+if TYPE_CHECKING:
+    from dtlab.records.columns import StepColumns
 
 
 class RankRecords(Sequence[StepRecord]):
-    """A rank's records, steps strictly increasing: an older or repeated step is dropped."""
+    """A rank's records, steps strictly increasing: an older or repeated step is dropped.
+    Records that came in frames are read from ``columns`` (which holds their rows)."""
 
-    def __init__(self, records: Iterable[StepRecord] = ()) -> None:
+    def __init__(
+        self,
+        records: Iterable[StepRecord] = (),
+        *,
+        rank: int = 0,
+        columns: StepColumns | None = None,
+    ) -> None:
+        self.rank = rank
+        self.columns = columns
         self._made: list[StepRecord | None] = []  # by position; None: not made yet
         self._starts: list[int] = []  # the position of each frame's first row
-        self._frames: list[Frame] = []
-        self._rows: dict[int, Packed] = {}  # frames being read, as rows
+        self._steps: list[np.ndarray] = []  # each frame's steps
+        self._extras: list[dict[int, dict]] = []  # each frame's extras, by row
         self.last_step = 0
         self.dropped = 0  # records before the first kept (a Trace's window moved past them)
         for rec in records:
@@ -48,29 +62,32 @@ class RankRecords(Sequence[StepRecord]):
         return frame.increasing and frame.first_step > self.last_step
 
     def add_frame(self, frame: Frame) -> None:
-        """Add a frame whose rows are all :meth:`fresh`."""
-        if frame.rows:
-            self._starts.append(len(self._made))
-            self._frames.append(frame)
-            self._made.extend([None] * frame.rows)
-            self.last_step = frame.last_step
+        """Add a frame whose rows are all :meth:`fresh` (its rows go to the columns; this
+        keeps their steps and extras)."""
+        if not frame.rows:
+            return
+        if self.columns is None:
+            raise ValueError("records that come as frames need the Trace's columns")
+        self._starts.append(len(self._made))
+        self._steps.append(frame_rows(frame)["step"].copy())  # not a view: the bytes go
+        self._extras.append(frame.extras)
+        self._made.extend([None] * frame.rows)
+        self.last_step = frame.last_step
 
     def drop_through(self, step: int) -> int:
         """Forget the records of steps up to ``step``; returns how many went. Positions
         count from the first record kept."""
         k = f = 0  # positions and frames to drop
         while k < len(self._made):
-            if f < len(self._frames) and self._starts[f] == k:
-                frame = self._frames[f]
-                if frame.last_step <= step:
-                    k, f = k + frame.rows, f + 1
+            if f < len(self._starts) and self._starts[f] == k:
+                steps = self._steps[f]
+                if steps[-1] <= step:
+                    k, f = k + len(steps), f + 1
                     continue
-                if frame.first_step <= step:  # it straddles: a frame of its later rows
-                    rows = join([frame])
-                    later = rows.rows["step"] > step  # steps increase within a frame
-                    gone = int(frame.rows - later.sum())
-                    self._frames[f] = read_frame(rows.take(later).to_bytes())
-                    self._rows.pop(f, None)
+                gone = int(np.searchsorted(steps, step, side="right"))  # it straddles
+                if gone:
+                    self._steps[f] = steps[gone:].copy()
+                    self._extras[f] = {i - gone: v for i, v in self._extras[f].items() if i >= gone}
                     self._starts[f] += gone
                     k += gone
                 break
@@ -80,30 +97,10 @@ class RankRecords(Sequence[StepRecord]):
             k += 1
         if k:
             del self._made[:k]
-            self._frames = self._frames[f:]
             self._starts = [start - k for start in self._starts[f:]]
-            self._rows = {i - f: rows for i, rows in self._rows.items() if i >= f}
+            self._steps, self._extras = self._steps[f:], self._extras[f:]
             self.dropped += k
         return k
-
-    def between(self, first: int, stop: int) -> list[StepRecord]:
-        """The records of steps ``first`` up to (not including) ``stop``; only the frames
-        that hold some are read."""
-        found: list[StepRecord] = []
-        k = f = 0
-        while k < len(self._made):
-            if f < len(self._frames) and self._starts[f] == k:
-                frame = self._frames[f]
-                if frame.last_step >= first and frame.first_step < stop:
-                    made = (self._make(j) for j in range(k, k + frame.rows))
-                    found.extend(rec for rec in made if first <= rec.step < stop)
-                k, f = k + frame.rows, f + 1
-                continue
-            rec = self._made[k]
-            if rec is not None and first <= rec.step < stop:
-                found.append(rec)
-            k += 1
-        return found
 
     def new_rows(self, batch: Packed) -> Packed:
         """The rows of ``batch`` whose steps come after the last, each after the one before."""
@@ -111,16 +108,33 @@ class RankRecords(Sequence[StepRecord]):
         before = np.maximum.accumulate(np.r_[self.last_step, steps[:-1]]) if len(steps) else steps
         return batch.take(steps > before)
 
+    def between(self, first: int, stop: int) -> list[StepRecord]:
+        """The records of steps ``first`` up to (not including) ``stop``; only the frames
+        that hold some are read."""
+        found: list[StepRecord] = []
+        k = f = 0
+        while k < len(self._made):
+            if f < len(self._starts) and self._starts[f] == k:
+                steps = self._steps[f]
+                lo, hi = np.searchsorted(steps, [first, stop])
+                found.extend(self._make(k + j) for j in range(int(lo), int(hi)))
+                k, f = k + len(steps), f + 1
+                continue
+            rec = self._made[k]
+            if rec is not None and first <= rec.step < stop:
+                found.append(rec)
+            k += 1
+        return found
+
     def _make(self, i: int) -> StepRecord:
         rec = self._made[i]
         if rec is None:
             f = bisect.bisect_right(self._starts, i) - 1
-            rows = self._rows.get(f)
-            if rows is None:
-                rows = self._rows[f] = join([self._frames[f]])
-                if len(self._rows) > 64:  # frames read long ago: made again if asked
-                    del self._rows[next(iter(self._rows))]
-            rec = self._made[i] = rows.record(i - self._starts[f])
+            j = i - self._starts[f]
+            assert self.columns is not None  # add_frame checked it
+            row, indices = self.columns.find(self.rank, int(self._steps[f][j]))
+            extras = {0: self._extras[f][j]} if j in self._extras[f] else {}
+            rec = self._made[i] = Packed(row, indices, extras).record(0)
         return rec
 
     @overload
@@ -137,19 +151,21 @@ class RankRecords(Sequence[StepRecord]):
         return self._make(i)
 
     def __iter__(self) -> Iterator[StepRecord]:
-        if self._frames:
+        if self._starts and any(rec is None for rec in self._made):
             self._make_all()
         return iter(list(self._made))  # type: ignore[arg-type]  # every one made
 
     def _make_all(self) -> None:
-        """Every record not made yet, in one pass over every frame; the frames go."""
-        made, k = join(self._frames).records(), 0
-        for start, frame in zip(self._starts, self._frames, strict=True):
-            for j in range(frame.rows):
+        """Every record not made yet, from this rank's rows in one pass."""
+        assert self.columns is not None
+        batch = self.columns.rank_batch(self.rank)
+        at = {int(s): n for n, s in enumerate(batch.rows["step"].tolist())}
+        for start, steps, extras in zip(self._starts, self._steps, self._extras, strict=True):
+            for j, step in enumerate(steps.tolist()):
                 if self._made[start + j] is None:
-                    self._made[start + j] = made[k + j]
-            k += frame.rows
-        self._frames, self._starts, self._rows = [], [], {}
+                    n = at[step]
+                    batch.extras[n] = extras[j] if j in extras else {}
+                    self._made[start + j] = batch.record(n)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Sequence) and not isinstance(other, str):

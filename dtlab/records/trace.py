@@ -109,8 +109,8 @@ class Trace:
         self._format = FORMAT  # how its run folder holds the records (a loaded one's own)
         self.meta = dict(meta or {})
         self.created = time.time() if created is None else created
-        self.records: dict[int, RankRecords] = {rank: RankRecords() for rank in self.jobs}
-        self.columns = StepColumns()  # the same records' numbers, as columns (the doctor's)
+        self.columns = StepColumns()  # the records' numbers, as columns (the doctor's)
+        self.records: dict[int, RankRecords] = {rank: self._mine(rank) for rank in self.jobs}
         self.checks: list = []  # the last %dt_doctor results (CheckResult), kept with the run
         self.folder = Path(folder) if folder is not None else None
         self._pending: list[Frame] = []  # records not yet in a part, frame by frame
@@ -124,8 +124,11 @@ class Trace:
     def empty(cls, ranks) -> Trace:
         """A trace with no job and no steps yet (for views made before the first step)."""
         trace = cls({})
-        trace.records = {rank: RankRecords() for rank in ranks}
+        trace.records = {rank: trace._mine(rank) for rank in ranks}
         return trace
+
+    def _mine(self, rank: int) -> RankRecords:
+        return RankRecords(rank=rank, columns=self.columns)
 
     # --- what it holds ------------------------------------------------------------------
     @property
@@ -180,7 +183,9 @@ class Trace:
     # --- growing it ---------------------------------------------------------------------
     def add(self, rank: int, records: Iterable[StepRecord]) -> None:
         """Append a rank's new records (older or repeated steps are ignored)."""
-        mine = self.records.setdefault(rank, RankRecords())
+        mine = self.records.get(rank)
+        if mine is None:
+            mine = self.records[rank] = self._mine(rank)
         added = [rec for rec in records if mine.append(rec)]
         if added:
             self.columns.extend(rank, added)
@@ -193,7 +198,9 @@ class Trace:
         """Append the records of a rank's reply: a frame of packed rows as it came (one that
         is not one, or holds another rank's records, is a ValueError and adds nothing)."""
         frame = read_frame(data, rank)
-        mine = self.records.setdefault(rank, RankRecords())
+        mine = self.records.get(rank)
+        if mine is None:
+            mine = self.records[rank] = self._mine(rank)
         if not mine.fresh(frame):  # older or repeated steps among them: those are dropped
             batch = mine.new_rows(join([frame]))
             if not len(batch):
