@@ -31,6 +31,10 @@ import numpy as np
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from doctor_scale import PARAMS  # noqa: E402
+from doctor_scale import job as simulated_job  # noqa: E402
 
 from dtlab.analysis.doctor import all_findings, run_checks  # noqa: E402
 from dtlab.records import Evidence, JobInfo, ParamInfo  # noqa: E402
@@ -39,7 +43,6 @@ from dtlab.records.row import ROW  # noqa: E402
 from dtlab.records.summaries import SUMMARY  # noqa: E402
 from dtlab.records.trace import Trace  # noqa: E402
 
-PARAMS = 300
 INDICES = 16  # sample ids a rank reads in a step
 ODD_RANK = 3
 
@@ -48,17 +51,7 @@ def job(rank: int) -> JobInfo:
     params = tuple(
         ParamInfo(f"layers.{i}.weight", (64, 64), "float32", 4096) for i in range(PARAMS)
     )
-    return JobInfo(
-        rank=rank,
-        model="Sim",
-        wrapper="DistributedDataParallel",
-        optimizer="AdamW",
-        scheduler=None,
-        scaler=False,
-        params=params,
-        record=True,
-        capacity=1000,
-    )
+    return simulated_job(rank, params)
 
 
 def frame(rank: int, ranks: int, first: int, count: int, parts_at: int) -> bytes:
