@@ -160,3 +160,20 @@ def test_fingerprints_of_zeros_sparse_and_strided_tensors():
     assert norms[0] == pytest.approx(5**0.5) and nonfinite == [0, 0] and missing == [1]
     wide = torch.randn(4, 6)
     assert recorder.fingerprint(wide.t()) == recorder.fingerprint(wide.t().contiguous())
+
+
+def test_the_accelerator_fingerprint_tells_changes_apart_and_reads_back_once():
+    """device_prints is what a GPU rank uses (a weighted sum of the bits, one read-back);
+    its arithmetic is the same on the CPU, where it can be checked here."""
+    a = torch.randn(33, 17)
+    b = a.clone()
+    b[5, 2] = torch.nextafter(b[5, 2], torch.tensor(math.inf))
+    square = torch.randn(8, 8)
+    tensors = [a, a.clone(), b, square, square.t(), torch.ones(3), torch.full((3,), 2.0)]
+    prints = recorder.device_prints(tensors)
+    assert prints == [recorder.device_prints([t])[0] for t in tensors]  # batched = one by one
+    assert prints[0] == prints[1] and prints[0] != prints[2]
+    assert prints[3] != prints[4] and prints[5] != prints[6] and 0 not in prints
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        x = a.to(dtype)
+        assert recorder.device_prints([x])[0] != recorder.device_prints([-x])[0]
