@@ -18,6 +18,7 @@ from dtlab.views.partition_figures import (
     stage_blocks,
     stage_colour,
 )
+from dtlab.views.partition_tables import balance_table
 
 MIB = 1024 * 1024
 PLAN = Plan(blocks=("embed", "blocks.0", "blocks.1", "blocks.2", "head"), bounds=(0, 2, 4, 5))
@@ -107,6 +108,14 @@ def test_balance_title_says_measured_step_bubble_and_imbalance():
     # imbalance: 45 ms against a mean of 35 ms; a line of its own, so it is not clipped
     facts = title.subtitle.text
     assert "step 120.0 ms" in facts and "bubble 25%" in facts and "imbalance 1.29x" in facts
+
+
+@pytest.mark.parametrize("n, text", [(1, "1 micro-batch"), (4, "4 micro-batches")])
+def test_balance_title_and_table_count_micro_batches_in_words(n, text):
+    one_or_more = replace(profiled(), microbatches=n)
+    assert balance_figure(one_or_more).layout.title.text == f"Measured balance (1f1b, {text})"
+    note = balance_table(one_or_more).notes[0]
+    assert note.startswith(f"measured: 1f1b, {text};"), note
 
 
 def test_balance_figure_memory_stacks_in_mib():

@@ -22,7 +22,7 @@ from dtlab.analysis.balance import Balance, StageBalance
 from dtlab.records import Plan
 from dtlab.records.stages import BlockCost, ScheduleEvent
 from dtlab.views.figures import _PHASE_COLORS, MIB, PHASES, TEMPLATE, _layout
-from dtlab.views.partition_tables import balance_facts
+from dtlab.views.partition_tables import balance_facts, microbatches_text
 
 # Not the rank palette: a stage is not a rank, and a figure that shows both should not
 # suggest "stage 2 is rank 2" by colour. Safe is colour-blind safe.
@@ -70,7 +70,7 @@ def _summary(balance: Balance) -> tuple[str, str]:
     two lines, so that neither is clipped in a notebook-wide figure."""
     kind = "Measured" if balance.measured else "Predicted"
     facts = balance_facts(balance)
-    head = f"{kind} balance ({balance.schedule}, {balance.microbatches} micro-batches)"
+    head = f"{kind} balance ({balance.schedule}, {microbatches_text(balance.microbatches)})"
     return head, ", ".join(facts) or NOT_PROFILED
 
 

@@ -40,7 +40,7 @@ def balance_table(balance, recent: Spread | None = None) -> Table:
     )
     kind = "measured" if balance.measured else "predicted"
     facts = [
-        f"{balance.schedule}, {balance.microbatches} micro-batches",
+        f"{balance.schedule}, {microbatches_text(balance.microbatches)}",
         *balance_facts(balance, "slowest stage / mean"),
     ]
     notes = [f"{kind}: " + "; ".join(facts)]
@@ -64,6 +64,11 @@ def balance_table(balance, recent: Spread | None = None) -> Table:
         "bwd ms/mb",
     )
     return Table("pipeline stages", headers, rows, tuple(notes))
+
+
+def microbatches_text(n: int) -> str:
+    """``1 micro-batch``, ``4 micro-batches``."""
+    return f"{n} micro-batch" if n == 1 else f"{n} micro-batches"
 
 
 def balance_facts(balance, imbalance: str = "imbalance") -> list[str]:
