@@ -81,6 +81,8 @@ class Run:
         self.give_up_reason: str | None = None
         self.step_by_rank: dict[int, int] = {}
         self.unsent: set[int] = set()  # ranks whose stepping socket was gone at the start
+        self._stall: float | None = None  # the stall limit, as last read
+        self._stall_read = 0.0
 
     def could_not_send(self, ranks: Iterable[int]) -> None:
         """The run did not reach ``ranks``: a killed engine closes its socket before the
@@ -131,13 +133,20 @@ class Run:
         quiet = now - self.last_reply
         if self.timeout is not None and now - self.started > self.timeout:
             self._timed_out(f"timed out after {self.timeout:g} s", quiet > STALLED_S)
-        elif self.timeout is None and quiet > self.host.stall_limit() and now > self.next_look:
-            self.next_look = now + self.host.stall_limit()  # slow, not hung: look later
+        elif self.timeout is None and quiet > self._stall_limit(now) and now > self.next_look:
+            self.next_look = now + self._stall_limit(now)  # slow, not hung: look later
             self._timed_out(f"no step finished for {quiet:.0f} s", True, pause=False)
         if interrupts >= 1:
             self.ask_pause("interrupted")
         if interrupts >= 2:
             self.give_up_reason = "interrupted twice"
+
+    def _stall_limit(self, now: float) -> float:
+        """The host's stall limit, read again at most every CHECK_EVERY_S: it reads the last
+        steps' times, and a run checks after every reply (8 a step at 8 ranks)."""
+        if self._stall is None or now - self._stall_read >= CHECK_EVERY_S:
+            self._stall, self._stall_read = self.host.stall_limit(), now
+        return self._stall
 
     def _timed_out(self, reason: str, stalled: bool, pause: bool = True) -> None:
         """Ranks still stepping are asked to pause. Stalled ones are asked (out of band)
