@@ -58,6 +58,8 @@ def test_a_zero2_script_with_accumulation_steps_at_deepspeeds_boundaries(live4, 
     status = dt.run_script(str(SCRIPTS / "ds_zero.py"), [*args, "--out", str(tmp_path / "dt")])
     assert status.wrapper == "DeepSpeedEngine" and status.model == "Sequential"
     assert set(status.backward_calls.values()) == {2}  # paused before the first update
+    argv = dt.run(_script_argv)  # as the deepspeed launcher passes it
+    assert {rank: a[1] for rank, a in argv.items()} == {r: f"--local_rank={r}" for r in range(4)}
     dt.step(3)
     info = dt.trace.jobs[0]
     assert [p.name for p in info.params] == ["0.weight", "0.bias", "2.weight", "2.bias"]
@@ -138,3 +140,9 @@ def test_zero_1_and_3_step_like_torchrun_with_whole_parameters_recorded(live4, t
     assert untimed(dt.doctor()) == []  # a 577-parameter model mostly waits on its data
     dt.continue_script()
     assert losses_in(tmp_path / "dt") == losses_in(tmp_path / "torchrun")
+
+
+def _script_argv() -> list[str]:
+    from dtlab.agent.state import RANK
+
+    return RANK.script_run.argv

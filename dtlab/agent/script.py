@@ -101,7 +101,7 @@ class ScriptRun:
             raise FileNotFoundError(f"--cwd {cwd!r} is not a folder on this rank")
         self.path = os.path.abspath(os.path.join(self.cwd, path))
         self.code = _compile(self.path)
-        self.argv = [path, *argv]
+        self.argv = [path, *launcher_args(_source(self.path), argv)]
         self.record = record
         self.module = types.ModuleType("__main__")
         self.module.__dict__.update(
@@ -328,6 +328,26 @@ def _source(path: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not a Python script (not UTF-8 text: {e})") from None
+
+
+LOCAL_RANK_OPTIONS = ("--local_rank", "--local-rank")
+DEEPSPEED_OPTIONS = ("--deepspeed", "--deepspeed_config", "--deepspeed-config")
+
+
+def launcher_args(source: str, argv: list[str]) -> list[str]:
+    """The script's arguments as the ``deepspeed`` launcher gives them: a command line
+    with DeepSpeed's own options (``--deepspeed``, ``--deepspeed_config``) to a script
+    that declares ``--local_rank`` gets ``--local_rank=<LOCAL_RANK>`` first, unless it
+    has one already; scripts written for that launcher read it (e.g.
+    ``torch.cuda.set_device(args.local_rank)``, where its default -1 fails). Any other
+    command line is the script's own, as under torchrun (which sets LOCAL_RANK only)."""
+    options = {arg.split("=", 1)[0] for arg in argv}
+    if not options & set(DEEPSPEED_OPTIONS) or options & set(LOCAL_RANK_OPTIONS):
+        return list(argv)
+    declared = [o for o in LOCAL_RANK_OPTIONS if f'"{o}"' in source or f"'{o}'" in source]
+    if not declared:
+        return list(argv)
+    return [f"{declared[0]}={os.environ.get('LOCAL_RANK', '0')}", *argv]
 
 
 def _compile(path: str):
