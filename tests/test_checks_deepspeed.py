@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from dtlab.analysis.checks_deepspeed import check_deepspeed
+from dtlab.analysis.checks_deepspeed import check_deepspeed, fp16_scaler
+from dtlab.analysis.checks_training import check_numerics
 from dtlab.records import DeepSpeedInfo, Evidence
 from tests.fakes import job_info, step_record
 
@@ -92,3 +93,31 @@ def test_options_idle_for_the_stage_or_precision_in_use_are_advice():
     assert "zero_optimization.stage3_prefetch_bucket_size (ZeRO stage 3 only" in found.summary
     assert "fp16.loss_scale (fp16 is not enabled)" in found.summary
     assert "bf16" not in found.summary
+
+
+def test_the_fp16_scalers_floor_and_hysteresis_come_from_the_config():
+    fp16 = {**CONFIG, "fp16": {"enabled": True, "min_loss_scale": 8, "hysteresis": 4}}
+    assert fp16_scaler(ds(fp16, precision="fp16")) == (8.0, 4)
+    assert fp16_scaler(ds({**CONFIG, "fp16": {"enabled": True}}, precision="fp16")) == (1.0, 2)
+    static = {**CONFIG, "fp16": {"enabled": True, "loss_scale": 1024}}
+    assert fp16_scaler(ds(static, precision="fp16")) == (None, 2)  # nothing to collapse
+    assert fp16_scaler(ds(precision="bf16"))[0] is None
+    auto = {**CONFIG, "fp16": {"enabled": "auto", "min_loss_scale": "auto"}}
+    assert fp16_scaler(ds(auto, precision="fp16")) == (1.0, 2)
+
+
+def test_a_static_loss_scale_that_overflows_every_step_is_named_as_deepspeeds():
+    """fp16.loss_scale 1024: DeepSpeed skips each overflowing step and never lowers it."""
+    config = {**CONFIG, "fp16": {"enabled": True, "loss_scale": 1024}}
+    infos = {r: ds(config, precision="fp16") for r in range(2)}
+    records = {
+        r: [step_record(s, r, scale=1024.0, skipped=s >= 30) for s in range(1, 41)] for r in infos
+    }
+    jobs = {r: job_info(r, deepspeed=info) for r, info in infos.items()}
+    [found] = check_numerics(Evidence(records, ("w",), jobs=jobs)).findings
+    assert found.step == 30 and "floor" not in found.summary
+    assert found.summary.startswith(
+        "ranks 0-1: DeepSpeed's fp16 loss scaler skipped 11 steps, up to 11 in a row, from step "
+        "30 (every step since); scale 1024 at first, 1024 at least, 1024 now"
+    )
+    assert "OVERFLOW! Skipping step" in found.fix

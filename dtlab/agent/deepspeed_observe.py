@@ -64,14 +64,18 @@ def _engine_step(original):
         observer = RANK.observer
         if observer is None:
             return original(self, *args, **kwargs)
-        if _at_boundary(self):
+        boundary = _at_boundary(self)
+        if boundary:
             _before_update(observer, self)
         steps = self.global_steps
+        # the scale this step's backward passes used, as for a GradScaler: step() lowers it
+        # on overflow (DeepSpeed logs "Attempted loss scale: S, reducing to S/2")
+        scale = _loss_scale(self) if boundary else None
         t0 = time.perf_counter()
         out = original(self, *args, **kwargs)
         observer = RANK.observer  # read again: it may have been uninstalled meanwhile
         if observer is not None and self.global_steps != steps and observer.marker is self:
-            observer.last_scale = _loss_scale(self)
+            observer.last_scale = scale
             if not observer.explicit:
                 observer.optimizer_s = time.perf_counter() - t0
                 observer.steps_marked += 1
@@ -157,6 +161,9 @@ def held(params) -> list[torch.Tensor]:
 
 
 def _loss_scale(engine) -> float | None:
+    """The fp16 loss scale now: ZeRO's optimizers expose their DynamicLossScaler's as
+    ``cur_scale``, stage 0's FP16_Optimizer as ``loss_scale``; None without fp16 (bf16 and
+    fp32 scale nothing)."""
     if not engine.fp16_enabled():
         return None
     scale = getattr(engine.optimizer, "cur_scale", None)

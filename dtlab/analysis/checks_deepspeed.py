@@ -50,6 +50,34 @@ def _parsed(info: DeepSpeedInfo) -> dict[str, object]:
         return {}
 
 
+# DeepSpeed's fp16 defaults (runtime/precision_config.py): dynamic scaling unless
+# fp16.loss_scale > 0, a floor of min_loss_scale 1, and hysteresis 2 (the first overflow
+# after a scale-up only uses up hysteresis: the scale halves from the second one on)
+FP16_MIN_LOSS_SCALE = 1.0
+FP16_HYSTERESIS = 2
+
+
+def _number(value: object, default: float) -> float:
+    """A config value as a number (``default`` for "auto", a missing or odd one)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    try:
+        return float(value) if isinstance(value, str) else default
+    except ValueError:
+        return default
+
+
+def fp16_scaler(info: DeepSpeedInfo) -> tuple[float | None, int]:
+    """``(floor, hysteresis)`` of the rank's fp16 loss scaler as its ds_config sets them;
+    the floor is None when there is no dynamic scaler to collapse (fp16 off, or a static
+    ``fp16.loss_scale``)."""
+    flat = _parsed(info)
+    hysteresis = max(1, int(_number(flat.get("fp16.hysteresis"), FP16_HYSTERESIS)))
+    static = _number(flat.get("fp16.loss_scale"), 0.0) > 0
+    floor = _number(flat.get("fp16.min_loss_scale"), FP16_MIN_LOSS_SCALE)
+    return (None if info.precision != "fp16" or static else floor), hysteresis
+
+
 def _differences(infos: dict[int, DeepSpeedInfo]) -> dict[str, dict[int, object]]:
     """Config key -> value per rank, for the keys whose values are not the same on all."""
     flat = {rank: _parsed(info) for rank, info in infos.items()}

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from dtlab.analysis.checks_data import check_data_order
+from dtlab.analysis.checks_deepspeed import fp16_scaler
 from dtlab.analysis.evidence import shape_of
 from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.registry import check
@@ -25,9 +26,28 @@ from dtlab.records.row import NULLABLE
 
 Records = Mapping[int, Sequence[StepRecord]]
 
-MAX_SKIP_RUN = 2  # GradScaler: more skipped steps in a row than this ...
-SCALER_WARMUP_STEPS = 10  # ... unless the run ends while the scaler calibrates
+# A dynamic loss scaler (GradScaler, DeepSpeed's fp16 one) skips the step and halves its
+# scale on each overflow, and doubles it after a clean window (GradScaler's growth_interval
+# 2000, DeepSpeed's loss_scale_window 1000): once it found its level, a healthy one skips
+# about once per window (a run of 1, or 2 with DeepSpeed's hysteresis). So, per rank:
+MAX_SKIP_RUN = 2  # more skipped steps in a row than this ...
+# ... unless the scaler is calibrating: coming down from its initial scale at the start,
+# it may skip in the first 10 steps from 2**16, both scalers' default (10 halvings leave
+# 64; a scaler that must go lower has gradients over 65504/64 ~ 1e3), plus one step for
+# each power of 2 a higher initial scale adds (DeepSpeed's initial_scale_power) and its
+# hysteresis less one
+SCALER_WARMUP_STEPS = 10
+DEFAULT_INITIAL_SCALE = 2.0**16
+# more than half of any 20 steps skipped (calibration aside), however short the runs: over
+# 50x the rate of a healthy scaler even with a loss_scale_window as short as 100
+SKIP_WINDOW = 20
+# DeepSpeed: the scale at its floor (fp16.min_loss_scale) on 3 steps. It gets there only by
+# overflows and leaves only after a clean loss_scale_window (1000 steps), so it stays there:
+# gradients scaled by the floor alone (fp16 flushes small ones to 0), and under ZeRO the
+# next overflow ends the run ("Current loss scale already at minimum")
+FLOOR_STEPS = 3
 MIN_SCALE = 1.0  # a scale under 1 shrinks gradients: the overflow is not the scaler's
+HISTORY_ENTRIES = 32  # of the skipped runs and scale changes a finding carries
 LR_REL_TOL = 1e-12
 _SCALE_IS_NONE = 1 << NULLABLE.index("scale")  # the row's nulls bit: no scaler
 
@@ -43,6 +63,13 @@ SCALER_FIX = (
     "gradients overflow even at a small scale, so they are inf/nan before scaling: find the "
     "module that makes them and run it in fp32 (autocast(enabled=False)), or lower the LR"
 )
+DEEPSPEED_SCALER_FIX = (
+    'each step DeepSpeed logs as "OVERFLOW! Skipping step" made no update: the fp16 gradients '
+    "overflow even at a small scale, so they are inf/nan before scaling. Find the module that "
+    "makes them (dt.watch_modules() or %dt_run --until nonfinite names it) and keep it in fp32, "
+    'or lower the LR / add warm-up or gradient_clipping, or train in bf16 ("bf16": {"enabled": '
+    "true} needs no loss scale); raising fp16.min_loss_scale or hysteresis only hides it"
+)
 LR_FIX = (
     "build the optimizer and scheduler alike on every rank: look for an LR that depends on the "
     "rank, a scheduler stepped on some ranks only, a checkpoint loaded on one rank"
@@ -54,20 +81,22 @@ LR_FIX = (
 
 @check("numerics", order=70)
 def check_numerics(evidence: Evidence) -> CheckResult:
-    """The first non-finite loss or applied inf/nan gradient, and a GradScaler in trouble.
+    """The first non-finite loss or applied inf/nan gradient, and a loss scaler (GradScaler
+    or DeepSpeed's fp16 one) in trouble.
 
-    Gradients with inf/nan on a step the GradScaler skipped are its normal overflow check;
-    they count only through the scaler's history: more than 2 skips in a row (after the
-    first 10 steps of calibration) or a scale below 1.
+    Gradients with inf/nan on a step the scaler skipped are its normal overflow check; they
+    count only through the scaler's history: more than 2 skips in a row (calibration at the
+    start aside), more than half of any 20 steps skipped, a scale below 1, or DeepSpeed's
+    scale at its floor (fp16.min_loss_scale) on 3 steps or more.
     """
     records = evidence.records
     findings = _nonfinite_findings(records, evidence.step_columns.rows())
-    findings += _scaler_findings(evidence.per_rank, _scaler_name(evidence))
+    findings += _scaler_findings(evidence.per_rank, _scaler_name(evidence), _scalers(evidence))
     why = (
-        "every loss was finite, no step applied inf/nan gradients, and GradScaler (if any) "
-        "skipped no more steps than calibration does"
+        "every loss was finite, no step applied inf/nan gradients, and the loss scaler (if "
+        "any) skipped no more steps than calibration and an occasional overflow do"
     )
-    looked = f"{shape_of(records)} of losses, non-finite gradient counts and GradScaler scale"
+    looked = f"{shape_of(records)} of losses, non-finite gradient counts and loss scale"
     return CheckResult(
         "numerics",
         "Non-finite losses and gradients",
@@ -127,29 +156,92 @@ def _nonfinite_findings(records: Records, rows: np.ndarray) -> list[Finding]:
     return [Finding("numerics", ranks, summary, step, evidence, fix, "error")]
 
 
-def _scaler_trouble(rows: np.ndarray) -> dict | None:
-    """One rank's loss-scaler history from its rows (ROW, in step order)."""
-    skipped = rows["step"][rows["skipped"]].tolist()
-    runs: list[list[int]] = []  # [first, last] step of each run of consecutive skips
-    for s in skipped:
+def _runs(steps: list[int]) -> list[list[int]]:
+    """``[first, last]`` of each run of consecutive step numbers."""
+    runs: list[list[int]] = []
+    for s in steps:
         if runs and runs[-1][1] == s - 1:
             runs[-1][1] = s
         else:
             runs.append([s, s])
-    long = [a for a, b in runs if b - a + 1 > MAX_SKIP_RUN and b > SCALER_WARMUP_STEPS]
+    return runs
+
+
+def _calibration_steps(first_scale: float | None, hysteresis: int) -> int:
+    """The first steps, in which a healthy scaler may skip as it comes down from its first
+    scale (see SCALER_WARMUP_STEPS)."""
+    higher = 0
+    if first_scale is not None and first_scale > DEFAULT_INITIAL_SCALE:
+        higher = round(math.log2(first_scale / DEFAULT_INITIAL_SCALE))
+    return SCALER_WARMUP_STEPS + higher + hysteresis - 1
+
+
+def _fall_began(steps: list[int], scales: list[float], runs: list[list[int]], at: int) -> int:
+    """The step where the fall that brought the scale to ``scales[at]`` began: the first
+    skip before the earliest of the halvings that follow one another within SKIP_WINDOW
+    steps up to it (a healthy plateau between them ends the fall); ``steps[at]`` if none."""
+    halvings = [i for i in range(1, at + 1) if scales[i] < scales[i - 1]]
+    if not halvings:
+        return steps[at]
+    start = len(halvings) - 1
+    while start > 0 and steps[halvings[start]] - steps[halvings[start - 1]] <= SKIP_WINDOW:
+        start -= 1
+    dropped = steps[halvings[start]]  # the scale recorded is the one a step used: lower
+    for a, b in runs:  # after the step that overflowed (and its hysteresis skips before)
+        if a < dropped <= b + 1:
+            return a
+    return dropped
+
+
+def _scaler_trouble(
+    rows: np.ndarray, floor: float | None = None, hysteresis: int = 1
+) -> dict | None:
+    """One rank's loss-scaler history from its rows (ROW, in step order), or None when it
+    is healthy. ``floor``: DeepSpeed's min_loss_scale (None: no floor, a GradScaler);
+    ``hysteresis``: the overflows it takes before it halves (DeepSpeed's fp16.hysteresis)."""
+    steps = rows["step"].tolist()
+    skipped = rows["skipped"]
     has_scale = (rows["nulls"] & _SCALE_IS_NONE) == 0
     scaled_steps, scales = rows["step"][has_scale].tolist(), rows["scale"][has_scale].tolist()
-    low = [step for step, scale in zip(scaled_steps, scales, strict=True) if scale < MIN_SCALE]
-    if not long and not low:
+    first_scale = scales[0] if scales else None
+    calibration = _calibration_steps(first_scale, hysteresis)
+    runs = _runs(rows["step"][skipped].tolist())
+    calibrating = [(a, b) for a, b in runs if b <= calibration]
+    began = [a for a, b in runs if b - a + 1 > MAX_SKIP_RUN and (a, b) not in calibrating]
+    # more than half of any SKIP_WINDOW steps skipped, calibration's skips left out
+    counted = skipped & ~np.isin(rows["step"], [s for a, b in calibrating for s in range(a, b + 1)])
+    if len(counted) >= SKIP_WINDOW:
+        in_window = np.convolve(counted.astype(np.int64), np.ones(SKIP_WINDOW, np.int64), "valid")
+        if (over := np.flatnonzero(2 * in_window > SKIP_WINDOW)).size:
+            window = slice(int(over[0]), int(over[0]) + SKIP_WINDOW)
+            began.append(int(rows["step"][window][counted[window]][0]))
+    low = [i for i, scale in enumerate(scales) if scale < MIN_SCALE]
+    if low:
+        began.append(_fall_began(scaled_steps, scales, runs, low[0]))
+    at_floor = [i for i, scale in enumerate(scales) if floor is not None and scale <= floor]
+    if len(at_floor) >= FLOOR_STEPS:
+        began.append(_fall_began(scaled_steps, scales, runs, at_floor[0]))
+    if not began:
         return None
-    return {
-        "first_step": min(long + low[:1]),
-        "num_skipped": len(skipped),
-        "longest_run": max((b - a + 1 for a, b in runs), default=0),
-        "first_scale": scales[0] if scales else None,
+    first = min(began)
+    since = [(st, sc) for st, sc in zip(scaled_steps, scales, strict=True) if st >= first - 1]
+    changes = [(st, sc) for i, (st, sc) in enumerate(since) if i == 0 or sc != since[i - 1][1]]
+    later = [[max(a, first), b] for a, b in runs if b >= first]
+    trouble = {
+        "first_step": first,
+        "num_skipped": int(sum(b - a + 1 for a, b in later)),
+        "num_steps": sum(1 for st in steps if st >= first),
+        "longest_run": max((b - a + 1 for a, b in later), default=0),
+        "first_scale": first_scale,
         "min_scale": min(scales) if scales else None,
         "last_scale": scales[-1] if scales else None,
+        # the history since it began: runs of skipped steps, and (step, scale) where it moved
+        "skipped_runs": later[:HISTORY_ENTRIES],
+        "scale_changes": changes[:HISTORY_ENTRIES],
     }
+    if floor is not None:
+        trouble.update(floor=floor, steps_at_floor=len(at_floor))
+    return trouble
 
 
 def _scaler_name(evidence: Evidence) -> str:
@@ -159,8 +251,25 @@ def _scaler_name(evidence: Evidence) -> str:
     return "GradScaler"
 
 
-def _scaler_findings(per_rank: dict, scaler: str = "GradScaler") -> list[Finding]:
-    trouble = {r: t for r, rows in sorted(per_rank.items()) if (t := _scaler_trouble(rows))}
+def _scalers(evidence: Evidence) -> dict[int, tuple[float | None, int]]:
+    """``rank -> (floor, hysteresis)`` of DeepSpeed's fp16 loss scaler, from its ds_config."""
+    return {
+        r: fp16_scaler(job.deepspeed)
+        for r, job in evidence.jobs.items()
+        if job.deepspeed is not None
+    }
+
+
+def _scaler_findings(
+    per_rank: dict, scaler: str = "GradScaler", scalers: Mapping | None = None
+) -> list[Finding]:
+    """``scalers``: ``rank -> (floor, hysteresis)`` where DeepSpeed's (``_scalers``)."""
+    scalers = scalers or {}
+    trouble = {
+        r: t
+        for r, rows in sorted(per_rank.items())
+        if (t := _scaler_trouble(rows, *scalers.get(r, (None, 1))))
+    }
     if not trouble:
         return []
     ranks = tuple(trouble)
@@ -174,11 +283,21 @@ def _scaler_findings(per_rank: dict, scaler: str = "GradScaler") -> list[Finding
             f"{t['last_scale']:g} now"
         )
     )
+    if t.get("steps_at_floor"):
+        scale += (
+            f"; at its floor (fp16.min_loss_scale {t['floor']:g}) on {t['steps_at_floor']} steps"
+        )
+    share = (
+        "every step since"
+        if t["num_skipped"] == t["num_steps"]
+        else f"{t['num_skipped']} of the {t['num_steps']} steps since"
+    )
     summary = (
         f"{label_ranks(ranks)}: {scaler} skipped {t['num_skipped']} steps, up to "
-        f"{t['longest_run']} in a row, from step {step}{scale}"
+        f"{t['longest_run']} in a row, from step {step} ({share}){scale}"
     )
-    return [Finding("numerics", ranks, summary, step, {"scaler": trouble}, SCALER_FIX)]
+    fix = DEEPSPEED_SCALER_FIX if scalers else SCALER_FIX
+    return [Finding("numerics", ranks, summary, step, {"scaler": trouble}, fix)]
 
 
 # --- learning rate ------------------------------------------------------------------------
