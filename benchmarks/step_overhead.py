@@ -66,7 +66,10 @@ def torchrun_worker(steps: int) -> None:
     dist.barrier()
     elapsed = time.perf_counter() - start
     if dist.get_rank() == 0:
-        print(json.dumps({"step_ms": elapsed / steps * 1e3, "threads": torch.get_num_threads()}))
+        print(
+            json.dumps({"step_ms": elapsed / steps * 1e3, "threads": torch.get_num_threads()}),
+            flush=True,
+        )
     dist.destroy_process_group()
 
 
@@ -82,9 +85,15 @@ def measure_torchrun(n: int, steps: int) -> float:
         str(steps),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"torchrun failed:\n{proc.stderr[-3000:]}")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"torchrun failed:\n{proc.stderr[-3000:]}")
+    if proc.returncode != 0:  # after rank 0 reported: torch's teardown, not the loop
+        tail = proc.stderr.strip().splitlines()[-1:] or [""]
+        print(
+            f"  (torchrun exited {proc.returncode} after its timing: {tail[0][:120]})",
+            file=sys.stderr,
+        )
     return json.loads(lines[-1])["step_ms"]
 
 
@@ -163,6 +172,14 @@ def _median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
+def _ratio(runs: dict, key: str) -> str:
+    """Median / torchrun's median, with the range of the per-repeat ratios (each repeat
+    measured dtlab and torchrun back to back)."""
+    per = [d[key] / t for d, t in zip(runs["dtlab"], runs["torchrun"], strict=True)]
+    mid = _median_of(runs["dtlab"], key) / statistics.median(runs["torchrun"])
+    return f"{mid:.2f}x ({min(per):.2f}-{max(per):.2f})"
+
+
 def report(results: dict) -> str:
     lines = [
         "| N | torchrun ms/step | same loop in dtlab's engines | dtlab, recording off "
@@ -171,13 +188,20 @@ def report(results: dict) -> str:
     ]
     for n, runs in results.items():
         t = statistics.median(runs["torchrun"])
+        spread = f"{min(runs['torchrun']):.1f}-{max(runs['torchrun']):.1f}"
         med = functools.partial(_median_of, runs["dtlab"])
-        loop, off, default = med("engine_loop_ms"), med("off_ms"), med("default_ms")
+        overheads = [r["overhead_ms"] for r in runs["dtlab"]]
         lines.append(
-            f"| {n} | {t:.1f} | {loop:.1f} ({loop / t:.2f}x) | {off:.1f} ({off / t:.2f}x) "
-            f"| {default:.1f} ({default / t:.2f}x) | {med('overhead_ms'):.2f} ms "
+            f"| {n} | {t:.1f} ({spread}) | {med('engine_loop_ms'):.1f}: "
+            f"{_ratio(runs, 'engine_loop_ms')} | {med('off_ms'):.1f}: {_ratio(runs, 'off_ms')} "
+            f"| {med('default_ms'):.1f}: {_ratio(runs, 'default_ms')} "
+            f"| {med('overhead_ms'):.2f} ms ({min(overheads):.2f}-{max(overheads):.2f}) "
             f"| {med('ipyparallel_call_ms'):.1f} ms |"
         )
+    lines.append(
+        "\nmedians of the repeats; in brackets the range over repeats (ratios: of each "
+        "repeat's dtlab / torchrun, measured back to back)"
+    )
     return "\n".join(lines)
 
 
