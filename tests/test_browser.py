@@ -332,6 +332,7 @@ def _move_a_boundary_in_the_editor(nb: Lab, page) -> None:
         timeout=WAIT_S * 1000,
     )
     page.locator(".widget-html", has_text="moved 1 block(s)").scroll_into_view_if_needed()
+    nb.check_titles_fit()  # the measured balance's title with its numbers (once clipped)
     nb.shot("06-editor-applied.png")
 
 
@@ -348,6 +349,7 @@ def _open_the_report(nb: Lab, browser, work: Path, errors: list[str]) -> None:
     drawn = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')]
         .map(gd => gd.querySelectorAll('.trace, .barlayer .point, .scatterlayer path').length)""")
     assert drawn and all(n > 0 for n in drawn), drawn
+    Lab(page, errors).check_titles_fit()
     page.screenshot(path=str(SCREENSHOTS / "07-report.png"), full_page=True)
     page.close()
 
