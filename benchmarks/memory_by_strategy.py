@@ -116,68 +116,6 @@ MIB = 2**20
 
 
 # --- on each rank ---------------------------------------------------------------------------
-def local(tensor):
-    """A DTensor's local shard; any other tensor as it is."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
-
-
-class Held:
-    """Byte ranges of storages, each counted once however many tensors view it."""
-
-    def __init__(self) -> None:
-        self.ranges: dict[int, list[tuple[int, int]]] = {}
-
-    def add(self, tensor) -> None:
-        import torch
-
-        if not isinstance(tensor, torch.Tensor):
-            return
-        tensor = local(tensor)
-        if tensor.numel() == 0 or tensor.is_meta:
-            return
-        storage = tensor.untyped_storage()
-        if storage.nbytes() == 0:
-            return
-        size = tensor.element_size()
-        start = tensor.storage_offset() * size
-        # the span the tensor's elements reach (its numel when contiguous)
-        span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
-        self.ranges.setdefault(storage.data_ptr(), []).append((start, start + span * size))
-
-    def add_all(self, tensors) -> None:
-        for tensor in tensors:
-            self.add(tensor)
-
-    def merge(self, *others: Held) -> None:
-        for other in others:
-            for ptr, ranges in other.ranges.items():
-                self.ranges.setdefault(ptr, []).extend(ranges)
-
-    def covers(self) -> dict[int, list[tuple[int, int]]]:
-        merged = {}
-        for ptr, ranges in self.ranges.items():
-            out: list[tuple[int, int]] = []
-            for start, end in sorted(ranges):
-                if out and start <= out[-1][1]:
-                    out[-1] = (out[-1][0], max(out[-1][1], end))
-                else:
-                    out.append((start, end))
-            merged[ptr] = out
-        return merged
-
-    def nbytes(self, minus: Held | None = None) -> int:
-        """Bytes covered, less any covered by ``minus``."""
-        mine, theirs = self.covers(), minus.covers() if minus else {}
-        total = 0
-        for ptr, ranges in mine.items():
-            for start, end in ranges:
-                total += end - start
-                for a, b in theirs.get(ptr, ()):
-                    total -= max(0, min(end, b) - max(start, a))
-        return total
-
-
 def optimizer_state_tensors(optimizer):
     for state in optimizer.state.values():
         yield from state.values()
@@ -212,71 +150,38 @@ def walk_tensors(obj, seen: set[int], depth: int = 0):
 
 
 def measure_deepspeed(engine, stage: int) -> dict:
-    """Bytes held by a DeepSpeed engine (see the module docstring), with the parameter
+    """Bytes held by a DeepSpeed engine (see the module docstring), counted as dtlab's step
+    records count them (``dtlab.agent.deepspeed_observe.model_state``), with the parameter
     bytes also split into the model's own tensors, this rank's partition and the fp32
     master copy, each less what the ones before it already counted."""
-    zero = engine.optimizer
-    model_params = list(engine.module.parameters())
-    model, partition, master, grads = Held(), Held(), Held(), Held()
-    model.add_all(p.data for p in model_params)  # ZeRO-3: empty unless gathered
-    grads.add_all(p.grad for p in model_params)
-    grads.add_all(getattr(p, "grad_accum", None) for p in model_params)
+    from dtlab.agent.deepspeed_observe import Held, model_state
+
+    state = model_state(engine)
+    model, partition, params = state.model, state.partition, state.params()
     extra = {}
-    if stage in (1, 2):
-        model.add_all(zero.bit16_groups_flat)  # the model's parameters are views into it
-        for parts in zero.parallel_partitioned_bit16_groups:  # views into bit16_groups_flat
-            partition.add(parts[dist_rank()])
-        master.add_all(zero.single_partition_of_fp32_groups)
-        for group in zero.averaged_gradients.values():
-            grads.add_all(group or ())
-            grads.add(getattr(group, "flat_partition", None))
-        for group in zero.all_grad_tensors.values():
-            grads.add_all(group or ())
-        grads.add(zero.grads_in_partition)
-        grads.add_all(t.grad for t in zero.single_partition_of_fp32_groups)
-        buffers = [t for b in zero.ipg_buckets.values() for t in b.buffer]
-    else:
-        partition.add_all(p.ds_tensor for p in model_params)
-        partition.add_all(zero.fp16_partitioned_groups_flat)
-        master.add_all(zero.fp32_partitioned_groups_flat)
-        grads.add(zero.grad_partitions_flat_buffer)
-        for group in zero.averaged_gradients.values():
-            grads.add_all(group or ())
-        grads.add_all(t.grad for t in zero.fp32_partitioned_groups_flat)
-        buffers = [b.buffer for b in zero.ipg_buckets.values() if b.buffer is not None]
+    if stage == 3:
+        model_params = list(engine.module.parameters())
         persistent = [p for p in model_params if getattr(p, "ds_persist", False)]
         extra["zero3_persistent_params"] = sum(p.ds_numel for p in persistent)
         extra["zero3_gathered_params"] = sum(p.numel() for p in model_params)
-    extra["ds_buffer_reserved"] = sum(t.nbytes for t in buffers)
-    params = Held()
-    params.merge(model, partition, master)
+    extra["ds_buffer_reserved"] = sum(t.nbytes for t in state.buffers)
     extra["params_model"] = model.nbytes()
     extra["params_partition"] = partition.nbytes(minus=model)
     extra["params_master"] = params.nbytes() - extra["params_model"] - extra["params_partition"]
-    state = Held()
-    state.add_all(optimizer_state_tensors(zero.optimizer))
     counted, skip = Held(), Held()
-    counted.merge(params, grads, state)
-    skip.add_all(buffers)
+    counted.merge(params, state.grads, state.optimizer)
+    skip.add_all(state.buffers)
     skip.merge(counted)
     other = Held()
-    other.add_all(walk_tensors(zero, set()))
+    other.add_all(walk_tensors(engine.optimizer, set()))
     extra["ds_other"] = other.nbytes(minus=skip)
-    return {
-        "params": params.nbytes(),
-        "grads": grads.nbytes(),
-        "optimizer": state.nbytes(),
-        **extra,
-    }
-
-
-def dist_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank()
+    param_bytes, grad_bytes, optimizer_bytes = state.nbytes()
+    return {"params": param_bytes, "grads": grad_bytes, "optimizer": optimizer_bytes, **extra}
 
 
 def measure_torch(model, optimizer) -> dict:
+    from dtlab.agent.deepspeed_observe import Held
+
     params, grads, state = Held(), Held(), Held()
     for p in model.parameters():
         params.add(p)

@@ -101,7 +101,10 @@ def test_a_zero3_engine_records_whole_tensors_that_agree_across_ranks(live4, tmp
         assert len({getattr(rec, field) for rec in last.values()}) == 1, field
     assert all(p != 0 for p in last[0].grad_fingerprints)  # every gradient, whole
     full = 4 * sum(p.numel for p in info.params)
-    assert last[0].memory.param_bytes < full / 2  # each rank holds its partition
+    # each rank holds its partition (a quarter) and DeepSpeed's fp32 master copy of it,
+    # each padded by under one element per rank: not the whole model
+    held = last[0].memory.param_bytes
+    assert full / 2 <= held <= full / 2 + 2 * 4 * 4 and held < full, (held, full)
     first = dt.trace.records[0]
     assert first[0].param_fingerprint != first[-1].param_fingerprint  # the updates moved them
     assert untimed(dt.doctor()) == []

@@ -72,6 +72,7 @@ def test_a_zero2_script_with_accumulation_steps_at_deepspeeds_boundaries(live4, 
     lrs = [r.lr for r in recs]
     assert lrs == sorted(lrs) and 0 <= lrs[0] < lrs[-1] <= 0.001  # WarmupLR's, as used
     assert all(r.grad_norm > 0 for r in recs)  # full gradients, through DeepSpeed's accessor
+    check_memory(dt, stage=2)
     assert len({r.indices for r in (dt.trace.records[k][0] for k in range(4))}) == 4
     assert untimed(dt.doctor()) == []
     dt.step(2)
@@ -134,12 +135,35 @@ def test_zero_1_and_3_step_like_torchrun_with_whole_parameters_recorded(live4, t
         a.param_fingerprint != b.param_fingerprint for a, b in zip(recs, recs[1:], strict=False)
     ]
     assert moved == [b.lr > 0 for b in recs[1:]] and any(moved)  # WarmupLR starts at 0
-    full = 4 * sum(p.numel for p in info.params)
-    held = last[0].memory.param_bytes
-    assert held < full / 2 if stage == 3 else held == full  # ZeRO-3 holds its partition
+    check_memory(dt, stage)
     assert untimed(dt.doctor()) == []  # a 577-parameter model mostly waits on its data
     dt.continue_script()
     assert losses_in(tmp_path / "dt") == losses_in(tmp_path / "torchrun")
+
+
+def check_memory(dt, stage: int) -> None:
+    """Each rank's memory in its last record against the model's size P (fp32) on N ranks,
+    with Adam's two moments: ZeRO-1/2 hold the whole model plus the fp32 master copy of
+    their partition (P + P/N), ZeRO-3 its partition and the master copy (2P/N); the
+    gradients are the reduced partition (P/N) and the optimizer state the partition's
+    (2P/N). Off by padding only: DeepSpeed pads ZeRO-1/2's flat buffer to a multiple of 2N
+    elements and each parameter to a multiple of N under ZeRO-3, so a partition is at most
+    (parameters + 2N) elements over P/N."""
+    info = dt.trace.jobs[0]
+    n = info.deepspeed.dp_world
+    size = 4 * sum(p.numel for p in info.params)
+    pad = 4 * (len(info.params) + 2 * n) + 8  # and a step counter in the optimizer state
+    part = size / n
+    expected = {
+        "param": (2 * part, 2 * pad) if stage == 3 else (size + part, 2 * pad),
+        "grad": (part, pad),
+        "optimizer": (2 * part, 2 * pad),
+    }
+    for rank, recs in dt.trace.records.items():
+        memory = recs[-1].memory
+        for kind, (bytes_, slack) in expected.items():
+            got = getattr(memory, f"{kind}_bytes")
+            assert abs(got - bytes_) <= slack, (rank, kind, got, bytes_, memory)
 
 
 def _script_argv() -> list[str]:

@@ -44,8 +44,8 @@ ENGINE_CHECKPOINTS = (
 class EngineParams:
     """The model's own parameters inside a DeepSpeedEngine (``engine.module``), read whole
     wherever ZeRO keeps them; the same readers a DeepSpeed script's job uses
-    (:mod:`dtlab.agent.deepspeed_observe`). Every read but ``held`` is a collective under
-    ZeRO: every rank, same order."""
+    (:mod:`dtlab.agent.deepspeed_observe`). Every read of their values is a collective
+    under ZeRO: every rank, same order."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -55,9 +55,6 @@ class EngineParams:
 
     def infos(self):
         return deepspeed_observe.param_infos(self.names, self.params)  # ZeRO-3: ds_shape
-
-    def held(self) -> list[torch.Tensor]:
-        return deepspeed_observe.held(self.params)
 
     def grad_fields(self, summaries: dict | None = None) -> dict:
         """The record's gradient fields: from ``summaries`` (``id(p) -> (norm, bad,
@@ -273,9 +270,7 @@ class DeepSpeedJob(Job):
                 observer.optimizer_s,
                 time.perf_counter() - t0,
             ),
-            memory=recorder.memory(
-                self.engine_params.held(), self.optimizer, self.device, self._buffer_bytes()
-            ),
+            memory=deepspeed_observe.step_memory(self.engine, self.device, self._buffer_bytes()),
             indices=tuple(indices) if self.own_indices else tuple(draft.indices),
             epoch=epoch,
             epoch_starts=tuple(starts),

@@ -19,7 +19,10 @@ uses DeepSpeed, dtlab wraps ``DeepSpeedEngine.step`` and ``.backward`` (once
   collective per parameter on every rank, in the same order (recording is on or off on
   all ranks together);
 - the loss of a micro-batch is the value ``engine.backward`` returns (divided by the
-  accumulation steps, as DeepSpeed does; never multiplied by the fp16 loss scale).
+  accumulation steps, as DeepSpeed does; never multiplied by the fp16 loss scale);
+- a step's memory counts the bytes the engine holds for its model on this rank, in
+  DeepSpeed's own tensors (partitions, fp32 master copy, gradient partitions), not the
+  model's ``.grad``: :func:`step_memory`.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ import contextlib
 import json
 import sys
 import time
+import weakref
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from dtlab.agent.state import RANK
-from dtlab.records import DeepSpeedInfo, ParamInfo
+from dtlab.records import DeepSpeedInfo, ParamInfo, StepMemory
 
 ENGINE_MODULE = "deepspeed.runtime.engine"
 
@@ -94,6 +99,8 @@ def _before_update(observer, engine) -> None:
         return
     lrs = engine.get_lr()  # DeepSpeed's scheduler moves it inside step(), after the update
     observer.draft.lr = float(lrs[0]) if lrs else None
+    # ZeRO-1/2 free the gradient partition inside step(): counted now, for step_memory
+    _GRADS_AT_UPDATE[engine] = (engine.global_steps, model_state(engine, True).grads.nbytes())
     if observer.recording:
         observer.draft.early_grads.update(full_grads(engine.module.parameters()))
 
@@ -155,11 +162,6 @@ def param_infos(names, params) -> tuple[ParamInfo, ...]:
     return tuple(infos)
 
 
-def held(params) -> list[torch.Tensor]:
-    """The parameter tensors this rank holds: ZeRO-3's local partitions (``ds_tensor``)."""
-    return [getattr(p, "ds_tensor", p) for p in params]
-
-
 def _loss_scale(engine) -> float | None:
     """The fp16 loss scale now: ZeRO's optimizers expose their DynamicLossScaler's as
     ``cur_scale``, stage 0's FP16_Optimizer as ``loss_scale``; None without fp16 (bf16 and
@@ -216,3 +218,214 @@ def label(engine) -> str:
     inner = type(inner_optimizer(engine)).__name__
     stage = engine.zero_optimization_stage()
     return f"{outer} ({inner}, ZeRO stage {stage})" if outer != inner else inner
+
+
+# --- memory ----------------------------------------------------------------------------------
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a DTensor (or another subclass)
+
+
+class Held:
+    """Byte ranges of storages, each counted once however many tensors view it: a tensor
+    counts the range its elements reach in its storage (a view into a flat buffer its own
+    slice, not the whole buffer), and ranges that several tensors cover count once. A
+    DTensor counts its local shard."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[int, list[tuple[int, int]]] = {}
+
+    def add(self, tensor) -> None:
+        if tensor is None:
+            return
+        if type(tensor) not in _PLAIN:
+            if not isinstance(tensor, torch.Tensor):
+                return
+            to_local = getattr(tensor, "to_local", None)
+            tensor = to_local() if callable(to_local) else tensor
+        numel = tensor.numel()
+        if numel == 0 or tensor.is_meta:
+            return
+        size = tensor.element_size()
+        start = tensor.storage_offset() * size
+        if tensor.is_contiguous():
+            span = numel
+        else:  # the span its elements reach
+            span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+        # keyed by where the storage begins (its data_ptr, without making its object)
+        self.ranges.setdefault(tensor.data_ptr() - start, []).append((start, start + span * size))
+
+    def add_all(self, tensors) -> None:
+        for tensor in tensors:
+            self.add(tensor)
+
+    def merge(self, *others: Held) -> None:
+        for other in others:
+            for ptr, ranges in other.ranges.items():
+                self.ranges.setdefault(ptr, []).extend(ranges)
+
+    def covers(self) -> dict[int, list[tuple[int, int]]]:
+        merged = {}
+        for ptr, ranges in self.ranges.items():
+            out: list[tuple[int, int]] = []
+            for start, end in sorted(ranges):
+                if out and start <= out[-1][1]:
+                    out[-1] = (out[-1][0], max(out[-1][1], end))
+                else:
+                    out.append((start, end))
+            merged[ptr] = out
+        return merged
+
+    def nbytes(self, minus: Held | None = None) -> int:
+        """Bytes covered, less any covered by ``minus``."""
+        mine, theirs = self.covers(), minus.covers() if minus else {}
+        total = 0
+        for ptr, ranges in mine.items():
+            for start, end in ranges:
+                total += end - start
+                for a, b in theirs.get(ptr, ()):
+                    total -= max(0, min(end, b) - max(start, a))
+        return total
+
+
+@dataclass
+class ModelState:
+    """The tensors a DeepSpeed engine holds for its model on this rank, by kind (see
+    :func:`model_state`)."""
+
+    model: Held = field(default_factory=Held)  # the model's own parameter tensors
+    partition: Held = field(default_factory=Held)  # this rank's partition of them
+    master: Held = field(default_factory=Held)  # the fp32 master copy the optimizer updates
+    grads: Held = field(default_factory=Held)
+    optimizer: Held = field(default_factory=Held)  # the inner torch optimizer's state
+    buffers: list = field(default_factory=list)  # DeepSpeed's reduce buckets (not counted)
+
+    def params(self) -> Held:
+        params = Held()
+        params.merge(self.model, self.partition, self.master)
+        return params
+
+    def nbytes(self) -> tuple[int, int, int]:
+        """``(param_bytes, grad_bytes, optimizer_bytes)``, each range once."""
+        return self.params().nbytes(), self.grads.nbytes(), self.optimizer.nbytes()
+
+
+# the ZeRO optimizers' tensors, by DeepSpeed's names (stage 1/2: DeepSpeedZeroOptimizer,
+# stage 3: DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer, stage 0's FP16_Optimizer)
+_MODEL_FLAT = ("bit16_groups_flat", "bf16_groups_flat", "fp16_groups_flat")
+_PARTITIONS = ("parallel_partitioned_bit16_groups", "bf16_partitioned_groups")  # per rank
+_PARTITION_FLAT = ("fp16_partitioned_groups_flat",)
+_MASTER = (
+    "single_partition_of_fp32_groups",
+    "fp32_partitioned_groups_flat",
+    "fp32_groups_flat_partition",
+    "fp32_groups_flat",
+)
+_GRADS = ("grads_in_partition", "grad_partitions_flat_buffer", "fp32_groups_gradients_flat")
+_GRAD_GROUPS = ("averaged_gradients", "all_grad_tensors")  # group -> tensors (or None)
+
+
+def _tensors(value) -> list:
+    """The tensors in one of DeepSpeed's attributes: a tensor, or a list of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for t in value if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _dp_rank(zero, group: int) -> int:
+    import torch.distributed as dist
+
+    groups = getattr(zero, "real_dp_process_group", None)
+    pg = groups[group] if groups else getattr(zero, "dp_process_group", None)
+    return dist.get_rank(group=pg)
+
+
+def model_state(engine, grads_only: bool = False) -> ModelState:
+    """What ``engine`` (a DeepSpeedEngine) holds for its model on this rank, counted in
+    DeepSpeed's own tensors, whatever holds them at the moment of the call:
+
+    - parameters: the model's tensors (``param.data``; ZeRO-1/2 and fp16/bf16: the flat
+      buffer they are views into), this rank's partition (ZeRO-3: ``param.ds_tensor``, in
+      ``fp16_partitioned_groups_flat``) and the fp32 master copy of it that the optimizer
+      updates (a copy even when the model is fp32);
+    - gradients: the model's ``.grad`` (and ``.grad_accum``) and DeepSpeed's own: ZeRO-1/2
+      ``averaged_gradients`` / ``grads_in_partition`` / the master's ``.grad``, ZeRO-3
+      ``grad_partitions_flat_buffer`` (this rank's partition of every gradient), bf16's
+      fp32 gradient buffer;
+    - optimizer state: the inner torch optimizer's ``state`` (exp_avg, exp_avg_sq, ...),
+      of this rank's partition under ZeRO.
+
+    Not counted: DeepSpeed's reduce buckets (``buffers``) and all-gather buffers, the
+    parameters ZeRO-3 gathers for a module while it runs, activations. ``grads_only``: the
+    gradients alone (what :func:`_before_update` counts at every step)."""
+    zero = engine.optimizer
+    params = list(engine.module.parameters())
+    state = ModelState()
+    state.grads.add_all(p.grad for p in params)
+    state.grads.add_all(getattr(p, "grad_accum", None) for p in params)
+    for name in _GRADS:
+        state.grads.add_all(_tensors(getattr(zero, name, None)))
+    for name in _GRAD_GROUPS:
+        for group in (getattr(zero, name, None) or {}).values():
+            state.grads.add_all(_tensors(group))
+            state.grads.add(getattr(group, "flat_partition", None))
+    masters = [t for name in _MASTER for t in _tensors(getattr(zero, name, None))]
+    state.grads.add_all(t.grad for t in masters)
+    if grads_only:
+        return state
+    state.model.add_all(p.data for p in params)  # ZeRO-3: empty unless gathered
+    for name in _MODEL_FLAT:
+        state.model.add_all(_tensors(getattr(zero, name, None)))
+    for name in _PARTITIONS:
+        for i, parts in enumerate(getattr(zero, name, None) or ()):
+            state.partition.add(parts[_dp_rank(zero, i)])
+    state.partition.add_all(getattr(p, "ds_tensor", None) for p in params)
+    for name in _PARTITION_FLAT:
+        state.partition.add_all(_tensors(getattr(zero, name, None)))
+    state.master.add_all(masters)
+    state.optimizer.add_all(
+        value
+        for values in inner_optimizer(engine).state.values()
+        for value in values.values()
+        if isinstance(value, torch.Tensor)
+    )
+    for bucket in (getattr(zero, "ipg_buckets", None) or {}).values():
+        state.buffers.extend(_tensors(getattr(bucket, "buffer", None)))
+    return state
+
+
+# engine -> (its global_steps, gradient bytes) as the last update began
+_GRADS_AT_UPDATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def step_memory(engine, device: torch.device, dtlab_bytes: int = 0) -> StepMemory:
+    """A DeepSpeed step's memory on this rank, counted in the engine's own tensors
+    (:func:`model_state`) when the record is made, at the end of the step (after
+    ``engine.step()`` updated and, under ZeRO-1/2, all-gathered the parameters):
+
+    - ZeRO-1/2: parameters are the whole model (the flat buffer its tensors view, on every
+      rank) plus the fp32 master copy of this rank's partition (1/N of it); the optimizer
+      state is the partition's. Gradients are gone by then: ``step()`` frees the reduced
+      partition once the optimizer used it. So they are the bytes held when the update
+      began (counted in ``engine.step()``, after the backward passes of the step): this
+      rank's reduced partition, about 1/N of the gradients under stage 1 as under stage 2
+      (stage 1 holds the full gradients during the backward only).
+    - ZeRO-3: parameters are partitioned: this rank's partition, the fp32 master copy of
+      it, and the parameters kept whole on every rank (those under
+      ``stage3_param_persistence_threshold`` elements) or still gathered; gradients are
+      the partition buffer ZeRO-3 allocates once and keeps (the same at both moments);
+      the optimizer state is the partition's.
+    - stage 0: the model's tensors and ``.grad``, as under DDP (plus the fp32 master copy
+      under fp16 / bf16).
+
+    RSS, CUDA and dtlab's own bytes as for any job (:func:`dtlab.agent.recorder.memory`)."""
+    from dtlab.agent import recorder
+
+    param_bytes, grad_bytes, optimizer_bytes = model_state(engine).nbytes()
+    at_update = _GRADS_AT_UPDATE.pop(engine, None)
+    if at_update is not None and at_update[0] + 1 == engine.global_steps:
+        grad_bytes = at_update[1]  # this step's update, made since
+    base = recorder.memory((), inner_optimizer(engine), device, dtlab_bytes)
+    return replace(
+        base, param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes
+    )

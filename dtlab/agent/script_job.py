@@ -185,11 +185,10 @@ class ScriptJob(jobs.Job):
                 observer.optimizer_s,
                 time.perf_counter() - t0,
             ),
-            memory=recorder.memory(
-                deepspeed_observe.held(self.params) if self.engine else self.params,
-                self.optimizer,
-                self.device,
-                self._buffer_bytes(),
+            memory=(
+                deepspeed_observe.step_memory(self.engine, self.device, self._buffer_bytes())
+                if self.engine
+                else recorder.memory(self.params, self.optimizer, self.device, self._buffer_bytes())
             ),
             indices=tuple(draft.indices),
             epoch=epoch,
