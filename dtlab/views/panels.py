@@ -1,18 +1,16 @@
 """Panels that live while the ranks do (dashboard, partition editor, checkpoint browser).
 
 A panel is an ipywidgets tree. Shown in a cell, it keeps a display handle; when the
-session shuts down (``%dt_shutdown``, ``dt.shutdown()``) or the kernel shuts down or
-restarts, every panel is *retired*: its output is replaced by a line of plain text saying
-what it last showed, and its widgets are closed. A notebook saved afterwards holds text,
-never a widget whose model is gone once the kernel restarts (JupyterLab shows such an
-output as "Error displaying widget: model not found"). Progress bars do the same when
-their cell ends (views/progress.py).
+session shuts down (``%dt_shutdown``, ``dt.shutdown()``) every panel is *retired*: its
+output is replaced by a line of plain text saying what it last showed, and its widgets
+are closed. A notebook saved afterwards holds text, never a widget whose model is gone
+once the kernel restarts (JupyterLab shows such an output as "Error displaying widget:
+model not found"). Progress bars do the same when their cell ends (views/progress.py).
 """
 
 from __future__ import annotations
 
 _LIVE: list[Panel] = []  # shown and not retired
-_HOOKED: set[int] = set()  # ids of the kernels whose shutdown retires the panels
 
 
 class Panel:
@@ -24,7 +22,6 @@ class Panel:
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
-        _retire_at_kernel_shutdown()
         self._handle = display(self.widget, display_id=True)
         _LIVE.append(self)
 
@@ -55,28 +52,6 @@ def retire_panels(why: str = "the session was shut down") -> int:
     for panel in panels:
         panel.retire(why)
     return len(panels)
-
-
-def _retire_at_kernel_shutdown() -> None:
-    """Have this kernel retire the live panels when it is asked to shut down or restart,
-    while it can still send (JupyterLab turns them into text: a notebook saved after the
-    restart holds no widget whose model died with the kernel). Once per kernel."""
-    from IPython import get_ipython
-
-    kernel = getattr(get_ipython(), "kernel", None)
-    if kernel is None or id(kernel) in _HOOKED:
-        return
-    original = kernel.do_shutdown
-
-    def do_shutdown(restart, *args, **kwargs):
-        try:
-            retire_panels("the kernel was restarted" if restart else "the kernel was shut down")
-        except Exception:  # never stand in the way of a shutdown
-            pass
-        return original(restart, *args, **kwargs)
-
-    kernel.do_shutdown = do_shutdown
-    _HOOKED.add(id(kernel))
 
 
 def _close_tree(widget) -> None:
