@@ -9,7 +9,7 @@ import pytest
 import dtlab
 from dtlab import demo
 from dtlab.records.trace import Trace
-from tests.conftest import quiet
+from tests.conftest import quiet, untimed
 from tests.test_stepping_live import wrap_loss
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
@@ -121,9 +121,10 @@ def test_dt_doctor_prints_ranked_findings_and_explains_its_checks(ip, live4, cap
     out = capsys.readouterr().out
     # the LR differs from step 7 (the scheduler applies it after step 6), and so the
     # weights, although DDP keeps the gradients equal
-    assert out.startswith(
-        "2 finding(s) (2 found something, 9 passed, 1 not checked), most severe first:\n1. [error] "
-    )
+    # (a busy machine may add a straggler finding: speed is not what this plants)
+    assert re.match(r"[23] finding\(s\) .*most severe first:\n1\. \[error\] ", out), out
+    found = untimed(live4.doctor())
+    assert sorted(f.kind for f in found) == ["divergence", "learning_rate"], found
     assert "[error] the learning rate at step 7 is 0.07 on rank 2" in out
     assert "[error] parameters diverge from step 7: embed.weight differs on rank 2" in out
 

@@ -207,7 +207,11 @@ def test_data_runbook_finds_shared_shards_a_missing_set_epoch_and_a_slow_rank():
     slow, fixed = (data_ms(f) for f in figures(code, "%dt_plot times"))
     # judged against rank 1's planted wait, not in absolute ms: a busy machine slows all
     assert slow["rank 1"] > 50 and all(slow[f"rank {r}"] < slow["rank 1"] / 3 for r in (0, 2, 3))
-    assert all(ms < slow["rank 1"] / 3 for ms in fixed.values())
+    # rank 1's planted wait is gone and it no longer stands out (a busy machine lengthens
+    # every rank's data time alike, so no absolute bound on the others)
+    others = sorted(fixed[f"rank {r}"] for r in (0, 2, 3))
+    assert fixed["rank 1"] < slow["rank 1"] / 2, (slow, fixed)
+    assert fixed["rank 1"] < max(3 * others[1], slow["rank 1"] / 3), (slow, fixed)
 
 
 def test_your_own_script_runbook_pauses_it_finds_its_bug_and_runs_the_fix():
