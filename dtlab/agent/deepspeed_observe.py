@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from dtlab.agent.recorder import PLAIN, grad_summary, local, memory
 from dtlab.agent.state import RANK
 from dtlab.records import DeepSpeedInfo, ParamInfo, StepMemory
 
@@ -111,8 +112,6 @@ def full_grads(params) -> dict[int, tuple[float, int, int]]:
     partitions): a collective per parameter under ZeRO, so every rank, same order. A
     parameter without a gradient is left out."""
     from deepspeed.utils import safe_get_full_grad
-
-    from dtlab.agent.recorder import grad_summary
 
     out = {}
     for p in params:
@@ -221,7 +220,6 @@ def label(engine) -> str:
 
 
 # --- memory ----------------------------------------------------------------------------------
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a DTensor (or another subclass)
 
 
 class Held:
@@ -236,11 +234,10 @@ class Held:
     def add(self, tensor) -> None:
         if tensor is None:
             return
-        if type(tensor) not in _PLAIN:
+        if type(tensor) not in PLAIN:
             if not isinstance(tensor, torch.Tensor):
                 return
-            to_local = getattr(tensor, "to_local", None)
-            tensor = to_local() if callable(to_local) else tensor
+            tensor = local(tensor)
         numel = tensor.numel()
         if numel == 0 or tensor.is_meta:
             return
@@ -419,13 +416,12 @@ def step_memory(engine, device: torch.device, dtlab_bytes: int = 0) -> StepMemor
       under fp16 / bf16).
 
     RSS, CUDA and dtlab's own bytes as for any job (:func:`dtlab.agent.recorder.memory`)."""
-    from dtlab.agent import recorder
 
     param_bytes, grad_bytes, optimizer_bytes = model_state(engine).nbytes()
     at_update = _GRADS_AT_UPDATE.pop(engine, None)
     if at_update is not None and at_update[0] + 1 == engine.global_steps:
         grad_bytes = at_update[1]  # this step's update, made since
-    base = recorder.memory((), inner_optimizer(engine), device, dtlab_bytes)
+    base = memory((), inner_optimizer(engine), device, dtlab_bytes)
     return replace(
         base, param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes
     )

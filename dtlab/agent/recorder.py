@@ -38,13 +38,13 @@ def _position_weights(numel: int, dtype: torch.dtype, device: torch.device) -> t
     return table[:numel]
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a DTensor (or another subclass)
+PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a DTensor (or another subclass)
 
 
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor as a plain strided one, outside autograd (a gradient already is: the
     checks cost less than the detach they save, a microsecond a tensor)."""
-    flat = tensor.detach() if tensor.requires_grad or type(tensor) not in _PLAIN else tensor
+    flat = tensor.detach() if tensor.requires_grad or type(tensor) not in PLAIN else tensor
     return flat.to_dense() if flat.layout != torch.strided else flat
 
 
@@ -102,7 +102,7 @@ def fingerprint(tensor: torch.Tensor) -> int:
 def whole(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """A sharded tensor (FSDP2's DTensor) gathered whole, so that ranks can compare it;
     a collective, so every rank must ask for the same tensors in the same order."""
-    if type(tensor) in _PLAIN:
+    if type(tensor) in PLAIN:
         return tensor
     if tensor is not None and hasattr(tensor, "full_tensor"):
         return tensor.full_tensor()
@@ -111,7 +111,7 @@ def whole(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 def local(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's part of a sharded tensor (what it holds in memory), else the tensor."""
-    if type(tensor) in _PLAIN:
+    if type(tensor) in PLAIN:
         return tensor
     if tensor is not None and hasattr(tensor, "to_local"):
         return tensor.to_local()
@@ -194,7 +194,7 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     for tensor in tensors:
         if tensor is None:
             continue
-        if type(tensor) not in _PLAIN:
+        if type(tensor) not in PLAIN:
             tensor = local(tensor)
         total += tensor.nbytes
     return total
