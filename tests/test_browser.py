@@ -46,6 +46,13 @@ editor"""
 REPORT_CELL = 'report = dt.report("report.html")\nprint(report)'
 PLOTS = ("%dt_plot memory", "%dt_plot times", "%dt_plot spread")  # besides loss, deviation
 CHECKPOINT_CELL = "%dt_checkpoint\ndt.checkpoint_browser()"
+# the pipeline's balance and schedule, the doctor's table of every check, a bandwidth sweep
+VIEWS = (
+    ("%dt_partition", "09-balance.png"),
+    ("%dt_partition --schedule", "10-schedule.png"),
+    ("%dt_doctor --explain", "11-doctor.png"),
+    ("%dt_bandwidth --max 256K --iters 2", "12-bandwidth.png"),
+)
 VIEWPORT = {"width": 1280, "height": 900}  # a laptop's screen: what must fit, fits here
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
@@ -236,7 +243,8 @@ class Lab:
             ) from None
 
     def check_titles_fit(self) -> None:
-        """Every graph's title (and subtitle) lies inside its graph: nothing clipped."""
+        """Every graph's title (and subtitle) lies inside its graph: nothing clipped; no
+        title, subtitle or note lies over another."""
         outside = self.page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')]
             .flatMap(gd => { const box = gd.getBoundingClientRect();
               return [...gd.querySelectorAll('.gtitle, .gtitle-subtitle')].filter(t => {
@@ -244,6 +252,20 @@ class Lab:
                 return r.width > 0 && (r.left < box.left - 1 || r.right > box.right + 1); })
               .map(t => t.textContent); })""")
         assert outside == [], f"titles wider than their figure: {outside}"
+        # titles, subtitles and notes (annotations) of one figure never overlap each other
+        overlaps = self.page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')]
+            .flatMap(gd => { const texts = [...gd.querySelectorAll(
+                '.gtitle, .gtitle-subtitle, .annotation-text-g')].map(t => [t.textContent,
+                t.getBoundingClientRect()]).filter(([_, r]) => r.width > 0 && r.height > 0);
+              return texts.flatMap(([a, r], i) => texts.slice(i + 1).filter(([_, q]) =>
+                r.left < q.right - 1 && q.left < r.right - 1 && r.top < q.bottom - 1
+                && q.top < r.bottom - 1).map(([b]) => [a, b])); })""")
+        assert overlaps == [], f"texts drawn over each other: {overlaps}"
+
+    def show_output(self, index: int) -> None:
+        """Scroll cell ``index``'s output to the top of the window (for its screenshot)."""
+        self.page.evaluate(f"""() => window.jupyterapp.shell.currentWidget.content
+            .widgets[{index}].outputArea.node.scrollIntoView({{block: 'start'}})""")
 
     def shot(self, name: str) -> None:
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
@@ -269,6 +291,7 @@ def test_quickstart_dashboard_editor_and_report_in_a_real_browser(lab):
             _step_from_the_dashboard(nb, page)
             _every_plot_kind_and_the_checkpoint_browser(nb)
             _move_a_boundary_in_the_editor(nb, page)
+            _balance_schedule_doctor_and_bandwidth(nb)
             _open_the_report(nb, browser, work, errors)
             shutdown = nb.num_cells() - 1  # %dt_shutdown, the quick start's last cell
             nb.run("notebook:run-cell", shutdown)
@@ -334,6 +357,33 @@ def _move_a_boundary_in_the_editor(nb: Lab, page) -> None:
     page.locator(".widget-html", has_text="moved 1 block(s)").scroll_into_view_if_needed()
     nb.check_titles_fit()  # the measured balance's title with its numbers (once clipped)
     nb.shot("06-editor-applied.png")
+
+
+def _balance_schedule_doctor_and_bandwidth(nb: Lab) -> None:
+    """Each view in a cell of its own, drawn with data and a title that fits, shot."""
+    at = nb.num_cells() - 2
+    for line, name in VIEWS:
+        drawn = len(nb.plots())
+        nb.insert_and_run(at, line)
+        at += 1
+        nb.show_output(at)
+        if not line.startswith("%dt_doctor"):
+            nb.wait_for_plots(drawn + 1)
+            nb.check_titles_fit()
+        nb.shot(name)
+        if line == "%dt_partition --schedule":
+            # every micro-batch number drawn in a bar is readable (too-short bars show
+            # none; plotly shrinks text to fit otherwise)
+            sizes = nb.page.evaluate("""() => { const gds = [...document.querySelectorAll(
+                '.js-plotly-plot')]; return [...gds[gds.length - 1].querySelectorAll(
+                '.bartext')].map(t => parseFloat(getComputedStyle(t).fontSize)); }""")
+            assert sizes and min(sizes) >= 10, sizes
+    doctor = nb.page.locator(".dtlab-table", has=nb.page.locator("th", has_text="looked at"))
+    doctor.first.wait_for()
+    prose = doctor.first.locator("td")
+    assert prose.count() > 10
+    aligned = {prose.nth(i).evaluate("td => getComputedStyle(td).textAlign") for i in range(5)}
+    assert aligned == {"left"}, aligned  # JupyterLab right-aligns cells unless told
 
 
 def _open_the_report(nb: Lab, browser, work: Path, errors: list[str]) -> None:

@@ -109,3 +109,10 @@ def test_readme_is_one_screen_and_gives_the_two_commands():
     text = README.read_text()
     assert len(text.splitlines()) <= 150, "README.md is a front page: move detail to docs/"
     assert "./dev demo" in text and "./dev test" in text
+
+
+def test_the_gallery_shows_every_screenshot_the_browser_test_takes():
+    shot = re.compile(r"\d\d-[a-z-]+\.png")
+    taken = set(shot.findall((ROOT / "tests" / "test_browser.py").read_text()))
+    shown = set(shot.findall((ROOT / "docs" / "gallery.md").read_text()))
+    assert len(taken) >= 12 and taken == shown, (taken - shown, shown - taken)

@@ -144,7 +144,10 @@ def test_unprofiled_balance_draws_no_time_bars_and_says_so():
     assert "slowest" not in annotation_texts(fig)
     assert fig.layout.title.text.startswith("Predicted balance")
     assert fig.layout.title.subtitle.text == "not profiled yet"
-    assert "activations not measured: %dt_partition --profile" in annotation_texts(fig)
+    # the note is the memory panel's second title line (one annotation at the same height
+    # drew over the panel's title)
+    (memory_title,) = [t for t in annotation_texts(fig) if t.startswith("Memory per stage")]
+    assert "activations not measured: %dt_partition --profile" in memory_title
 
 
 def test_one_stage_has_no_slowest_mark():

@@ -129,22 +129,23 @@ def _add_compute_bars(fig: go.Figure, stages: Sequence[StageBalance]) -> None:
         )
 
 
+MEMORY_TITLE = "Memory per stage"
+
+
 def _add_memory_bars(fig: go.Figure, stages: Sequence[StageBalance]) -> None:
     labels = [_stage_label(s) for s in stages]
     hover = [_blocks_text(s.blocks) for s in stages]
     for name, (field, colour) in MEMORY_KINDS.items():
         values = [getattr(s, field) for s in stages]
         if all(v is None for v in values):  # activations before profiling: say so, or the
-            fig.add_annotation(  # bars look smaller than a draft's that counts them
-                text=f"{name} not measured: %dt_partition --profile",
-                x=0.5,
-                y=1.0,
-                xref="x2 domain",
-                yref="y2 domain",
-                yanchor="bottom",
-                showarrow=False,
-                font={"size": 11, "color": "#6b7280"},
-            )
+            # bars look smaller than a draft's that counts them; a second line of the
+            # panel's title (an annotation of its own at the same height overlapped it)
+            for title in fig.layout.annotations:
+                if title.text.startswith(MEMORY_TITLE):
+                    title.text += (
+                        "<br><span style='font-size:11px;color:#6b7280'>"
+                        f"{name} not measured: %dt_partition --profile</span>"
+                    )
             continue
         fig.add_trace(
             go.Bar(
@@ -172,7 +173,7 @@ def balance_figure(balance: Balance) -> go.Figure:
         rows=1,
         cols=2,
         horizontal_spacing=0.12,
-        subplot_titles=("Compute per micro-batch", "Memory per stage"),
+        subplot_titles=("Compute per micro-batch", MEMORY_TITLE),
     )
     _add_compute_bars(fig, balance.stages)
     _add_memory_bars(fig, balance.stages)
