@@ -289,3 +289,49 @@ def test_every_rank_agrees_at_the_same_iterations_and_a_failed_rank_finds_the_ne
     assert run_state(1, until=Condition("loss_above", 1.0)).next_agreement() == 0
     assert run_state(1).next_agreement() is None
     assert run_state(10, 3).seq(2) != run_state(10, 3).seq(5)
+
+
+def _same_cell(a, b) -> bool:
+    missing_a = a is None or (isinstance(a, float) and math.isnan(a))
+    missing_b = b is None or (isinstance(b, float) and math.isnan(b))
+    return (missing_a and missing_b) or a == b
+
+
+def test_the_dataframe_made_from_columns_holds_what_every_record_holds(tmp_path):
+    """Each cell of to_dataframe() (made from the rows, no record objects) equals the field
+    of the record it came from, for records added as objects and as packed frames, with
+    None, NaN, extras and sample indices; and after the window moved (read back)."""
+    odd = step_record(
+        3,
+        rank=1,
+        lr=None,
+        grad_norm=math.nan,
+        missing_grads=(1, 4),
+        unreached=(),
+        epoch_starts=(2,),
+        nonfinite_module="layers.1.mlp",
+        rng=(("torch", 123), ("numpy", (1 << 64) - 5)),
+        synced_micro_batches=1,
+        comm_calls=2,
+        grad_fingerprint=(1 << 64) - 1,
+        indices=(5, 6, 7),
+    )
+    odd = replace(odd, memory=replace(odd.memory, cuda_allocated=2**40))
+    trace = Trace({r: job_info(r) for r in range(3)}, folder=tmp_path / "run")
+    trace.add(0, [step_record(s, 0, indices=(s,)) for s in (1, 2, 3)])
+    trace.add_packed(1, pack(1, [step_record(1, 1), step_record(2, 1), odd]).to_bytes())
+    plain = [step_record(s, 2, nonfinite_found="x") for s in (1, 2)]
+    trace.add_packed(2, pack(2, plain).to_bytes())
+    trace.flush()
+    for made in (trace.to_dataframe(), trace.to_dataframe(range(1, 4))):
+        expected = [(rank, rec) for rank in sorted(trace.records) for rec in trace.records[rank]]
+        assert len(made) == len(expected) == 8
+        flat = trace.to_records()  # the record-by-record form, same order
+        assert list(made.columns) == list(flat[0])
+        for i, row in enumerate(flat):
+            cells = made.iloc[i].to_dict()
+            wrong = {k: (cells[k], v) for k, v in row.items() if not _same_cell(cells[k], v)}
+            assert not wrong, (i, wrong)
+    assert made["memory.cuda_allocated"].isna().sum() == 7  # None as NaN; 2**40 kept
+    assert made["grad_fingerprint"].dtype == "uint64"
+    trace.close()

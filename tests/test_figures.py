@@ -8,7 +8,6 @@ import pytest
 
 from dtlab.records import StepMemory, StepTimes
 from dtlab.records.trace import Trace
-from dtlab.views import figures
 from dtlab.views.figures import (
     DASHBOARD_PANELS,
     dashboard_figure,
@@ -269,8 +268,6 @@ def test_recording_off_leaves_grad_norm_panel_empty():
     trace = trace_of(2, 3, grad_norms=lambda r, s: ())
     series = dashboard_series(trace)
     assert all(series[dashboard_trace_index("grad_norm", p, 2)] == ([], []) for p in range(2))
-    assert figures.total_grad_norm(step_record(1, grad_norms=())) is None
-    assert figures.total_grad_norm(step_record(1, grad_norms=(float("nan"), 3.0))) == 3.0
 
 
 def test_every_figure_has_the_white_template_and_a_height():

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from dtlab.records.row import NULLABLE, ROW, row_of
+from dtlab.records.row import NULL_BIT, ROW, row_of
 from dtlab.records.steps import StepMemory, StepRecord, StepTimes
 
 MAGIC = b"DTR1"
@@ -67,10 +67,9 @@ _AT = {name: i for i, name in enumerate(ROW.names or ())}
 _TIMES = tuple(f.name for f in fields(StepTimes))
 _MEMORY = tuple(f.name for f in fields(StepMemory))
 _INT_MEMORY = {"cuda_allocated", "cuda_reserved", "cuda_peak"}  # float columns (nan: None)
-_BIT = {name: 1 << bit for bit, name in enumerate(NULLABLE)}
 # where Packed._record finds each field in a row's tuple, and its None bit (0: never None)
-_ROW_AT = tuple((name, _AT[name], _BIT.get(name, 0)) for name in sorted(_ROW_FIELDS))
-_MEMORY_AT = tuple((_AT[n], _BIT.get(n, 0), n in _INT_MEMORY) for n in _MEMORY)
+_ROW_AT = tuple((name, _AT[name], NULL_BIT.get(name, 0)) for name in sorted(_ROW_FIELDS))
+_MEMORY_AT = tuple((_AT[n], NULL_BIT.get(n, 0), n in _INT_MEMORY) for n in _MEMORY)
 _TIMES_AT = tuple(_AT[name] for name in _TIMES)
 _NULLS_AT, _INDICES_AT, _NUM_INDICES_POS = _AT["nulls"], _AT["indices_at"], _AT["num_indices"]
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, overload
 
 import numpy as np
 
-from dtlab.records.packed import Frame, Packed, frame_rows
+from dtlab.records.packed import Frame, Packed, extras_of, frame_rows
 from dtlab.records.steps import StepRecord
 
 if TYPE_CHECKING:
@@ -101,6 +101,22 @@ class RankRecords(Sequence[StepRecord]):
             self._steps, self._extras = self._steps[f:], self._extras[f:]
             self.dropped += k
         return k
+
+    def extras(self) -> dict[int, dict]:
+        """``{step: extras}`` of the records kept that have any (what a row alone lacks)."""
+        found: dict[int, dict] = {}
+        k = f = 0
+        while k < len(self._made):
+            if f < len(self._starts) and self._starts[f] == k:
+                steps = self._steps[f]
+                found.update({int(steps[j]): e for j, e in self._extras[f].items()})
+                k, f = k + len(steps), f + 1
+                continue
+            rec = self._made[k]
+            if rec is not None and (e := extras_of(rec)):
+                found[rec.step] = e
+            k += 1
+        return found
 
     def new_rows(self, batch: Packed) -> Packed:
         """The rows of ``batch`` whose steps come after the last, each after the one before."""

@@ -72,6 +72,7 @@ NULLABLE = (
     "comm_bytes",
     "unreached",
 )
+NULL_BIT = {name: 1 << bit for bit, name in enumerate(NULLABLE)}  # a field's bit in ``nulls``
 TIME_FIELDS = ("data", "forward", "backward", "optimizer", "record")
 
 
@@ -146,4 +147,4 @@ def row_of(rank: int, rec: StepRecord, indices_at: int = 0) -> tuple:
     )
 
 
-__all__ = ["NULLABLE", "ROW", "TIME_FIELDS", "row_of"]
+__all__ = ["NULLABLE", "NULL_BIT", "ROW", "TIME_FIELDS", "row_of"]

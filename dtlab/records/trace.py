@@ -40,6 +40,7 @@ from dtlab.records import (
     step_record_from_dict,
 )
 from dtlab.records.columns import StepColumns
+from dtlab.records.dataframe import records_frame
 from dtlab.records.packed import Frame, Packed, join, pack, read_frame, unpack
 from dtlab.records.rank_records import RankRecords
 from dtlab.records.step_files import StepFiles
@@ -316,14 +317,18 @@ class Trace:
         return rows
 
     def to_dataframe(self, steps: range | None = None):
-        """The records as a pandas DataFrame, one row per (rank, step); ``steps``: only
+        """The records as a pandas DataFrame, one row per (rank, step), made from the columns
+        without a StepRecord per row (:mod:`dtlab.records.dataframe`); ``steps``: only
         those (e.g. ``range(100, 200)``; read back from the run folder where the window has
         moved past them). Without ``steps``: the steps in memory (``trace.first_step`` on)."""
-        import pandas as pd
-
         if steps is not None:
-            return pd.DataFrame.from_records(self.read_steps(steps).to_records())
-        return pd.DataFrame.from_records(self.to_records())
+            return self.read_steps(steps).to_dataframe()
+        extras = {
+            (rank, step): found
+            for rank, recs in self.records.items()
+            for step, found in recs.extras().items()
+        }
+        return records_frame(self.columns.rows(), self.columns.indices(), extras)
 
     # --- files --------------------------------------------------------------------------
     def _write_header(self) -> None:

@@ -31,6 +31,7 @@ from plotly.subplots import make_subplots
 from dtlab.analysis.rank_groups import GROUP_ABOVE, rank_bands
 from dtlab.control.errors import OptionError
 from dtlab.records import StepMemory, StepRecord, StepTimes
+from dtlab.records.row import NULL_BIT
 from dtlab.records.trace import Trace
 
 TEMPLATE = "plotly_white"
@@ -40,6 +41,12 @@ _PHASE_COLORS = qualitative.Set2
 MEMORY_FIELDS = tuple(f.name for f in dataclasses.fields(StepMemory))
 PHASES = tuple(f.name for f in dataclasses.fields(StepTimes))  # data, forward, ..., record
 DASHBOARD_PANELS = ("loss", "grad_norm", "memory")
+# each panel's ROW column and the unit it is divided by
+_DASHBOARD_COLUMNS = {
+    "loss": ("loss", 1.0),
+    "grad_norm": ("grad_norm", 1.0),
+    "memory": ("rss", MIB),
+}
 DASHBOARD_HEIGHT = 600
 _PANEL_TITLES = ("Loss", "Total gradient norm", "Memory (RSS)")
 _PANEL_UNITS = ("loss", "L2 norm", "MiB")
@@ -71,9 +78,21 @@ def _series(records: Iterable[StepRecord], value, max_points: int) -> tuple[list
     return downsample([s for s, _ in points], [v for _, v in points], max_points)
 
 
-def total_grad_norm(record: StepRecord) -> float | None:
-    """The L2 norm over all gradients; None when recording was off."""
-    return record.grad_norm
+def _rows_series(
+    rows: np.ndarray | None, column: str, scale: float, max_points: int
+) -> tuple[list, list]:
+    """(steps, values / ``scale``) of one ROW column of a rank's rows in step order (from
+    the trace's columns: no record object is made); rows where it was None left out."""
+    if rows is None:
+        return [], []
+    steps, values = rows["step"], rows[column]
+    if column in NULL_BIT:
+        keep = (rows["nulls"] & NULL_BIT[column]) == 0
+        if not keep.all():
+            steps, values = steps[keep], values[keep]
+    if scale != 1.0:
+        values = values / scale
+    return downsample(steps.tolist(), values.tolist(), max_points)
 
 
 def _line(x, y, rank: int, *, suffix: str = "", dash: str | None = None, **kw) -> go.Scatter:
@@ -161,12 +180,14 @@ def loss_figure(trace: Trace, other: Trace | None = None, *, max_points: int = 2
     if len(_ranks(trace)) > GROUP_ABOVE and other is None:
         said = _grouped(fig, trace, "loss", 1.0, max_points)
         return _layout(fig, f"Loss: {said}", "step", "loss", 420)
+    mine = trace.columns.by_rank()
     for rank in _ranks(trace):
-        fig.add_trace(_line(*_series(trace.records[rank], _loss, max_points), rank))
+        fig.add_trace(_line(*_rows_series(mine.get(rank), "loss", 1.0, max_points), rank))
     title = "Loss per rank"
     if other is not None:
+        theirs = other.columns.by_rank()
         for rank in _ranks(other):
-            x, y = _series(other.records[rank], _loss, max_points)
+            x, y = _rows_series(theirs.get(rank), "loss", 1.0, max_points)
             fig.add_trace(_line(x, y, rank, suffix=" (other)", dash="dash"))
         this, that = _run_label(trace, "this run"), _run_label(other, "other run")
         title = f"Loss per rank: {this} (solid) vs {that} (dashed)"
@@ -263,19 +284,12 @@ def memory_figure(trace: Trace, *, field: str = "rss", max_points: int = 2000) -
     if len(_ranks(trace)) > GROUP_ABOVE:
         said = _grouped(fig, trace, field, MIB, max_points)
         return _layout(fig, f"Memory: {field}, {said}", "step", f"{field} (MiB)", 420)
+    mine = trace.columns.by_rank()
     for rank in _ranks(trace):
-        x, y = _series(trace.records[rank], _memory_mib(field), max_points)
-        if x or not trace.records[rank]:
+        x, y = _rows_series(mine.get(rank), field, MIB, max_points)
+        if x or rank not in mine:
             fig.add_trace(_line(x, y, rank))
     return _layout(fig, f"Memory per rank: {field}", "step", f"{field} (MiB)", 420)
-
-
-def _memory_mib(field: str):
-    def value(rec: StepRecord) -> float | None:
-        nbytes = getattr(rec.memory, field)
-        return None if nbytes is None else nbytes / MIB
-
-    return value
 
 
 def time_breakdown_figure(trace: Trace, *, step: int | None = None) -> go.Figure:
@@ -316,13 +330,9 @@ def grad_norm_spread_figure(
 
 def dashboard_series(trace: Trace, max_points: int = 2000) -> list[tuple[list, list]]:
     """The (x, y) of every dashboard trace, in ``dashboard_figure``'s trace order."""
-    values = {
-        "loss": _loss,
-        "grad_norm": total_grad_norm,
-        "memory": _memory_mib("rss"),
-    }
+    mine = trace.columns.by_rank()
     return [
-        _series(trace.records[rank], values[panel], max_points)
+        _rows_series(mine.get(rank), *_DASHBOARD_COLUMNS[panel], max_points)
         for panel in DASHBOARD_PANELS
         for rank in _ranks(trace)
     ]
@@ -379,7 +389,6 @@ def dashboard_figure(trace: Trace, *, max_points: int = 2000) -> go.Figure:
 def _grouped_dashboard(trace: Trace, max_points: int) -> go.Figure:
     """The dashboard past GROUP_ABOVE ranks: each panel a band, a median and the ranks
     that stand out (which may change from one refresh to the next: redrawn whole)."""
-    columns = {"loss": ("loss", 1.0), "grad_norm": ("grad_norm", 1.0), "memory": ("rss", MIB)}
     fig = make_subplots(
         rows=len(DASHBOARD_PANELS),
         cols=1,
@@ -388,7 +397,7 @@ def _grouped_dashboard(trace: Trace, max_points: int) -> go.Figure:
         subplot_titles=_PANEL_TITLES,
     )
     for row, panel in enumerate(DASHBOARD_PANELS, 1):
-        said = _grouped(fig, trace, *columns[panel], max_points, row=row)
+        said = _grouped(fig, trace, *_DASHBOARD_COLUMNS[panel], max_points, row=row)
         note = fig.layout.annotations[row - 1]
         note.text = f"{note.text}: {said.rpartition(', ')[2]}"  # "none standing out"
     return _dashboard_layout(fig, f"Training: {len(_ranks(trace))} ranks as a band and a median")
