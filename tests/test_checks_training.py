@@ -352,8 +352,8 @@ def test_an_endless_iterator_that_reshuffles_itself_is_not_an_overlap():
     assert check_data_order(evidence(records)).findings == ()
 
 
-def test_accumulation_across_the_end_of_an_epoch_is_not_an_overlap():
-    # steps of 2 micro-batches: the step spanning two epochs starts a new one midway
+def accumulated_across_epochs():
+    """Steps of 2 micro-batches: the step spanning two epochs starts a new one midway."""
     records = {rank: [] for rank in range(NUM_RANKS)}
     for rank, recs in ddp_job().items():
         for first, second in zip(recs[::2], recs[1::2], strict=False):
@@ -367,7 +367,32 @@ def test_accumulation_across_the_end_of_an_epoch_is_not_an_overlap():
                 )
             )
     assert any(rec.epoch_starts for rec in records[0])
-    assert check_data_order(evidence(records)).findings == ()
+    return records
+
+
+def test_accumulation_across_the_end_of_an_epoch_is_not_an_overlap():
+    assert check_data_order(evidence(accumulated_across_epochs())).findings == ()
+
+
+def test_the_healthy_fast_path_tells_shared_samples_from_none():
+    """The one-sort check (8 bytes a sample) that spares a healthy run the sample table
+    says "nothing shared" only when no sample is read twice in an epoch."""
+    from dtlab.analysis.checks_data import _nothing_shared
+    from dtlab.records.columns import StepColumns
+
+    def nothing_shared(records) -> bool:
+        return _nothing_shared(records, StepColumns.from_records(records))
+
+    healthy = ddp_job()
+    assert nothing_shared(healthy)
+    assert nothing_shared(accumulated_across_epochs())  # the epoch starts inside a step
+    stolen = {rec.step: rec.indices for rec in healthy[1]}
+    two_ranks = {r: list(recs) for r, recs in healthy.items()}
+    two_ranks[3][6] = replace(two_ranks[3][6], indices=stolen[7])
+    assert not nothing_shared(two_ranks)  # rank 3 reads one batch of rank 1's
+    one_rank = {r: list(recs) for r, recs in healthy.items()}
+    one_rank[0][1] = replace(one_rank[0][1], indices=one_rank[0][0].indices)
+    assert not nothing_shared(one_rank)  # rank 0 reads its first batch twice in an epoch
 
 
 def test_an_unshuffled_padded_sampler_is_not_a_missing_set_epoch():

@@ -208,22 +208,57 @@ def _sample_table(records: Records, columns: StepColumns | None = None) -> np.nd
     return table
 
 
-def _nothing_shared(table: np.ndarray) -> bool:
+_KEY_BLOCK = 1 << 16  # rows per block while the keys are made (bounds the temporaries)
+
+
+def _nothing_shared(records: Records, columns: StepColumns) -> bool:
     """True when no sample is read twice in an epoch, by two ranks or by one (the healthy
-    case, told with one sort of a packed (epoch, index, rank) key instead of the full
-    grouping); False when it might be, or the key would not fit in 63 bits."""
-    key, span = np.zeros(len(table), dtype=np.int64), 1
-    for column in (_R, _I, _E):  # least significant first
-        low = int(table[:, column].min())
-        width = int(table[:, column].max()) - low + 1
-        if span * width >= 1 << 62:
-            return False
-        key += (table[:, column] - low) * span
-        span *= width
+    case): every sample read becomes one int64 key (epoch, index, rank), made from the
+    columns a block of rows at a time, and one sort tells. 8 bytes a sample at the peak,
+    where the full sample table (:func:`_sample_table`, only made when this says False)
+    holds 48. False when some sample might be shared, or the key would not fit in 63
+    bits."""
+    all_rows = columns.rows()
+    have = all_rows["num_indices"] > 0
+    if not have.any():
+        return True
+    # the few fields needed, each as its own array (a copy of the wide rows costs ~30x more)
+    rows = {
+        name: all_rows[name] if have.all() else all_rows[name][have]
+        for name in ("num_indices", "indices_at", "rank", "epoch", "epoch_starts", "step")
+    }
+    indices = columns.indices()
+    lengths = rows["num_indices"].astype(np.int64)
+    low_i, high_i = int(indices.min()), int(indices.max())
+    low_r, high_r = int(rows["rank"].min()), int(rows["rank"].max())
+    epochs = rows["epoch"]
+    low_e, high_e = int(epochs.min()), int((epochs + rows["epoch_starts"]).max())
+    rank_width, index_width = high_r - low_r + 1, high_i - low_i + 1
+    if rank_width * index_width * (high_e - low_e + 1) >= 1 << 62:
+        return False
+    per_epoch = rank_width * index_width
+    key = np.empty(int(lengths.sum()), dtype=np.int64)
+    at = 0
+    for a in range(0, len(lengths), _KEY_BLOCK):
+        block = {name: column[a : a + _KEY_BLOCK] for name, column in rows.items()}
+        n = lengths[a : a + _KEY_BLOCK]
+        size = int(n.sum())
+        starts = np.cumsum(n) - n
+        where = np.arange(size) + np.repeat(block["indices_at"] - starts, n)
+        part = key[at : at + size]
+        np.subtract(indices[where], low_i, out=part)
+        part *= rank_width
+        part += np.repeat(block["rank"] - low_r + (block["epoch"] - low_e) * per_epoch, n)
+        at += size
+    offsets = np.cumsum(lengths) - lengths
+    for i in np.flatnonzero(rows["epoch_starts"]):  # a new epoch began in the step (rare)
+        rank, step = int(rows["rank"][i]), int(rows["step"][i])
+        rec = next(r for r in records[rank] if r.step == step)
+        for begin in rec.epoch_starts:
+            key[offsets[i] + begin : offsets[i] + lengths[i]] += per_epoch
     key.sort()
-    rank_width = int(table[:, _R].max()) - int(table[:, _R].min()) + 1
-    by_sample = key // rank_width  # (epoch, index)
-    return not bool(np.any(by_sample[1:] == by_sample[:-1]))
+    key //= rank_width  # (epoch, index)
+    return not bool(np.any(key[1:] == key[:-1]))
 
 
 def _index_table(samples: np.ndarray) -> np.ndarray:
@@ -280,9 +315,11 @@ def _shared_groups(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _overlap_findings(
     records: Records, jobs: Mapping[int, JobInfo], columns: StepColumns | None = None
 ) -> list[Finding]:
-    samples = _sample_table(records, columns)
-    if not len(samples) or _nothing_shared(samples):
+    if columns is None:
+        columns = StepColumns.from_records(records)
+    if _nothing_shared(records, columns):
         return []
+    samples = _sample_table(records, columns)
     t, starts = _shared_groups(_index_table(samples))
     if not len(starts):
         return []
