@@ -307,8 +307,9 @@ def _run_the_quickstart(nb: Lab) -> None:
     last = nb.num_cells() - 1
     nb.run("notebook:run-all-above", last)  # everything but %dt_shutdown
     nb.wait_until_ran(last - 1)
-    nb.shot("01-quickstart-run.png")
     assert "8 ranks ready (gloo, local launcher)" in nb.cell_text(3)
+    nb.show_output(3)  # the launch: its progress lines and the table of ranks
+    nb.shot("01-quickstart-run.png")
     table = nb.page.locator(".jp-OutputArea-output table").filter(
         has=nb.page.locator("th", has_text="threads")
     )  # the launch's rank table, rendered
