@@ -1,7 +1,7 @@
 """The notebook side at 512 and 1,024 ranks on a 2-core machine: fake ranks on the real wire.
 
     python benchmarks/scale_sim.py                        # 64, 512 and 1,024 ranks, 100 steps
-    python benchmarks/scale_sim.py --ranks 512 --steps 300
+    python benchmarks/scale_sim.py --ranks 512 --steps 300 --per-host 8
 
 Fake ranks are zmq DEALER sockets in a few helper processes (asyncio, no torch): each says
 hello, then answers every RunRequest the notebook's stepping Channel sends with a ``done``
@@ -21,6 +21,11 @@ the notebook process grew per rank-record (RSS, after the run), and the doctor's
 verdict over the whole trace. The fake ranks do no work, so the time is
 the notebook's and the transport's; they share the 2 cores with it, which the wall time
 includes.
+
+Each size runs twice in one go: every fake rank straight to the notebook (as jobs below
+$DTLAB_RELAY_AT do), then through a real relay per host (agent/relay.py, a thread per host
+in the helper processes, as on each host's first rank), where the notebook sends one
+command and gets one message per host.
 """
 
 from __future__ import annotations
@@ -52,21 +57,29 @@ from dtlab.records.wire import RankReply, RunRequest, decode_request, frames  # 
 HELPERS = 2  # processes holding the fake ranks (one per core)
 
 
-def fake_ranks(address: str, key: str, ranks: list[int], total: int, steps: int, ready) -> None:
-    """A helper process: one DEALER per rank, replaying its simulated records."""
+def fake_ranks(
+    address: str, key: str, ranks: list[int], total: int, steps: int, ready, per_host: int
+) -> None:
+    """A helper process: one DEALER per rank, replaying its simulated records; with
+    ``per_host``, the ranks go through a real relay (agent/relay.py) per host of that many
+    consecutive ranks, run in this process as on the host's first rank."""
     import zmq
     import zmq.asyncio
+
+    from dtlab.agent.relay import Relay, local_address
 
     all_records, *_ = simulate(total, steps)
     records = {r: all_records[r] for r in ranks}
     del all_records
     context = zmq.asyncio.Context()
+    firsts = sorted({r - r % per_host for r in ranks}) if per_host else []
+    relays = [Relay(address, key, first) for first in firsts]
 
     async def rank_loop(rank: int) -> None:
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.IDENTITY, str(rank).encode())
         socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(address)
+        socket.connect(local_address(key, rank - rank % per_host) if per_host else address)
         await socket.send_multipart(frames(RankReply("hello", None, rank), key))
         made = 0
         while True:
@@ -87,17 +100,25 @@ def fake_ranks(address: str, key: str, ranks: list[int], total: int, steps: int,
         await asyncio.gather(*(rank_loop(r) for r in ranks))
 
     asyncio.run(main())
+    for relay in relays:
+        relay.close()
 
 
-def measure(ranks: int, steps: int) -> dict:
+def measure(ranks: int, steps: int, per_host: int = 0) -> dict:
+    """One configuration; ``per_host``: ranks per relayed host (0: every rank straight to
+    the notebook, as below $DTLAB_RELAY_AT)."""
     channel = Channel()
     ctx = mp.get_context("spawn")
     readies, helpers = [], []
     for h in range(HELPERS):
         ready = ctx.Event()
-        mine = list(range(h, ranks, HELPERS))
+        if per_host:  # whole hosts to each helper
+            mine = [r for r in range(ranks) if (r // per_host) % HELPERS == h]
+        else:
+            mine = list(range(h, ranks, HELPERS))
         helper = ctx.Process(
-            target=fake_ranks, args=(channel.address, channel.key, mine, ranks, steps, ready)
+            target=fake_ranks,
+            args=(channel.address, channel.key, mine, ranks, steps, ready, per_host),
         )
         helper.start()
         readies.append(ready)
@@ -162,23 +183,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 512, 1024])
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument(
+        "--per-host", type=int, default=8, help="ranks per host behind a relay (default 8)"
+    )
     args = parser.parse_args()
     print(
         f"one step of every fake rank at a time, {args.steps} steps, fake ranks in {HELPERS} "
-        "processes (medians after the first tenth of the steps)"
+        "processes (medians after the first tenth of the steps); each size straight to the "
+        f"notebook, then through a relay per host of {args.per_host} ranks"
     )
     for ranks in args.ranks:
-        m = measure(ranks, args.steps)
         target = 1.0 + 0.005 * ranks
-        q1, _, q3 = m["wall_q"]
-        print(
-            f"{ranks} ranks: step {m['wall_ms']:.1f} ms (IQR {q1:.1f}-{q3:.1f}; target "
-            f"{target:.1f} ms, {m['wall_ms'] / target:.1f}x), notebook CPU {m['cpu_ms']:.1f} ms "
-            f"a step, decode and store {m['ingest_us']:.1f} us per rank-record (target 10), "
-            f"notebook memory {m['bytes_per_record']:.0f} B per rank-record; "
-            f"doctor over the trace {m['doctor_s']:.2f} s, planted problems named: "
-            + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in m["named"].items())
-        )
+        walls = {}
+        for per_host in (0, args.per_host):
+            m = measure(ranks, args.steps, per_host)
+            walls[per_host] = m["wall_ms"]
+            q1, _, q3 = m["wall_q"]
+            how = f"relayed ({ranks // per_host} hosts)" if per_host else "straight"
+            print(
+                f"{ranks} ranks, {how}: step {m['wall_ms']:.1f} ms (IQR {q1:.1f}-{q3:.1f}; "
+                f"target {target:.1f} ms, {m['wall_ms'] / target:.1f}x), notebook CPU "
+                f"{m['cpu_ms']:.1f} ms a step, decode and store {m['ingest_us']:.1f} us per "
+                f"rank-record (target 10), notebook memory {m['bytes_per_record']:.0f} B per "
+                f"rank-record; doctor over the trace {m['doctor_s']:.2f} s, planted problems "
+                "named: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in m["named"].items())
+            )
+        print(f"{ranks} ranks: relayed / straight step time {walls[args.per_host] / walls[0]:.2f}x")
 
 
 if __name__ == "__main__":

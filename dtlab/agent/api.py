@@ -99,11 +99,11 @@ def rank_now():
 # --- stepping and records ----------------------------------------------------------------
 
 
-def serve(address: str, key: str, rank: int) -> int:
-    """Connect the stepping channel and serve it (in its own thread)."""
+def serve(address: str, key: str, rank: int, relay: int | None = None) -> int:
+    """Connect the stepping channel and serve it (through ``relay``'s host relay, if one)."""
     from dtlab.agent.stepping import serve as serve_
 
-    return serve_(address, key, rank)
+    return serve_(address, key, rank, relay)
 
 
 def record_at(step: int):

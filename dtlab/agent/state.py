@@ -62,6 +62,9 @@ class RankState:
     # stepping.StepServer: the stepping channel's rank end; set by stepping.serve (which
     # closes the one before); cleared by stepping.stop_serving
     step_server: Any = None
+    # relay.Relay: this host's relay, on the host's first rank of a relayed job; set by
+    # stepping.serve, closed and cleared by stepping.stop_serving
+    relay: Any = None
     # sidecar.Sidecar: the hang-report thread; set by sidecar.start (which stops the one
     # before); never cleared (a daemon thread)
     sidecar: Any = None

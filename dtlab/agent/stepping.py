@@ -41,12 +41,21 @@ MAX_AGREE_EVERY = 1000
 AGREE_POLL_S = 0.0005  # polling the agreement keeps SIGINT deliverable
 
 
-def serve(address: str, key: str, rank: int) -> int:
+def serve(address: str, key: str, rank: int, relay: int | None = None) -> int:
     """Connect this rank to the notebook's channel (replacing an older connection).
-    Called on every rank at once, so the control group is made here (a collective)."""
-    if RANK.step_server is not None:
-        RANK.step_server.close()
+    Called on every rank at once, so the control group is made here (a collective).
+    ``relay``: the rank whose relay this host's ranks reach the notebook through (this
+    rank runs it if it is that rank; :mod:`dtlab.agent.relay`); None: straight."""
+    stop_serving()
     control_group(rebuild=True)
+    if relay == rank:
+        from dtlab.agent.relay import Relay
+
+        RANK.relay = Relay(address, key, rank)
+    if relay is not None:
+        from dtlab.agent.relay import local_address
+
+        address = local_address(key, relay)
     RANK.step_server = StepServer(address, key, rank)
     return jobs.attach_count()
 
@@ -55,6 +64,9 @@ def stop_serving() -> None:
     if RANK.step_server is not None:
         RANK.step_server.close()
         RANK.step_server = None
+    if RANK.relay is not None:
+        RANK.relay.close()
+        RANK.relay = None
 
 
 def condition_holds(cond: Condition | None, rec: StepRecord) -> bool:

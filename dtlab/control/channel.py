@@ -2,6 +2,9 @@
 
 It carries two protocols: the stepping channel's (rank end :mod:`dtlab.agent.stepping`,
 messages typed in :mod:`dtlab.records.wire`) and the sidecars' (:mod:`dtlab.agent.sidecar`).
+Ranks connect straight to it, or through their host's relay (:mod:`dtlab.agent.relay`):
+the channel learns each rank's route from its hello, then sends a command once per relay
+(naming its ranks) and takes a relay's batch of replies apart.
 Messages are JSON objects with a random session key (a stepping reply may add one frame of
 packed step records, :mod:`dtlab.records.packed`): nothing received is unpickled or
 executed, and a message without the key is dropped; what a reply means is its protocol's.
@@ -17,7 +20,7 @@ from collections.abc import Iterable
 
 import zmq
 
-from dtlab.records.wire import Request
+from dtlab.records.wire import BATCH, Request, checked
 
 
 class Channel:
@@ -32,19 +35,35 @@ class Channel:
         port: int = self.socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{advertised or host}:{port}"
         self.connected: set[int] = set()
+        self.routes: dict[int, bytes] = {}  # rank -> the identity of its host's relay
         self._lock = threading.Lock()  # a zmq socket must not be used by two threads at once
 
     def send(self, ranks: Iterable[int], message: Request | dict) -> list[int]:
-        """Send to each rank; returns the ranks it could not reach (not connected)."""
+        """Send to each rank (once per relay for relayed ranks, naming them); returns the
+        ranks it could not reach (not connected, or their relay is gone)."""
         payload = message if isinstance(message, dict) else message.to_dict()
         frame = json.dumps({"key": self.key, **payload}).encode()
+        direct: list[int] = []
+        relayed: dict[bytes, list[int]] = {}
+        for rank in ranks:
+            route = self.routes.get(rank)
+            if route is None:
+                direct.append(rank)
+            else:
+                relayed.setdefault(route, []).append(rank)
         unreachable = []
         with self._lock:
-            for rank in ranks:
+            for rank in direct:
                 try:
                     self.socket.send_multipart([str(rank).encode(), frame], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     unreachable.append(rank)
+            for route, targets in relayed.items():
+                named = json.dumps({"key": self.key, **payload, "to": targets}).encode()
+                try:
+                    self.socket.send_multipart([route, named], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    unreachable.extend(targets)
         return unreachable
 
     def receive(self, timeout: float) -> list[dict]:
@@ -62,21 +81,30 @@ class Channel:
             if self.socket.poll(int(timeout * 1000), zmq.POLLIN):
                 while self.socket.poll(0, zmq.POLLIN):
                     messages.append(self.socket.recv_multipart())
-        replies = []
+        replies: list[tuple[dict, bytes]] = []
         for parts in messages:
-            if len(parts) not in (2, 3):  # identity, JSON, maybe rows
-                continue
-            try:
-                reply = json.loads(parts[1])
-            except ValueError:
-                continue
-            if not isinstance(reply, dict) or reply.get("key") != self.key:
-                continue  # not from one of our ranks
-            if reply.get("kind") == "hello" and isinstance(reply.get("rank"), int):
-                self.connected.add(reply["rank"])
-            else:
-                replies.append((reply, parts[2] if len(parts) == 3 else b""))
+            if len(parts) > 3 and parts[1] == BATCH and len(parts) % 2 == 0:
+                # a relay's batch: identity, BATCH, then (JSON, rows) of each reply
+                for frame, rows in zip(parts[2::2], parts[3::2], strict=True):
+                    self._take(frame, rows, parts[0], replies)
+            elif len(parts) in (2, 3):  # identity, JSON, maybe rows
+                self._take(parts[1], parts[2] if len(parts) == 3 else b"", None, replies)
         return replies
+
+    def _take(
+        self, frame: bytes, rows: bytes, route: bytes | None, replies: list[tuple[dict, bytes]]
+    ) -> None:
+        reply = checked(frame, self.key)
+        if reply is None:
+            return  # not from one of our ranks
+        if reply.get("kind") == "hello" and isinstance(reply.get("rank"), int):
+            self.connected.add(reply["rank"])
+            if route is None:
+                self.routes.pop(reply["rank"], None)
+            else:
+                self.routes[reply["rank"]] = route
+        else:
+            replies.append((reply, rows))
 
     def wait_connected(self, ranks: Iterable[int], timeout: float) -> set[int]:
         """Wait for each rank's hello; returns the ranks that never said it."""

@@ -100,6 +100,9 @@ class Run:
         rank = reply.rank
         if rank not in self.pending:
             return
+        if reply.kind == "unreachable":  # its host's relay could not forward the run
+            self.could_not_send([rank])
+            return
         self.host.ingest(reply)
         self.last_reply = time.monotonic()
         self.step_by_rank[rank] = reply.step

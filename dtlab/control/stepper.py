@@ -18,9 +18,10 @@ the Pause button works while ranks step.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import contextmanager
 
 import numpy as np
@@ -34,17 +35,45 @@ from dtlab.control.config import checked_timeout
 from dtlab.control.errors import DtlabError, OptionError
 from dtlab.control.network import EVERYWHERE, LOOPBACK, is_loopback, listen_address, route_ip
 from dtlab.control.runs import FAILURE_GRACE_S, POLL_S, Run
-from dtlab.records import Condition, RunResult
+from dtlab.records import Condition, RankInfo, RunResult
 from dtlab.records.columns import step_seconds
 from dtlab.records.trace import Trace, new_run_folder
 from dtlab.records.wire import PauseRequest, RankReply, RunRequest, reply_from
 
 CONNECT_TIMEOUT_S = 30.0
 REPORT_S = 0.25  # ranks send progress (and records) at most this often
+RELAY_AT = 64  # from this many ranks on, one relay per host (one message per host a step)
+RELAY_ENV = "DTLAB_RELAY_AT"
 AGREE_S = 1.0  # in a plain multi-step run, ranks agree (pause?) about this often: one
 # agreement costs ~5 ms at 8 ranks on 2 cores, so every step would add ~4%
 
 Progress = Callable[[str, int, int], None]
+
+
+def relay_at() -> int:
+    """Jobs of this many ranks or more reach the notebook through one relay per host
+    (``$DTLAB_RELAY_AT``, default RELAY_AT; agent/relay.py)."""
+    text = os.environ.get(RELAY_ENV, "").strip()
+    if not text:
+        return RELAY_AT
+    try:
+        at = int(text)
+    except ValueError:
+        at = 0
+    if at < 2:
+        raise OptionError(f"${RELAY_ENV}={text!r}: give a number of ranks >= 2")
+    return at
+
+
+def relay_plan(infos: Mapping[int, RankInfo], at: int) -> dict[int, int]:
+    """``{rank: the rank whose relay it goes through}`` (the lowest rank of each host with
+    two or more ranks), or ``{}`` for a job of fewer than ``at`` ranks."""
+    if len(infos) < at:
+        return {}
+    hosts: dict[str, list[int]] = {}
+    for rank, info in infos.items():
+        hosts.setdefault(info.host, []).append(rank)
+    return {rank: min(local) for local in hosts.values() if len(local) >= 2 for rank in local}
 
 
 class Stepper:
@@ -53,6 +82,7 @@ class Stepper:
     def __init__(self, session) -> None:
         self.session = session
         self.channel: Channel | None = None
+        self._relays: dict[int, int] = {}  # rank -> its host's relay rank (none: straight)
         self.trace: Trace | None = None
         self.attach_counts: dict[int, int] = {}
         self.active: Run | None = None
@@ -66,14 +96,21 @@ class Stepper:
 
     # --- connecting and tracing --------------------------------------------------------
     def _connect(self) -> None:
+        """Connect the ranks to a new Channel, unless connected already the way the job's
+        size asks (straight, or through one relay per host: a changed $DTLAB_RELAY_AT
+        takes effect at the next run)."""
+        relays = relay_plan(self.session.infos, relay_at())
         if self.channel is not None:
-            return
+            if relays == self._relays:
+                return
+            self.channel.close()
+            self.channel = None
         channel = Channel(*_channel_hosts(self.session))
         try:
             ranks = self.session.ranks
             self.session.run_each(
                 api.serve,
-                {r: (channel.address, channel.key, r) for r in ranks},
+                {r: (channel.address, channel.key, r, relays.get(r)) for r in ranks},
                 what="connect the stepping channel",
                 timeout=CONNECT_TIMEOUT_S,
             )
@@ -86,7 +123,7 @@ class Stepper:
         except BaseException:
             channel.close()
             raise
-        self.channel = channel
+        self.channel, self._relays = channel, relays
 
     def _sync_job(self) -> None:
         """Start a new trace when the job was (re-)attached. Only a call through the session

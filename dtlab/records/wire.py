@@ -22,7 +22,9 @@ from typing import ClassVar
 from dtlab.records.ranks import RemoteFailure
 from dtlab.records.steps import Condition
 
-REPLY_KINDS = ("hello", "progress", "done", "error")
+# "unreachable": a host's relay could not forward a command to this rank (agent/relay.py)
+REPLY_KINDS = ("hello", "progress", "done", "error", "unreachable")
+BATCH = b"DTRB"  # the first frame of a relay's message: the replies of a host's ranks
 # how a rank's run ended: all steps made, the condition met, a pause asked, a failure
 # (its own or a peer's), or a script job whose script is over
 STOPS = ("steps", "until", "pause", "error", "ended")
@@ -165,7 +167,7 @@ def frames(message: Request | RankReply, key: str) -> list[bytes]:
 
 def decode_request(frame: bytes, key: str) -> Request | None:
     """A request from the notebook, or None for a frame that is not one of ours."""
-    data = _checked(frame, key)
+    data = checked(frame, key)
     if data is None:
         return None
     op = data.get("op")
@@ -178,7 +180,7 @@ def decode_request(frame: bytes, key: str) -> Request | None:
 
 def decode_reply(frame: bytes, key: str, rows: bytes = b"") -> RankReply | None:
     """A rank's reply, or None for a frame that is not one of ours."""
-    data = _checked(frame, key)
+    data = checked(frame, key)
     return reply_from(data, rows) if data is not None else None
 
 
@@ -193,7 +195,8 @@ def reply_from(data: dict, rows: bytes = b"") -> RankReply | None:
         return None
 
 
-def _checked(frame: bytes, key: str) -> dict | None:
+def checked(frame: bytes, key: str) -> dict | None:
+    """The frame's JSON object if it carries the session key, else None."""
     try:
         data = json.loads(frame)
     except ValueError:

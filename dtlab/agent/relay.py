@@ -1,0 +1,169 @@
+"""One connection to the notebook per host: the host's first rank relays for the others.
+
+At hundreds of ranks the notebook's cost of a step is per message, not per byte: each
+reply is received, parsed and handed to its run in Python (~15-30 us each), and each
+command is sent rank by rank. With relays (``%dt_launch`` jobs of at least
+``DTLAB_RELAY_AT`` ranks, 64 by default) the notebook sends a command once per host and
+gets a step's replies back as one message per host.
+
+A relay is a thread of the host's lowest rank with two sockets:
+
+- up: a DEALER connected to the notebook's Channel (identity ``relay:<rank>``);
+- down: a ROUTER on ``ipc://<tmp>/dtlab-<token>-<rank>.sock`` that the host's ranks
+  (itself included) connect their stepping sockets to, exactly as they would to the
+  notebook: a rank does not know whether it is relayed.
+
+Down: a command names its ranks (``"to"``); the relay forwards it to each. A rank it
+cannot reach (its socket is gone: a killed engine) comes back as an ``unreachable`` reply,
+so the run stops waiting for it as it would for a rank the notebook could not send to.
+
+Up: replies travel in batches, ``[b"DTRB", json, rows, json, rows, ...]``, each reply's
+frames as the rank sent them (the relay parses the JSON only to follow runs; the notebook
+checks every reply's key). A ``done`` or ``error`` reply is held until every local rank of
+that run has sent one, or for HOLD_S at most (a dead rank does not hold up the others);
+everything else goes at once with whatever else is waiting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import time
+
+from dtlab.records.wire import BATCH, checked
+
+HOLD_S = 0.05  # a finished run's replies wait this long at most for the host's other ranks
+POLL_MS = 50  # how often the thread looks at its stop flag
+
+
+def local_address(key: str, relay_rank: int) -> str:
+    """The ipc endpoint of ``relay_rank``'s relay (the same on every rank of its host)."""
+    token = hashlib.sha256(key.encode()).hexdigest()[:8]
+    return f"ipc://{tempfile.gettempdir()}/dtlab-{token}-{relay_rank}.sock"
+
+
+class Relay:
+    """The relay thread of one host (see the module's description)."""
+
+    def __init__(self, upstream: str, key: str, rank: int):
+        import zmq  # (the agent layer imports zmq only where it is used)
+
+        self.key = key
+        self.local = local_address(key, rank)
+        context = zmq.Context.instance()
+        self.up = context.socket(zmq.DEALER)
+        self.up.setsockopt(zmq.IDENTITY, f"relay:{rank}".encode())
+        self.up.setsockopt(zmq.LINGER, 0)
+        self.down = context.socket(zmq.ROUTER)
+        self.down.setsockopt(zmq.LINGER, 0)
+        self.down.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a rank gone -> an error, not a drop
+        self._path = self.local.removeprefix("ipc://")
+        if os.path.exists(self._path):  # left by a relay of this session that was killed
+            os.unlink(self._path)
+        self.down.bind(self.local)
+        self.up.connect(upstream)
+        self._stop = threading.Event()
+        self._waiting: dict[int, set[int]] = {}  # run id -> local ranks not finished yet
+        self._held: list[bytes] = []  # frames of replies not sent up yet (json, rows pairs)
+        self._held_runs: set[int] = set()  # runs with a finished reply among them
+        self._held_since = 0.0
+        self._thread = threading.Thread(target=self._serve, name="dtlab-relay", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    # --- the thread --------------------------------------------------------------------
+    def _serve(self) -> None:
+        import zmq  # (the agent layer imports zmq only where it is used)
+
+        poller = zmq.Poller()
+        poller.register(self.up, zmq.POLLIN)
+        poller.register(self.down, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(self._timeout_ms()))
+                if self.up in events:
+                    self._from_notebook()
+                if self.down in events:
+                    self._from_ranks()
+                if self._held and self._ready():
+                    self._send_up()
+        finally:
+            self.up.close()
+            self.down.close()
+            if os.path.exists(self._path):
+                os.unlink(self._path)
+
+    def _timeout_ms(self) -> int:
+        if not self._held:
+            return POLL_MS
+        left = self._held_since + HOLD_S - time.monotonic()
+        return max(0, min(POLL_MS, int(left * 1000) + 1))
+
+    def _from_notebook(self) -> None:
+        import zmq  # (the agent layer imports zmq only where it is used)
+
+        while self.up.poll(0, zmq.POLLIN):
+            parts = self.up.recv_multipart()
+            data = checked(parts[-1], self.key)
+            if data is None:
+                continue  # not from our notebook
+            targets = [r for r in data.get("to") or () if isinstance(r, int)]
+            run = data.get("id") if data.get("op") == "run" else None
+            if isinstance(run, int):
+                self._waiting[run] = set(targets)
+            unreachable = []
+            for rank in targets:
+                try:
+                    self.down.send_multipart([str(rank).encode(), parts[-1]], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    unreachable.append(rank)
+            for rank in unreachable:
+                reply = {"key": self.key, "kind": "unreachable", "id": run, "rank": rank}
+                self._hold([json.dumps(reply).encode(), b""], rank, run, finished=True)
+
+    def _from_ranks(self) -> None:
+        import zmq  # (the agent layer imports zmq only where it is used)
+
+        while self.down.poll(0, zmq.POLLIN):
+            parts = self.down.recv_multipart()  # identity, json, maybe rows
+            if len(parts) not in (2, 3):
+                continue
+            data = checked(parts[1], self.key)
+            if data is None:
+                continue
+            run = data.get("id")
+            finished = data.get("kind") in ("done", "error") and isinstance(run, int)
+            rank = data.get("rank")
+            self._hold([parts[1], parts[2] if len(parts) == 3 else b""], rank, run, finished)
+
+    def _hold(self, frames: list[bytes], rank, run, finished: bool) -> None:
+        if not self._held:
+            self._held_since = time.monotonic()
+        self._held += frames
+        if finished:
+            self._waiting.get(run, set()).discard(rank)
+            self._held_runs.add(run)
+
+    def _ready(self) -> bool:
+        """Send now? Not while a held run's other local ranks may still finish (HOLD_S)."""
+        if time.monotonic() - self._held_since >= HOLD_S:
+            return True
+        return not any(self._waiting.get(run) for run in self._held_runs)
+
+    def _send_up(self) -> None:
+        import zmq  # (the agent layer imports zmq only where it is used)
+
+        try:
+            self.up.send_multipart([BATCH, *self._held], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the notebook is gone or not keeping up: its run notices the silence
+        for run in self._held_runs:
+            if not self._waiting.get(run):
+                self._waiting.pop(run, None)
+        self._held, self._held_runs = [], set()

@@ -1,0 +1,145 @@
+"""A host's relay (agent/relay.py) between the notebook's real Channel and ranks on real zmq
+sockets: hellos give the channel each rank's route, a command goes out once per relay and
+reaches each named rank, a finished run's replies come back as one message, a silent
+rank holds the others back HOLD_S at most, and a rank the relay cannot reach is reported
+(the run then stops waiting for it). No torch: the ranks here are DEALER sockets speaking
+the stepping protocol, as agent/stepping.StepServer does."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import zmq
+
+from dtlab.agent.relay import HOLD_S, Relay, local_address
+from dtlab.control.channel import Channel
+from dtlab.records.wire import BATCH, RankReply, RunRequest, decode_request, frames, reply_from
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Rank:
+    """One fake rank: a DEALER on the relay's ipc endpoint, identity = its rank."""
+
+    def __init__(self, key: str, rank: int, relay: int):
+        self.key, self.rank = key, rank
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, str(rank).encode())
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(local_address(key, relay))
+        self.say("hello", None)
+
+    def say(self, kind: str, run, **fields) -> None:
+        self.socket.send_multipart(frames(RankReply(kind, run, self.rank, **fields), self.key))
+
+    def request(self, timeout_s: float = 10.0):
+        assert self.socket.poll(int(timeout_s * 1000)), f"rank {self.rank} got nothing"
+        return decode_request(self.socket.recv(), self.key)
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+@pytest.fixture
+def host():
+    """A Channel, the relay of rank 0 and fake ranks 0-3 connected through it."""
+    channel = Channel()
+    relay = Relay(channel.address, channel.key, 0)
+    ranks = [Rank(channel.key, r, 0) for r in range(4)]
+    try:
+        assert channel.wait_connected(range(4), timeout=10) == set()
+        yield channel, relay, ranks
+    finally:
+        for rank in ranks:
+            rank.close()
+        relay.close()
+        channel.close()
+
+
+def replies(channel: Channel, want: int, timeout_s: float = 10.0) -> list[RankReply]:
+    got: list[RankReply] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < want and time.monotonic() < deadline:
+        got += [r for d, rows in channel.receive_with_rows(0.1) if (r := reply_from(d, rows))]
+    return got
+
+
+def test_hellos_through_the_relay_give_each_rank_its_route(host):
+    channel, _, _ = host
+    assert channel.connected == {0, 1, 2, 3}
+    assert set(channel.routes) == {0, 1, 2, 3} and set(channel.routes.values()) == {b"relay:0"}
+
+
+def test_a_command_reaches_each_named_rank_once_and_the_replies_come_back_whole(host):
+    channel, _, ranks = host
+    assert channel.send([1, 2, 3], RunRequest(id=7, steps=2)) == []
+    for rank in ranks[1:]:
+        request = rank.request()
+        assert isinstance(request, RunRequest) and (request.id, request.steps) == (7, 2)
+    assert ranks[0].socket.poll(100) == 0  # not named: not sent
+    for rank in ranks[1:]:
+        rank.say("done", 7, step=2, rows=b"rows of %d" % rank.rank, stopped="steps")
+    got = replies(channel, 3)
+    assert sorted((r.rank, r.kind, r.id, r.rows) for r in got) == [
+        (r, "done", 7, b"rows of %d" % r) for r in (1, 2, 3)
+    ]
+
+
+def test_a_finished_run_comes_up_as_one_message_and_a_silent_rank_holds_it_briefly():
+    """Seen from a raw ROUTER (the notebook's socket): one batch for three done replies;
+    with a fourth rank silent, the batch still comes, about HOLD_S later."""
+    key = "k" * 32
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    relay = Relay(f"tcp://127.0.0.1:{port}", key, 10)
+    ranks = [Rank(key, r, 10) for r in (10, 11, 12, 13)]
+    try:
+        hellos = 0
+        while hellos < 4:
+            assert router.poll(10_000)
+            hellos += (len(router.recv_multipart()) - 2) // 2
+        for run, finishing in ((1, ranks[:3]), (2, ranks)):
+            targets = [10, 11, 12] if run == 1 else [10, 11, 12, 13]
+            request = {"key": key, **RunRequest(id=run, steps=1).to_dict(), "to": targets}
+            router.send_multipart([b"relay:10", json.dumps(request).encode()])
+            for rank in ranks:
+                if rank.rank in targets:
+                    assert rank.request().id == run
+            started = time.monotonic()
+            for rank in finishing if run == 1 else ranks[:3]:  # run 2: rank 13 stays silent
+                rank.say("done", run, step=run, stopped="steps")
+            assert router.poll(10_000)
+            parts = router.recv_multipart()
+            waited = time.monotonic() - started
+            assert parts[1] == BATCH and (len(parts) - 2) // 2 == 3, parts
+            assert {json.loads(f)["rank"] for f in parts[2::2]} == {10, 11, 12}
+            if run == 2:  # held for rank 13 until HOLD_S had passed, then sent
+                assert waited >= HOLD_S * 0.9, waited
+    finally:
+        for rank in ranks:
+            rank.close()
+        relay.close()
+        router.close()
+
+
+def test_a_rank_the_relay_cannot_reach_is_reported_unreachable(host):
+    channel, _, ranks = host
+    ranks[2].close()  # its engine was killed: the relay's socket to it is gone
+    deadline = time.monotonic() + 10
+    unreachable: list[RankReply] = []
+    while not unreachable and time.monotonic() < deadline:
+        channel.send([2], RunRequest(id=9, steps=1))  # until the relay has seen it go
+        unreachable = [r for r in replies(channel, 1, 0.5) if r.kind == "unreachable"]
+    assert [(r.rank, r.id) for r in unreachable[:1]] == [(2, 9)]
+
+
+def test_replies_without_the_session_key_go_no_further(host):
+    channel, _, ranks = host
+    ranks[1].socket.send_multipart(frames(RankReply("progress", 3, 1, step=1), "not the key"))
+    ranks[3].say("progress", 3, step=1)
+    got = replies(channel, 1)
+    assert [(r.rank, r.kind) for r in got] == [(3, "progress")]
+    assert replies(channel, 1, 0.3) == []
