@@ -143,3 +143,28 @@ def test_replies_without_the_session_key_go_no_further(host):
     got = replies(channel, 1)
     assert [(r.rank, r.kind) for r in got] == [(3, "progress")]
     assert replies(channel, 1, 0.3) == []
+
+
+def test_the_relay_plan_picks_each_hosts_lowest_rank_from_the_size_on():
+    from dtlab.control.stepper import relay_plan
+    from tests.fakes import rank_info
+
+    hosts = {0: "a", 1: "b", 2: "a", 3: "b", 4: "a", 5: "c"}
+    infos = {r: rank_info(r, host=h) for r, h in hosts.items()}
+    assert relay_plan(infos, at=7) == {}  # fewer ranks than the size: straight
+    # host c has one rank: nothing to gather, it goes straight
+    assert relay_plan(infos, at=6) == {0: 0, 2: 0, 4: 0, 1: 1, 3: 1}
+
+
+def test_a_bad_relay_size_is_refused_with_what_to_give(monkeypatch):
+    from dtlab.control.errors import OptionError
+    from dtlab.control.stepper import RELAY_AT, relay_at
+
+    monkeypatch.delenv("DTLAB_RELAY_AT", raising=False)
+    assert relay_at() == RELAY_AT
+    monkeypatch.setenv("DTLAB_RELAY_AT", "8")
+    assert relay_at() == 8
+    for bad in ("1", "many"):
+        monkeypatch.setenv("DTLAB_RELAY_AT", bad)
+        with pytest.raises(OptionError, match="DTLAB_RELAY_AT=.*a number of ranks >= 2"):
+            relay_at()
