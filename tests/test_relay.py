@@ -168,3 +168,20 @@ def test_a_bad_relay_size_is_refused_with_what_to_give(monkeypatch):
         monkeypatch.setenv("DTLAB_RELAY_AT", bad)
         with pytest.raises(OptionError, match="DTLAB_RELAY_AT=.*a number of ranks >= 2"):
             relay_at()
+
+
+def test_a_relay_that_fails_says_so_for_each_of_its_ranks_instead_of_going_silent(host):
+    channel, relay, ranks = host
+    channel.send([0, 1], RunRequest(id=5, steps=1))
+    for rank in ranks[:2]:
+        assert rank.request().id == 5
+
+    def broken() -> None:  # a fault planted in the relay's thread
+        raise RuntimeError("planted")
+
+    relay._from_ranks = broken  # type: ignore[method-assign]
+    ranks[0].say("done", 5, step=1, stopped="steps")
+    got = replies(channel, 2)
+    assert sorted((r.rank, r.kind, r.id) for r in got) == [(0, "error", 5), (1, "error", 5)]
+    assert got[0].error is not None and got[0].error.ename == "RelayError"
+    assert "relay of rank 0's host failed: RuntimeError('planted')" in got[0].error.evalue

@@ -32,6 +32,7 @@ import os
 import tempfile
 import threading
 import time
+import traceback
 
 from dtlab.records.wire import BATCH, checked
 
@@ -51,7 +52,7 @@ class Relay:
     def __init__(self, upstream: str, key: str, rank: int):
         import zmq  # (the agent layer imports zmq only where it is used)
 
-        self.key = key
+        self.key, self.rank = key, rank
         self.local = local_address(key, rank)
         context = zmq.Context.instance()
         self.up = context.socket(zmq.DEALER)
@@ -70,6 +71,7 @@ class Relay:
         self._held: list[bytes] = []  # frames of replies not sent up yet (json, rows pairs)
         self._held_runs: set[int] = set()  # runs with a finished reply among them
         self._held_since = 0.0
+        self._ranks: set[int] = set()  # the local ranks that said hello
         self._thread = threading.Thread(target=self._serve, name="dtlab-relay", daemon=True)
         self._thread.start()
 
@@ -93,11 +95,34 @@ class Relay:
                     self._from_ranks()
                 if self._held and self._ready():
                     self._send_up()
+        except Exception as e:  # a bug here must not leave the host's ranks silent
+            self._fail(e)
         finally:
             self.up.close()
             self.down.close()
             if os.path.exists(self._path):
                 os.unlink(self._path)
+
+    def _fail(self, error: Exception) -> None:
+        """Say the relay failed, as an error reply of each rank a run still waits for
+        (of every local rank when none does), so the notebook's run ends naming it
+        instead of waiting."""
+        failure = {
+            "ename": "RelayError",
+            "evalue": f"the relay of rank {self.rank}'s host failed: {error!r}; "
+            "%dt_launch N --restart starts new ranks and relays",
+            "traceback": traceback.format_exc(),
+        }
+        runs = list(self._waiting.items()) or [(None, set())]
+        frames = [
+            json.dumps(
+                {"key": self.key, "kind": "error", "id": run, "rank": rank, "error": failure}
+            ).encode()
+            for run, ranks in runs
+            for rank in sorted(ranks if run is not None else self._ranks)
+        ]
+        self._held += [part for frame in frames for part in (frame, b"")]
+        self._send_up()
 
     def _timeout_ms(self) -> int:
         if not self._held:
@@ -140,6 +165,8 @@ class Relay:
             run = data.get("id")
             finished = data.get("kind") in ("done", "error") and isinstance(run, int)
             rank = data.get("rank")
+            if data.get("kind") == "hello" and isinstance(rank, int):
+                self._ranks.add(rank)
             self._hold([parts[1], parts[2] if len(parts) == 3 else b""], rank, run, finished)
 
     def _hold(self, frames: list[bytes], rank, run, finished: bool) -> None:
