@@ -46,3 +46,20 @@ def test_the_relay_rank_killed_mid_run_is_named_and_nothing_hangs(dt):
     dt.restart(None)
     dt.step(2)  # new ranks, a new relay
     assert dt.stepper.channel.routes.get(3) == b"relay:0"
+
+
+def test_a_relay_that_fails_ends_the_run_naming_it_and_the_next_run_has_a_new_one(dt):
+    dt.step(1)
+    dt.execute(
+        "from dtlab.agent.state import RANK\n"
+        "def broken():\n    raise RuntimeError('planted')\n"
+        "RANK.relay._from_ranks = broken",
+        ranks=[0],
+    )
+    with pytest.raises(RankError) as failed:
+        dt.step(2)
+    assert "RelayError" in str(failed.value) and "planted" in str(failed.value)
+    before = dt.trace.last_step
+    dt.step(2)  # the ranks connected again, through a new relay
+    assert dt.trace.last_step >= before + 2
+    assert dt.stepper.channel.routes.get(3) == b"relay:0"

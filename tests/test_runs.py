@@ -88,3 +88,21 @@ def test_a_rank_that_stays_registered_is_said_to_be_unreachable(monkeypatch):
     with pytest.raises(RankTimeoutError) as e:
         run.result()
     assert "rank 2 could not be sent the run" in e.value.reason
+
+
+def test_an_unreachable_reply_from_a_relay_is_a_send_failure(monkeypatch):
+    """A host's relay that could not forward the run to rank 2 says so in a reply; the run
+    then waits for rank 2 as for a rank the notebook could not send to."""
+    monkeypatch.setattr(runs, "UNSENT_WAIT_S", 1.0)
+    host = ScriptedHost(dies_after=None)
+    run = runs.Run(host, 1, steps=3, until=None, timeout=None)
+    host.run = run
+    run.handle(RankReply("unreachable", 1, 2))
+    deadline = time.monotonic() + 60
+    while not run.over():
+        assert time.monotonic() < deadline, "the run never ended"
+        host.receive(runs.POLL_S)
+        run.check()
+    with pytest.raises(RankTimeoutError) as e:
+        run.result()
+    assert "rank 2 could not be sent the run" in e.value.reason

@@ -1,10 +1,11 @@
 """One connection to the notebook per host: the host's first rank relays for the others.
 
-At hundreds of ranks the notebook's cost of a step is per message, not per byte: each
-reply is received, parsed and handed to its run in Python (~15-30 us each), and each
-command is sent rank by rank. With relays (``%dt_launch`` jobs of at least
+At hundreds of ranks the notebook's cost of a step is mostly per message: each command is
+sent rank by rank and each reply received on its own. With relays (jobs of at least
 ``DTLAB_RELAY_AT`` ranks, 64 by default) the notebook sends a command once per host and
-gets a step's replies back as one message per host.
+gets a finished run's replies back as one message per host (progress replies are not
+held: they go up with whatever else is waiting). Each reply inside is still checked and
+handed to its run in Python: relays save the sends and receives, not that.
 
 A relay is a thread of the host's lowest rank with two sockets:
 
@@ -62,10 +63,16 @@ class Relay:
         self.down.setsockopt(zmq.LINGER, 0)
         self.down.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a rank gone -> an error, not a drop
         self._path = self.local.removeprefix("ipc://")
-        if os.path.exists(self._path):  # left by a relay of this session that was killed
-            os.unlink(self._path)
-        self.down.bind(self.local)
-        self.up.connect(upstream)
+        try:
+            self.down.bind(self.local)  # (libzmq replaces a stale file of a killed relay)
+            self.up.connect(upstream)
+        except zmq.ZMQError as e:
+            self.up.close()
+            self.down.close()
+            raise RuntimeError(
+                f"rank {rank} could not start its host's relay at {self.local}: {e} "
+                "(a TMPDIR path too long for a socket? set TMPDIR shorter on the ranks)"
+            ) from e
         self._stop = threading.Event()
         self._waiting: dict[int, set[int]] = {}  # run id -> local ranks not finished yet
         self._held: list[bytes] = []  # frames of replies not sent up yet (json, rows pairs)
@@ -98,7 +105,7 @@ class Relay:
         except Exception as e:  # a bug here must not leave the host's ranks silent
             self._fail(e)
         finally:
-            self.up.close()
+            self.up.close(linger=1000)  # a failure's report still goes out
             self.down.close()
             if os.path.exists(self._path):
                 os.unlink(self._path)
@@ -110,7 +117,7 @@ class Relay:
         failure = {
             "ename": "RelayError",
             "evalue": f"the relay of rank {self.rank}'s host failed: {error!r}; "
-            "%dt_launch N --restart starts new ranks and relays",
+            "the next run connects the ranks again with new relays",
             "traceback": traceback.format_exc(),
         }
         runs = list(self._waiting.items()) or [(None, set())]
@@ -140,8 +147,8 @@ class Relay:
                 continue  # not from our notebook
             targets = [r for r in data.get("to") or () if isinstance(r, int)]
             run = data.get("id") if data.get("op") == "run" else None
-            if isinstance(run, int):
-                self._waiting[run] = set(targets)
+            if isinstance(run, int):  # one run at a time: older ones are over
+                self._waiting = {run: set(targets)}
             unreachable = []
             for rank in targets:
                 try:

@@ -83,6 +83,7 @@ class Stepper:
         self.session = session
         self.channel: Channel | None = None
         self._relays: dict[int, int] = {}  # rank -> its host's relay rank (none: straight)
+        self._relay_failed = False  # a relay said it failed: reconnect before the next run
         self.trace: Trace | None = None
         self.attach_counts: dict[int, int] = {}
         self.active: Run | None = None
@@ -98,10 +99,10 @@ class Stepper:
     def _connect(self) -> None:
         """Connect the ranks to a new Channel, unless connected already the way the job's
         size asks (straight, or through one relay per host: a changed $DTLAB_RELAY_AT
-        takes effect at the next run)."""
+        takes effect at the next run, and a relay that failed is replaced)."""
         relays = relay_plan(self.session.infos, relay_at())
         if self.channel is not None:
-            if relays == self._relays:
+            if relays == self._relays and not self._relay_failed:
                 return
             self.channel.close()
             self.channel = None
@@ -123,7 +124,7 @@ class Stepper:
         except BaseException:
             channel.close()
             raise
-        self.channel, self._relays = channel, relays
+        self.channel, self._relays, self._relay_failed = channel, relays, False
 
     def _sync_job(self) -> None:
         """Start a new trace when the job was (re-)attached. Only a call through the session
@@ -182,6 +183,8 @@ class Stepper:
         """Every reply, whoever received it: to the run in flight, or (late, from an older
         run) its records to the trace and its rank marked free."""
         for reply in replies:
+            if reply.kind == "error" and reply.error and reply.error.ename == "RelayError":
+                self._relay_failed = True  # the next run connects the ranks afresh
             if self.active is not None and reply.id == self.active.id:
                 self.active.handle(reply)
                 continue
