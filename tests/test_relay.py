@@ -146,7 +146,7 @@ def test_replies_without_the_session_key_go_no_further(host):
 
 
 def test_the_relay_plan_picks_each_hosts_lowest_rank_from_the_size_on():
-    from dtlab.control.stepper import relay_plan
+    from dtlab.control.relays import relay_plan
     from tests.fakes import rank_info
 
     hosts = {0: "a", 1: "b", 2: "a", 3: "b", 4: "a", 5: "c"}
@@ -158,7 +158,7 @@ def test_the_relay_plan_picks_each_hosts_lowest_rank_from_the_size_on():
 
 def test_a_bad_relay_size_is_refused_with_what_to_give(monkeypatch):
     from dtlab.control.errors import OptionError
-    from dtlab.control.stepper import RELAY_AT, relay_at
+    from dtlab.control.relays import RELAY_AT, relay_at
 
     monkeypatch.delenv("DTLAB_RELAY_AT", raising=False)
     assert relay_at() == RELAY_AT

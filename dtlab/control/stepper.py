@@ -18,10 +18,9 @@ the Pause button works while ranks step.
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
 import numpy as np
@@ -34,46 +33,19 @@ from dtlab.control.channel import Channel
 from dtlab.control.config import checked_timeout
 from dtlab.control.errors import DtlabError, OptionError
 from dtlab.control.network import EVERYWHERE, LOOPBACK, is_loopback, listen_address, route_ip
+from dtlab.control.relays import relay_at, relay_plan
 from dtlab.control.runs import FAILURE_GRACE_S, POLL_S, Run
-from dtlab.records import Condition, RankInfo, RunResult
+from dtlab.records import Condition, RunResult
 from dtlab.records.columns import step_seconds
 from dtlab.records.trace import Trace, new_run_folder
 from dtlab.records.wire import PauseRequest, RankReply, RunRequest, reply_from
 
 CONNECT_TIMEOUT_S = 30.0
 REPORT_S = 0.25  # ranks send progress (and records) at most this often
-RELAY_AT = 64  # from this many ranks on, one relay per host (one message per host a step)
-RELAY_ENV = "DTLAB_RELAY_AT"
 AGREE_S = 1.0  # in a plain multi-step run, ranks agree (pause?) about this often: one
 # agreement costs ~5 ms at 8 ranks on 2 cores, so every step would add ~4%
 
 Progress = Callable[[str, int, int], None]
-
-
-def relay_at() -> int:
-    """Jobs of this many ranks or more reach the notebook through one relay per host
-    (``$DTLAB_RELAY_AT``, default RELAY_AT; agent/relay.py)."""
-    text = os.environ.get(RELAY_ENV, "").strip()
-    if not text:
-        return RELAY_AT
-    try:
-        at = int(text)
-    except ValueError:
-        at = 0
-    if at < 2:
-        raise OptionError(f"${RELAY_ENV}={text!r}: give a number of ranks >= 2")
-    return at
-
-
-def relay_plan(infos: Mapping[int, RankInfo], at: int) -> dict[int, int]:
-    """``{rank: the rank whose relay it goes through}`` (the lowest rank of each host with
-    two or more ranks), or ``{}`` for a job of fewer than ``at`` ranks."""
-    if len(infos) < at:
-        return {}
-    hosts: dict[str, list[int]] = {}
-    for rank, info in infos.items():
-        hosts.setdefault(info.host, []).append(rank)
-    return {rank: min(local) for local in hosts.values() if len(local) >= 2 for rank in local}
 
 
 class Stepper:

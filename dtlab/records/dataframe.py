@@ -8,9 +8,9 @@ rare or variable-length (sample indices, epoch starts, RNG fingerprints, a non-f
 module...) are tuples, strings or None per row, at their default unless the row's extras
 say otherwise.
 
-At 512 ranks x 2,000 steps a StepRecord per row (the old path: ``dataclasses.asdict`` of
-each) held gigabytes and took minutes; this holds the frame and the columns it was made
-from.
+The old path made a StepRecord per row and ``dataclasses.asdict`` of each: 9.6 s and
+144 MiB at 64 ranks x 500 steps against 0.3 s and 46 MiB this way (measured); at 512 ranks
+x 2,000 steps that is minutes and gigabytes (extrapolated).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import fields
 
 import numpy as np
 
-from dtlab.records.packed import _DEFAULTS, _INT_MEMORY, _ROW_FIELDS, EXTRA_FIELDS, as_tuples
+from dtlab.records.packed import EXTRA_FIELDS, FIELD_DEFAULTS, INT_MEMORY, ROW_FIELDS, as_tuples
 from dtlab.records.row import NULL_BIT
 from dtlab.records.steps import StepMemory, StepRecord, StepTimes
 
@@ -34,7 +34,7 @@ def _numbers(rows: np.ndarray, name: str) -> np.ndarray:
         return values.copy()
     null = (rows["nulls"] & bit) != 0
     if not null.any():
-        return values.astype(np.int64) if name in _INT_MEMORY else values.copy()
+        return values.astype(np.int64) if name in INT_MEMORY else values.copy()
     out = values.astype(np.float64)
     out[null] = np.nan
     return out
@@ -65,10 +65,10 @@ def records_frame(
             columns[name] = [
                 tuple(indices[a : a + k].tolist()) if k else () for a, k in zip(at, n, strict=True)
             ]
-        elif name in _ROW_FIELDS:
+        elif name in ROW_FIELDS:
             columns[name] = _numbers(rows, name)
         elif name in EXTRA_FIELDS:
-            default = _DEFAULTS[name]
+            default = FIELD_DEFAULTS[name]
             columns[name] = [as_tuples(e[name]) if name in e else default for e in mine]
         else:  # a new field of StepRecord that neither the rows nor the extras carry
             raise AssertionError(f"StepRecord.{name} has no column")

@@ -40,7 +40,7 @@ from dtlab.records.steps import StepMemory, StepRecord, StepTimes
 MAGIC = b"DTR1"
 _HEADER = struct.Struct("<4sIII")
 # the row's numbers, by record field (times.* and memory.* go to their own dataclasses)
-_ROW_FIELDS = {
+ROW_FIELDS = {
     "step",
     "time",
     "loss",
@@ -58,25 +58,25 @@ _ROW_FIELDS = {
     "comm_calls",
     "comm_bytes",
 }
-_DEFAULTS = {f.name: f.default for f in fields(StepRecord)}
+FIELD_DEFAULTS = {f.name: f.default for f in fields(StepRecord)}
 # a record's fields that travel as extras when they are not at their default
 EXTRA_FIELDS = tuple(
-    name for name in _DEFAULTS if name not in _ROW_FIELDS | {"times", "memory", "indices"}
+    name for name in FIELD_DEFAULTS if name not in ROW_FIELDS | {"times", "memory", "indices"}
 )
 _AT = {name: i for i, name in enumerate(ROW.names or ())}
 _TIMES = tuple(f.name for f in fields(StepTimes))
 _MEMORY = tuple(f.name for f in fields(StepMemory))
-_INT_MEMORY = {"cuda_allocated", "cuda_reserved", "cuda_peak"}  # float columns (nan: None)
+INT_MEMORY = {"cuda_allocated", "cuda_reserved", "cuda_peak"}  # float columns (nan: None)
 # where Packed._record finds each field in a row's tuple, and its None bit (0: never None)
-_ROW_AT = tuple((name, _AT[name], NULL_BIT.get(name, 0)) for name in sorted(_ROW_FIELDS))
-_MEMORY_AT = tuple((_AT[n], NULL_BIT.get(n, 0), n in _INT_MEMORY) for n in _MEMORY)
+_ROW_AT = tuple((name, _AT[name], NULL_BIT.get(name, 0)) for name in sorted(ROW_FIELDS))
+_MEMORY_AT = tuple((_AT[n], NULL_BIT.get(n, 0), n in INT_MEMORY) for n in _MEMORY)
 _TIMES_AT = tuple(_AT[name] for name in _TIMES)
 _NULLS_AT, _INDICES_AT, _NUM_INDICES_POS = _AT["nulls"], _AT["indices_at"], _AT["num_indices"]
 
 
 def extras_of(rec: StepRecord) -> dict:
     """What of ``rec`` is neither a number of its row nor at its default."""
-    return {name: v for name in EXTRA_FIELDS if (v := getattr(rec, name)) != _DEFAULTS[name]}
+    return {name: v for name in EXTRA_FIELDS if (v := getattr(rec, name)) != FIELD_DEFAULTS[name]}
 
 
 def as_tuples(value):
