@@ -13,8 +13,9 @@ parameters; one rank's weights part from the others at 40 % of the run, one rank
 
 The notebook side is dtlab's own: Channel.send of a RunRequest to every rank,
 Channel.receive_with_rows until every rank's done reply arrived, RankReply decoding, and
-Trace.add_packed (the rows checked, kept, appended to the columns; no StepRecord is made
-until something reads one). Reported per step: wall time of one step of every
+Trace.add_packed (an unrelayed rank's rows) or Trace.add_host (a relayed host's rows,
+joined by its relay): the rows checked, kept, appended to the columns; no StepRecord is
+made until something reads one. Reported per step: wall time of one step of every
 rank (broadcast, gather, decode, store), the notebook's CPU time, its CPU per rank-record,
 the target (issue 20: <= 1 ms + 5 us x N for dt.step(1) at N simulated ranks), how much
 the notebook process grew per rank-record (RSS, after the run), and the doctor's time and
@@ -141,12 +142,18 @@ def measure(ranks: int, steps: int, per_host: int = 0) -> dict:
             done = 0
             took = 0.0
             while done < ranks:
-                for data, rows in channel.receive_with_rows(10.0):
+                received, joined = channel.receive_with_rows(10.0)
+                for host in joined:  # a relayed host's rows, one frame
+                    i0 = time.perf_counter()  # not process_time: a syscall, 1,024 a step
+                    trace.add_host(host.data, host.ranks)
+                    took += time.perf_counter() - i0
+                for data, rows in received:
                     reply = RankReply.from_dict(data, rows)
                     if reply.kind == "done" and reply.id == step:
-                        i0 = time.perf_counter()  # not process_time: a syscall, 1,024 a step
-                        trace.add_packed(reply.rank, reply.rows)
-                        took += time.perf_counter() - i0
+                        if reply.rows:  # an unrelayed rank's
+                            i0 = time.perf_counter()
+                            trace.add_packed(reply.rank, reply.rows)
+                            took += time.perf_counter() - i0
                         done += 1
             walls.append(time.perf_counter() - t0)
             cpus.append(time.process_time() - c0)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dtlab.records.columns import StepColumns
-from dtlab.records.packed import MAGIC, pack, unpack
+from dtlab.records.packed import MAGIC, concat, pack, read_frame, unpack
 from dtlab.records.trace import Trace
 from tests.fakes import job_info, step_record
 
@@ -167,3 +167,53 @@ def test_a_frame_whose_steps_go_back_keeps_only_those_that_go_forward():
     trace.add_packed(0, pack(0, [step_record(s, 0) for s in (1, 3, 2, 3, 4)]).to_bytes())
     assert [r.step for r in trace.records[0]] == [1, 3, 4]
     assert trace.columns.rows()["step"].tolist() == [1, 3, 4]
+
+
+def host_frame(frames_by_rank: dict[int, list]) -> bytes:
+    """What a relay sends up: its ranks' frames joined into one (records.packed.concat)."""
+    return concat([read_frame(pack(r, recs).to_bytes(), r) for r, recs in frames_by_rank.items()])
+
+
+def test_a_hosts_joined_frame_fills_the_trace_as_its_ranks_frames_do():
+    sent = {
+        r: [step_record(s, r) for s in (1, 2)] + [odd_record(3, r)] + [step_record(4, r)]
+        for r in (4, 5, 6)
+    }
+    by_rank = Trace({r: job_info(r) for r in sent})
+    for rank, recs in sent.items():
+        by_rank.add_packed(rank, pack(rank, recs).to_bytes())
+    joined = Trace({r: job_info(r) for r in sent})
+    joined.add_host(host_frame(sent), {4, 5, 6, 7})
+    assert joined.columns.rows().tobytes() == by_rank.columns.rows().tobytes()
+    for rank, recs in sent.items():  # each rank's records, the extras of its own rows
+        assert all(same(a, b) for a, b in zip(joined.records[rank], recs, strict=True))
+        assert joined.records[rank].last_step == 4
+        assert joined.records[rank].extras() == by_rank.records[rank].extras()
+
+
+def test_a_joined_frame_with_steps_a_rank_has_keeps_only_each_ranks_new_rows():
+    trace = Trace({r: job_info(r) for r in (0, 1)})
+    trace.add_packed(0, pack(0, [step_record(s, 0) for s in (1, 2)]).to_bytes())
+    # rank 0 repeats step 2; rank 1's rows come in two runs with rank 0's between
+    data = concat(
+        [
+            read_frame(pack(1, [step_record(1, 1)]).to_bytes(), 1),
+            read_frame(pack(0, [step_record(s, 0) for s in (2, 3)]).to_bytes(), 0),
+            read_frame(pack(1, [step_record(s, 1) for s in (2, 3)]).to_bytes(), 1),
+        ]
+    )
+    trace.add_host(data, {0, 1})
+    assert [r.step for r in trace.records[0]] == [1, 2, 3]
+    assert [r.step for r in trace.records[1]] == [1, 2, 3]
+    rows = trace.columns.rows()
+    assert list(zip(rows["step"].tolist(), rows["rank"].tolist(), strict=True)) == [
+        (s, r) for s in (1, 2, 3) for r in (0, 1)
+    ]
+
+
+def test_a_joined_frame_with_a_row_its_relay_does_not_serve_adds_nothing():
+    trace = Trace({r: job_info(r) for r in (0, 1, 2)})
+    data = host_frame({0: [step_record(1, 0)], 2: [step_record(1, 2)]})
+    with pytest.raises(ValueError, match="rank 2 arrived through a relay that does not relay"):
+        trace.add_host(data, {0, 1})
+    assert len(trace.columns) == 0 and trace.last_step == 0

@@ -15,7 +15,18 @@ import zmq
 
 from dtlab.agent.relay import HOLD_S, Relay, local_address
 from dtlab.control.channel import Channel
-from dtlab.records.wire import BATCH, RankReply, RunRequest, decode_request, frames, reply_from
+from dtlab.records.packed import MAGIC, pack
+from dtlab.records.trace import Trace
+from dtlab.records.wire import (
+    JOINED,
+    HostRows,
+    RankReply,
+    RunRequest,
+    decode_request,
+    frames,
+    reply_from,
+)
+from tests.fakes import step_record
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,12 +69,22 @@ def host():
         channel.close()
 
 
-def replies(channel: Channel, want: int, timeout_s: float = 10.0) -> list[RankReply]:
+def replies(
+    channel: Channel, want: int, timeout_s: float = 10.0, joined: list[HostRows] | None = None
+) -> list[RankReply]:
+    """Replies until ``want`` came (or the time is up); relayed rows go to ``joined``."""
     got: list[RankReply] = []
     deadline = time.monotonic() + timeout_s
     while len(got) < want and time.monotonic() < deadline:
-        got += [r for d, rows in channel.receive_with_rows(0.1) if (r := reply_from(d, rows))]
+        received, rows = channel.receive_with_rows(0.1)
+        got += [r for d, rows in received if (r := reply_from(d, rows))]
+        if joined is not None:
+            joined += rows
     return got
+
+
+def packed(rank: int, steps: range) -> bytes:
+    return pack(rank, [step_record(step, rank, loss=float(rank)) for step in steps]).to_bytes()
 
 
 def test_hellos_through_the_relay_give_each_rank_its_route(host):
@@ -72,7 +93,7 @@ def test_hellos_through_the_relay_give_each_rank_its_route(host):
     assert set(channel.routes) == {0, 1, 2, 3} and set(channel.routes.values()) == {b"relay:0"}
 
 
-def test_a_command_reaches_each_named_rank_once_and_the_replies_come_back_whole(host):
+def test_a_command_reaches_each_named_rank_once_and_the_rows_come_back_joined(host):
     channel, _, ranks = host
     assert channel.send([1, 2, 3], RunRequest(id=7, steps=2)) == []
     for rank in ranks[1:]:
@@ -80,11 +101,64 @@ def test_a_command_reaches_each_named_rank_once_and_the_replies_come_back_whole(
         assert isinstance(request, RunRequest) and (request.id, request.steps) == (7, 2)
     assert ranks[0].socket.poll(100) == 0  # not named: not sent
     for rank in ranks[1:]:
-        rank.say("done", 7, step=2, rows=b"rows of %d" % rank.rank, stopped="steps")
-    got = replies(channel, 3)
+        rank.say("done", 7, step=2, rows=packed(rank.rank, range(1, 3)), stopped="steps")
+    joined: list[HostRows] = []
+    got = replies(channel, 3, joined=joined)
     assert sorted((r.rank, r.kind, r.id, r.rows) for r in got) == [
-        (r, "done", 7, b"rows of %d" % r) for r in (1, 2, 3)
+        (r, "done", 7, b"") for r in (1, 2, 3)
     ]
+    assert [rows.ranks for rows in joined] == [frozenset({0, 1, 2, 3})]  # one frame
+    trace = Trace({})
+    trace.add_host(joined[0].data, joined[0].ranks)
+    assert {r: [(rec.step, rec.loss) for rec in recs] for r, recs in trace.records.items()} == {
+        r: [(1, float(r)), (2, float(r))] for r in (1, 2, 3)
+    }
+
+
+def test_rows_that_are_not_a_valid_frame_come_back_with_their_reply_as_sent(host):
+    """The relay cannot join them: the batch goes as each rank sent it, and the notebook
+    reports whose rows it drops, as for an unrelayed rank."""
+    channel, _, ranks = host
+    channel.send([1, 2], RunRequest(id=8, steps=1))
+    for rank in ranks[1:3]:
+        rank.request()
+    ranks[1].say("done", 8, step=1, rows=b"rows of 1", stopped="steps")
+    ranks[2].say("done", 8, step=1, rows=packed(2, range(1, 2)), stopped="steps")
+    joined: list[HostRows] = []
+    got = replies(channel, 2, joined=joined)
+    assert joined == []
+    assert sorted((r.rank, r.rows[:4]) for r in got) == [(1, b"rows"), (2, MAGIC)]
+
+
+def test_a_relay_speaks_only_for_its_own_ranks():
+    """Seen by the channel: a reply, or a row, of a rank the relay does not serve (no hello
+    came through it) is not taken from it."""
+    channel = Channel()
+    fake = zmq.Context.instance().socket(zmq.DEALER)  # a relay, as the channel sees one
+    fake.setsockopt(zmq.IDENTITY, b"relay:0")
+    fake.setsockopt(zmq.LINGER, 0)
+
+    def send(*replies: dict, rows: bytes = b"") -> None:
+        header = {"key": channel.key, "replies": list(replies)}
+        fake.send_multipart([JOINED, json.dumps(header).encode(), rows])
+
+    try:
+        fake.connect(channel.address)
+        send({"kind": "hello", "id": None, "rank": 0}, {"kind": "hello", "id": None, "rank": 1})
+        assert channel.wait_connected([0, 1], timeout=10) == set()
+        send({"kind": "done", "id": 3, "rank": 9}, rows=packed(9, range(1, 2)))
+        joined: list[HostRows] = []
+        assert replies(channel, 1, 2.0, joined) == []  # rank 9 is not relay:0's
+        assert [rows.ranks for rows in joined] == [frozenset({0, 1})]
+        trace = Trace({})
+        with pytest.raises(ValueError, match="rank 9 arrived through a relay that does not"):
+            trace.add_host(joined[0].data, joined[0].ranks)
+        assert dict(trace.records) == {}
+        send({"kind": "done", "id": 3, "rank": 1})  # its own rank: taken
+        assert [(r.rank, r.kind) for r in replies(channel, 1)] == [(1, "done")]
+    finally:
+        fake.close()
+        channel.close()
 
 
 def test_a_finished_run_comes_up_as_one_message_and_a_silent_rank_holds_it_briefly():
@@ -100,7 +174,7 @@ def test_a_finished_run_comes_up_as_one_message_and_a_silent_rank_holds_it_brief
         hellos = 0
         while hellos < 4:
             assert router.poll(10_000)
-            hellos += (len(router.recv_multipart()) - 2) // 2
+            hellos += len(json.loads(router.recv_multipart()[2])["replies"])
         for run, finishing in ((1, ranks[:3]), (2, ranks)):
             targets = [10, 11, 12] if run == 1 else [10, 11, 12, 13]
             request = {"key": key, **RunRequest(id=run, steps=1).to_dict(), "to": targets}
@@ -114,8 +188,10 @@ def test_a_finished_run_comes_up_as_one_message_and_a_silent_rank_holds_it_brief
             assert router.poll(10_000)
             parts = router.recv_multipart()
             waited = time.monotonic() - started
-            assert parts[1] == BATCH and (len(parts) - 2) // 2 == 3, parts
-            assert {json.loads(f)["rank"] for f in parts[2::2]} == {10, 11, 12}
+            assert parts[1] == JOINED and len(parts) == 4, parts
+            header = json.loads(parts[2])
+            assert header["key"] == key
+            assert {reply["rank"] for reply in header["replies"]} == {10, 11, 12}
             if run == 2:  # held for rank 13 until HOLD_S had passed, then sent
                 assert waited >= HOLD_S * 0.9, waited
     finally:

@@ -110,7 +110,7 @@ def test_the_channel_hands_each_reply_its_rows_and_drops_what_is_not_ours():
         got = []
         deadline = time.monotonic() + 30
         while not got and time.monotonic() < deadline:
-            got = channel.receive_with_rows(0.5)
+            got = channel.receive_with_rows(0.5)[0]
         assert channel.connected == {1}
         ((data, received),) = got
         assert received == rows and decode_reply(json.dumps(data).encode(), KEY) is None

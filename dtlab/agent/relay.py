@@ -18,11 +18,16 @@ Down: a command names its ranks (``"to"``); the relay forwards it to each. A ran
 cannot reach (its socket is gone: a killed engine) comes back as an ``unreachable`` reply,
 so the run stops waiting for it as it would for a rank the notebook could not send to.
 
-Up: replies travel in batches, ``[b"DTRB", json, rows, json, rows, ...]``, each reply's
-frames as the rank sent them (the relay parses the JSON only to follow runs; the notebook
-checks every reply's key). A ``done`` or ``error`` reply is held until every local rank of
-that run has sent one, or for HOLD_S at most (a dead rank does not hold up the others);
-everything else goes at once with whatever else is waiting.
+Up: replies travel joined, ``[b"DTRJ", json, rows]``: the JSON lists the replies (each
+checked for the session key here, and sent without it), and ``rows`` is one frame of
+packed records, every reply's rows rank after rank (records.packed.concat), so the notebook
+parses one JSON object and reads one frame a host. It checks the message's key and that
+every reply and row is of a rank this relay relays. If a rank's rows are not a valid frame,
+the message goes as ``[b"DTRB", json, rows, json, rows, ...]`` instead, each reply's frames as
+the rank sent them, and the notebook reports the bad rows as it does for an unrelayed rank.
+A ``done`` or ``error`` reply is held until every local rank of that run has sent one, or for
+HOLD_S at most (a dead rank does not hold up the others); everything else goes at once
+with whatever else is waiting.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ import threading
 import time
 import traceback
 
-from dtlab.records.wire import BATCH, checked
+from dtlab.records.packed import concat, read_frame
+from dtlab.records.wire import BATCH, JOINED, checked
 
 HOLD_S = 0.05  # a finished run's replies wait this long at most for the host's other ranks
 POLL_MS = 50  # how often the thread looks at its stop flag
@@ -75,7 +81,8 @@ class Relay:
             ) from e
         self._stop = threading.Event()
         self._waiting: dict[int, set[int]] = {}  # run id -> local ranks not finished yet
-        self._held: list[bytes] = []  # frames of replies not sent up yet (json, rows pairs)
+        # replies not sent up yet: (the JSON object, its frame, the rows frame)
+        self._held: list[tuple[dict, bytes, bytes]] = []
         self._held_runs: set[int] = set()  # runs with a finished reply among them
         self._held_since = 0.0
         self._ranks: set[int] = set()  # the local ranks that said hello
@@ -121,14 +128,12 @@ class Relay:
             "traceback": traceback.format_exc(),
         }
         runs = list(self._waiting.items()) or [(None, set())]
-        frames = [
-            json.dumps(
-                {"key": self.key, "kind": "error", "id": run, "rank": rank, "error": failure}
-            ).encode()
+        replies = [
+            {"key": self.key, "kind": "error", "id": run, "rank": rank, "error": failure}
             for run, ranks in runs
             for rank in sorted(ranks if run is not None else self._ranks)
         ]
-        self._held += [part for frame in frames for part in (frame, b"")]
+        self._held += [(reply, json.dumps(reply).encode(), b"") for reply in replies]
         self._send_up()
 
     def _timeout_ms(self) -> int:
@@ -157,7 +162,7 @@ class Relay:
                     unreachable.append(rank)
             for rank in unreachable:
                 reply = {"key": self.key, "kind": "unreachable", "id": run, "rank": rank}
-                self._hold([json.dumps(reply).encode(), b""], rank, run, finished=True)
+                self._hold((reply, json.dumps(reply).encode(), b""), rank, run, finished=True)
 
     def _from_ranks(self) -> None:
         import zmq  # (the agent layer imports zmq only where it is used)
@@ -174,12 +179,12 @@ class Relay:
             rank = data.get("rank")
             if data.get("kind") == "hello" and isinstance(rank, int):
                 self._ranks.add(rank)
-            self._hold([parts[1], parts[2] if len(parts) == 3 else b""], rank, run, finished)
+            self._hold((data, parts[1], parts[2] if len(parts) == 3 else b""), rank, run, finished)
 
-    def _hold(self, frames: list[bytes], rank, run, finished: bool) -> None:
+    def _hold(self, reply: tuple[dict, bytes, bytes], rank, run, finished: bool) -> None:
         if not self._held:
             self._held_since = time.monotonic()
-        self._held += frames
+        self._held.append(reply)
         if finished:
             self._waiting.get(run, set()).discard(rank)
             self._held_runs.add(run)
@@ -194,10 +199,20 @@ class Relay:
         import zmq  # (the agent layer imports zmq only where it is used)
 
         try:
-            self.up.send_multipart([BATCH, *self._held], zmq.NOBLOCK)
+            self.up.send_multipart(self._message(), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the notebook is gone or not keeping up: its run notices the silence
         for run in self._held_runs:
             if not self._waiting.get(run):
                 self._waiting.pop(run, None)
         self._held, self._held_runs = [], set()
+
+    def _message(self) -> list[bytes]:
+        """The held replies as one message: joined, or as BATCH if some rows are not valid."""
+        try:
+            frames = [read_frame(rows, data.get("rank")) for data, _, rows in self._held if rows]
+        except ValueError:  # the notebook says whose rows were dropped, and why
+            return [BATCH, *(part for _, frame, rows in self._held for part in (frame, rows))]
+        replies = [{k: v for k, v in data.items() if k != "key"} for data, _, _ in self._held]
+        header = json.dumps({"key": self.key, "replies": replies}).encode()
+        return [JOINED, header, concat(frames) if frames else b""]

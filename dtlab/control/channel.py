@@ -4,7 +4,8 @@ It carries two protocols: the stepping channel's (rank end :mod:`dtlab.agent.ste
 messages typed in :mod:`dtlab.records.wire`) and the sidecars' (:mod:`dtlab.agent.sidecar`).
 Ranks connect straight to it, or through their host's relay (:mod:`dtlab.agent.relay`):
 the channel learns each rank's route from its hello, then sends a command once per relay
-(naming its ranks) and takes a relay's batch of replies apart.
+(naming its ranks) and takes a relay's message apart: its replies, and one frame of their
+packed rows (:class:`~dtlab.records.wire.HostRows`) to be read in one pass.
 Messages are JSON objects with a random session key (a stepping reply may add one frame of
 packed step records, :mod:`dtlab.records.packed`): nothing received is unpickled or
 executed, and a message without the key is dropped; what a reply means is its protocol's.
@@ -20,7 +21,7 @@ from collections.abc import Iterable
 
 import zmq
 
-from dtlab.records.wire import BATCH, Request, checked
+from dtlab.records.wire import BATCH, JOINED, HostRows, Request, checked
 
 
 class Channel:
@@ -36,6 +37,7 @@ class Channel:
         self.address = f"tcp://{advertised or host}:{port}"
         self.connected: set[int] = set()
         self.routes: dict[int, bytes] = {}  # rank -> the identity of its host's relay
+        self.relayed: dict[bytes, set[int]] = {}  # a relay's identity -> the ranks it relays
         self._lock = threading.Lock()  # a zmq socket must not be used by two threads at once
 
     def send(self, ranks: Iterable[int], message: Request | dict) -> list[int]:
@@ -58,8 +60,8 @@ class Channel:
                     self.socket.send_multipart([str(rank).encode(), frame], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     unreachable.append(rank)
-            for route, targets in relayed.items():
-                named = json.dumps({"key": self.key, **payload, "to": targets}).encode()
+            for route, targets in relayed.items():  # the frame, its ranks named
+                named = b'%s, "to": %s}' % (frame[:-1], json.dumps(targets).encode())
                 try:
                     self.socket.send_multipart([route, named], zmq.NOBLOCK)
                 except zmq.ZMQError:
@@ -71,39 +73,64 @@ class Channel:
 
         Holds the socket's lock while it waits: another thread's ``send`` (a pause) waits
         at most ``timeout``; zmq sockets must never be used by two threads at once."""
-        return [reply for reply, _ in self.receive_with_rows(timeout)]
+        return [reply for reply, _ in self.receive_with_rows(timeout)[0]]
 
-    def receive_with_rows(self, timeout: float) -> list[tuple[dict, bytes]]:
+    def receive_with_rows(self, timeout: float) -> tuple[list[tuple[dict, bytes]], list[HostRows]]:
         """As :meth:`receive`, each reply with the frame of packed step records that came
-        after its JSON (b"" when none did; the stepping channel's replies carry them)."""
+        after its JSON (b"" when none did; the stepping channel's replies carry them), and
+        the rows of relayed hosts' replies, one frame per relay's message."""
         messages = []
         with self._lock:
             if self.socket.poll(int(timeout * 1000), zmq.POLLIN):
                 while self.socket.poll(0, zmq.POLLIN):
                     messages.append(self.socket.recv_multipart())
         replies: list[tuple[dict, bytes]] = []
+        joined: list[HostRows] = []
         for parts in messages:
-            if len(parts) > 3 and parts[1] == BATCH and len(parts) % 2 == 0:
-                # a relay's batch: identity, BATCH, then (JSON, rows) of each reply
+            if len(parts) == 4 and parts[1] == JOINED:  # identity, JOINED, JSON, rows
+                self._take_joined(parts[0], parts[2], parts[3], replies, joined)
+            elif len(parts) > 3 and parts[1] == BATCH and len(parts) % 2 == 0:
+                # identity, BATCH, then (JSON, rows) of each reply
                 for frame, rows in zip(parts[2::2], parts[3::2], strict=True):
-                    self._take(frame, rows, parts[0], replies)
-            elif len(parts) in (2, 3):  # identity, JSON, maybe rows
-                self._take(parts[1], parts[2] if len(parts) == 3 else b"", None, replies)
-        return replies
+                    if (data := checked(frame, self.key)) is not None:
+                        self._take(data, rows, parts[0], replies)
+            elif len(parts) in (2, 3) and (data := checked(parts[1], self.key)) is not None:
+                self._take(data, parts[2] if len(parts) == 3 else b"", None, replies)
+        return replies, joined
+
+    def _take_joined(
+        self,
+        route: bytes,
+        frame: bytes,
+        rows: bytes,
+        replies: list[tuple[dict, bytes]],
+        joined: list[HostRows],
+    ) -> None:
+        header = checked(frame, self.key)
+        found = header.get("replies") if header is not None else None
+        if not isinstance(found, list):
+            return  # not from one of our relays
+        for data in found:
+            if isinstance(data, dict):
+                self._take(data, b"", route, replies)
+        if rows:
+            joined.append(HostRows(frozenset(self.relayed.get(route, ())), rows))
 
     def _take(
-        self, frame: bytes, rows: bytes, route: bytes | None, replies: list[tuple[dict, bytes]]
+        self, reply: dict, rows: bytes, route: bytes | None, replies: list[tuple[dict, bytes]]
     ) -> None:
-        reply = checked(frame, self.key)
-        if reply is None:
-            return  # not from one of our ranks
-        if reply.get("kind") == "hello" and isinstance(reply.get("rank"), int):
-            self.connected.add(reply["rank"])
-            if route is None:
-                self.routes.pop(reply["rank"], None)
-            else:
-                self.routes[reply["rank"]] = route
-        else:
+        """A reply whose key was checked: a hello sets the rank's route; anything else is
+        kept, unless a relay sent it for a rank that is not its own."""
+        rank = reply.get("rank")
+        if reply.get("kind") == "hello" and isinstance(rank, int):
+            self.connected.add(rank)
+            before = self.routes.pop(rank, None)
+            if before is not None:
+                self.relayed[before].discard(rank)
+            if route is not None:
+                self.routes[rank] = route
+                self.relayed.setdefault(route, set()).add(rank)
+        elif route is None or self.routes.get(rank) == route:  # type: ignore[arg-type]
             replies.append((reply, rows))
 
     def wait_connected(self, ranks: Iterable[int], timeout: float) -> set[int]:

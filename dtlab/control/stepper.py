@@ -38,7 +38,7 @@ from dtlab.control.runs import FAILURE_GRACE_S, POLL_S, Run
 from dtlab.records import Condition, RunResult
 from dtlab.records.columns import step_seconds
 from dtlab.records.trace import Trace, new_run_folder
-from dtlab.records.wire import PauseRequest, RankReply, RunRequest, reply_from
+from dtlab.records.wire import HostRows, PauseRequest, RankReply, RunRequest, reply_from
 
 CONNECT_TIMEOUT_S = 30.0
 REPORT_S = 0.25  # ranks send progress (and records) at most this often
@@ -179,6 +179,16 @@ class Stepper:
             except ValueError as e:  # kept out of the trace; the run goes on
                 warnings.warn(f"rank {reply.rank}: step records dropped: {e}", stacklevel=2)
 
+    def ingest_host(self, rows: HostRows) -> None:
+        """A relayed host's records, joined by its relay (kept out of the trace if not valid)."""
+        if self.trace is None:
+            return  # (no run has started one: nothing to keep them with)
+        try:
+            self.trace.add_host(rows.data, rows.ranks)
+        except ValueError as e:
+            where = label_ranks(sorted(rows.ranks)) if rows.ranks else "a relay with no ranks"
+            warnings.warn(f"{where}: step records dropped: {e}", stacklevel=2)
+
     # --- what a Run asks of it (runs.RunHost) ------------------------------------------
     @property
     def ranks(self) -> list[int]:
@@ -189,7 +199,10 @@ class Stepper:
 
     def receive(self, timeout: float) -> None:
         assert self.channel is not None  # asked by a run, or by read_late_replies: connected
-        replies = (reply_from(data, rows) for data, rows in self.channel.receive_with_rows(timeout))
+        received, joined = self.channel.receive_with_rows(timeout)
+        for rows in joined:  # relayed hosts' records: before their replies, as unrelayed
+            self.ingest_host(rows)
+        replies = (reply_from(data, rows) for data, rows in received)
         self.dispatch([reply for reply in replies if reply is not None])
 
     def rank_finished(self, rank: int) -> None:

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -159,17 +159,33 @@ def pack(rank: int, records: Sequence[StepRecord]) -> Packed:
     return Packed(rows, np.fromiter(indices, np.int64, len(indices)), extras)
 
 
+class Part(NamedTuple):
+    """A run of consecutive rows of one rank in a :class:`Frame`: rows ``start:stop``."""
+
+    rank: int
+    start: int
+    stop: int
+    first_step: int
+    last_step: int
+    increasing: bool  # each row's step after the one before
+
+
 @dataclass(frozen=True, slots=True)
 class Frame:
-    """One batch of a rank's records as it came (checked by :func:`read_frame`)."""
+    """One batch of records as it came (checked by :func:`read_frame`): a rank's, or the
+    ranks of one host joined by its relay (:func:`concat`), rank after rank."""
 
     data: bytes
     rows: int
     indices: int
     extras: dict[int, dict]
-    first_step: int
-    last_step: int
-    increasing: bool  # each row's step after the one before
+    parts: tuple[Part, ...]  # its rows rank by rank, in order (one part: one rank's frame)
+
+    def part_extras(self, part: Part) -> dict[int, dict]:
+        """The extras of ``part``'s rows, numbered from the part's first row."""
+        if not self.extras or len(self.parts) == 1:
+            return self.extras
+        return {i - part.start: e for i, e in self.extras.items() if part.start <= i < part.stop}
 
 
 def frame_rows(frame: Frame) -> np.ndarray:
@@ -185,9 +201,10 @@ _NUM_INDICES_AT = _OFFSETS["num_indices"]
 assert _OFFSETS["rank"] == 0 and _OFFSETS["step"] == 4  # what _ROW_KEYS reads
 
 
-def read_frame(data: bytes, rank: int | None = None) -> Frame:
-    """The batch in ``data`` (from :meth:`Packed.to_bytes`), checked; ``rank``: every row
-    must be this rank's. Raises ValueError saying what is wrong with a frame that is not
+def read_frame(data: bytes, rank: int | None = None, ranks: Collection[int] | None = None) -> Frame:
+    """The batch in ``data`` (from :meth:`Packed.to_bytes` or :func:`concat`), checked;
+    ``rank``: every row must be this rank's; ``ranks``: every row must be one of these
+    (a relayed host's). Raises ValueError saying what is wrong with a frame that is not
     one. Reads the few numbers it checks in place: no array is made."""
     if len(data) < _HEADER.size:
         raise ValueError(f"a step-record frame of {len(data)} bytes is shorter than its header")
@@ -201,11 +218,21 @@ def read_frame(data: bytes, rank: int | None = None) -> Frame:
             f"a step-record frame of {len(data)} bytes, but its header says {n} rows, "
             f"{k} sample indices and {e} bytes of extras ({rows_end + 8 * k + e} bytes)"
         )
-    counted, seen, first, last, increasing = 0, 0, 0, 0, True
+    parts: list[Part] = []
+    counted, seen, start, first, last, increasing, current = 0, 0, 0, 0, 0, True, None
     for at in range(_HEADER.size, rows_end, size):
         row_rank, step = _ROW_KEYS.unpack_from(data, at)
-        if rank is not None and row_rank != rank:
-            raise ValueError(f"a record of rank {row_rank} arrived from rank {rank}")
+        if row_rank != current:  # a new part (every row, for a rank it is not)
+            if rank is not None and row_rank != rank:
+                raise ValueError(f"a record of rank {row_rank} arrived from rank {rank}")
+            if ranks is not None and row_rank not in ranks:
+                raise ValueError(
+                    f"a record of rank {row_rank} arrived through a relay that does not "
+                    f"relay rank {row_rank}"
+                )
+            if current is not None:
+                parts.append(Part(current, start, seen, first, last, increasing))
+            current, start, first, last, increasing = row_rank, seen, step, 0, True
         if step < 1:
             raise ValueError(f"a step record with step {step} (steps count from 1)")
         (num,) = _NUM_INDICES.unpack_from(data, at + _NUM_INDICES_AT)
@@ -213,11 +240,29 @@ def read_frame(data: bytes, rank: int | None = None) -> Frame:
             break
         counted += num
         increasing = increasing and step > last
-        first, last, seen = first or step, step, seen + 1
+        last, seen = step, seen + 1
     if seen != n or counted != k:
         raise ValueError(f"the rows' sample-index counts do not add up to the frame's {k}")
+    if current is not None:
+        parts.append(Part(current, start, seen, first, last, increasing))
     extras = _extras(data[rows_end + 8 * k :], n) if e else _NO_EXTRAS
-    return Frame(data, n, k, extras, first, last, increasing)
+    return Frame(data, n, k, extras, tuple(parts))
+
+
+def concat(frames: Sequence[Frame]) -> bytes:
+    """Checked frames (a host's ranks') as the bytes of one frame, their rows in order: what
+    a relay sends up instead of a frame per rank. Copies bytes; makes no array."""
+    size = ROW.itemsize
+    rows, indices, extras, n = [], [], [], 0
+    for f in frames:
+        rows_end = _HEADER.size + f.rows * size
+        rows.append(f.data[_HEADER.size : rows_end])
+        indices.append(f.data[rows_end : rows_end + 8 * f.indices])
+        extras += [[n + i, found] for i, found in sorted(f.extras.items())]
+        n += f.rows
+    text = json.dumps(extras, separators=(",", ":")).encode() if extras else b""
+    header = _HEADER.pack(MAGIC, n, sum(f.indices for f in frames), len(text))
+    return b"".join([header, *rows, *indices, text])
 
 
 def _extras(text: bytes, n: int) -> dict[int, dict]:
@@ -265,7 +310,9 @@ __all__ = [
     "MAGIC",
     "Frame",
     "Packed",
+    "Part",
     "as_tuples",
+    "concat",
     "extras_of",
     "join",
     "pack",

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, overload
 
 import numpy as np
 
-from dtlab.records.packed import Frame, Packed, extras_of, frame_rows
+from dtlab.records.packed import Packed, Part, extras_of
 from dtlab.records.steps import StepRecord
 
 if TYPE_CHECKING:
@@ -57,22 +57,23 @@ class RankRecords(Sequence[StepRecord]):
         self.last_step = rec.step
         return True
 
-    def fresh(self, frame: Frame) -> bool:
-        """Does every row of ``frame`` come after the last step, each after the one before?"""
-        return frame.increasing and frame.first_step > self.last_step
+    def fresh(self, part: Part) -> bool:
+        """Does every row of ``part`` come after the last step, each after the one before?"""
+        return part.increasing and part.first_step > self.last_step
 
-    def add_frame(self, frame: Frame) -> None:
-        """Add a frame whose rows are all :meth:`fresh` (its rows go to the columns; this
-        keeps their steps and extras)."""
-        if not frame.rows:
+    def add_part(self, part: Part, steps: np.ndarray, extras: dict[int, dict]) -> None:
+        """Add a part of a frame whose rows are all :meth:`fresh` (its rows go to the
+        columns; this keeps their ``steps``, an array not backed by the frame's bytes, and
+        ``extras``, numbered from the part's first row)."""
+        if part.stop == part.start:
             return
         if self.columns is None:
             raise ValueError("records that come as frames need the Trace's columns")
         self._starts.append(len(self._made))
-        self._steps.append(frame_rows(frame)["step"].copy())  # not a view: the bytes go
-        self._extras.append(frame.extras)
-        self._made.extend([None] * frame.rows)
-        self.last_step = frame.last_step
+        self._steps.append(steps)
+        self._extras.append(extras)
+        self._made.extend([None] * (part.stop - part.start))
+        self.last_step = part.last_step
 
     def drop_through(self, step: int) -> int:
         """Forget the records of steps up to ``step``; returns how many went. Positions

@@ -27,7 +27,7 @@ import json
 import os
 import struct
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +41,7 @@ from dtlab.records import (
 )
 from dtlab.records.columns import StepColumns
 from dtlab.records.dataframe import records_frame
-from dtlab.records.packed import Frame, Packed, join, pack, read_frame, unpack
+from dtlab.records.packed import Frame, Packed, frame_rows, join, pack, read_frame, unpack
 from dtlab.records.rank_records import RankRecords
 from dtlab.records.step_files import StepFiles
 from dtlab.records.summaries import Summaries, summarize
@@ -184,9 +184,7 @@ class Trace:
     # --- growing it ---------------------------------------------------------------------
     def add(self, rank: int, records: Iterable[StepRecord]) -> None:
         """Append a rank's new records (older or repeated steps are ignored)."""
-        mine = self.records.get(rank)
-        if mine is None:
-            mine = self.records[rank] = self._mine(rank)
+        mine = self._records_of(rank)
         added = [rec for rec in records if mine.append(rec)]
         if added:
             self.columns.extend(rank, added)
@@ -198,20 +196,54 @@ class Trace:
     def add_packed(self, rank: int, data: bytes) -> None:
         """Append the records of a rank's reply: a frame of packed rows as it came (one that
         is not one, or holds another rank's records, is a ValueError and adds nothing)."""
-        frame = read_frame(data, rank)
-        mine = self.records.get(rank)
-        if mine is None:
-            mine = self.records[rank] = self._mine(rank)
-        if not mine.fresh(frame):  # older or repeated steps among them: those are dropped
-            batch = mine.new_rows(join([frame]))
-            if not len(batch):
-                return
-            frame = read_frame(batch.to_bytes(), rank)
-        mine.add_frame(frame)
+        self._add_frame(read_frame(data, rank))
+
+    def add_host(self, data: bytes, ranks: Collection[int]) -> None:
+        """Append the records of a relayed host's replies: one frame of packed rows, rank
+        after rank, joined by its relay (agent/relay.py); a row of a rank not in ``ranks``
+        (those it relays) is a ValueError and adds nothing."""
+        self._add_frame(read_frame(data, ranks=ranks))
+
+    def _add_frame(self, frame: Frame) -> None:
+        """A checked frame's rows: to the columns as they came, and each rank's steps to its
+        RankRecords. Older or repeated steps of a rank are dropped (rows taken out first)."""
+        if not frame.rows:
+            return
+        parts = frame.parts
+        if len(parts) == 1 and (recs := self._records_of(parts[0].rank)).fresh(parts[0]):
+            recs.add_part(parts[0], frame_rows(frame)["step"].copy(), frame.extras)
+            self._keep(frame)  # (a rank's frame, as nearly all are: its own path, no lists)
+            return
+        mine = [self._records_of(part.rank) for part in parts]
+        fresh = len({part.rank for part in parts}) == len(parts) and all(
+            recs.fresh(part) for recs, part in zip(mine, parts, strict=True)
+        )
+        if not fresh:  # (rare) the new rows of each part, frame by frame
+            batch = join([frame])
+            for recs, part in zip(mine, parts, strict=True):
+                keep = np.zeros(len(batch), bool)
+                keep[part.start : part.stop] = True
+                new = recs.new_rows(batch.take(keep))
+                if len(new):
+                    self._add_frame(read_frame(new.to_bytes(), part.rank))
+            return
+        steps = frame_rows(frame)["step"].copy()  # not a view: the bytes go
+        for recs, part in zip(mine, parts, strict=True):
+            recs.add_part(part, steps[part.start : part.stop], frame.part_extras(part))
+        self._keep(frame)
+
+    def _keep(self, frame: Frame) -> None:
+        """A frame whose rows are all new: to the columns, and to the run folder's queue."""
         self.columns.append_frame(frame)
         if self._files is not None:
             self._pending.append(frame)
             self._pending_rows += frame.rows
+
+    def _records_of(self, rank: int) -> RankRecords:
+        mine = self.records.get(rank)
+        if mine is None:
+            mine = self.records[rank] = self._mine(rank)
+        return mine
 
     def _add_mixed(self, batch: Packed) -> None:
         """A batch of any ranks' rows (a part read back), rank by rank."""

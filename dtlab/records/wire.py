@@ -24,10 +24,23 @@ from dtlab.records.steps import Condition
 
 # "unreachable": a host's relay could not forward a command to this rank (agent/relay.py)
 REPLY_KINDS = ("hello", "progress", "done", "error", "unreachable")
-BATCH = b"DTRB"  # the first frame of a relay's message: the replies of a host's ranks
+# the first frame of a relay's message (agent/relay.py): JOINED, the replies of its host's
+# ranks as one JSON list and their packed rows as one frame; BATCH (when some rank's rows
+# are not valid, so the notebook says whose), each reply's frames as the rank sent them
+JOINED = b"DTRJ"
+BATCH = b"DTRB"
 # how a rank's run ended: all steps made, the condition met, a pause asked, a failure
 # (its own or a peer's), or a script job whose script is over
 STOPS = ("steps", "until", "pause", "error", "ended")
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """The packed rows of a relayed host's replies, joined by its relay into one frame
+    (rank after rank): every row must be of one of ``ranks``, those the relay relays."""
+
+    ranks: frozenset[int]
+    data: bytes
 
 
 @dataclass(frozen=True)
