@@ -112,9 +112,10 @@ REQUESTS: dict[str, type[RunRequest] | type[PauseRequest]] = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: that costs ~1.5 us a reply, 512 replies a step
 class RankReply:
-    """Rank -> notebook: where the rank stands in the run ``id`` (None: not in a run)."""
+    """Rank -> notebook: where the rank stands in the run ``id`` (None: not in a run).
+    Treated as immutable: nothing changes a reply once it is made."""
 
     kind: str  # one of REPLY_KINDS
     id: int | None
@@ -130,7 +131,7 @@ class RankReply:
     def to_dict(self) -> dict:
         """The reply as JSON-able data, without its rows (they travel as their own frame)."""
         error = self.error
-        fields = {k: v for k, v in self.__dict__.items() if k != "rows"}
+        fields = {k: getattr(self, k) for k in self.__slots__ if k != "rows"}
         return {
             **fields,
             "error": (
