@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from dtlab.records.columns import StepColumns
+from dtlab.records.columns import ROW, StepColumns
 from dtlab.records.packed import MAGIC, concat, pack, read_frame, unpack
 from dtlab.records.trace import Trace
 from tests.fakes import job_info, step_record
@@ -211,9 +211,36 @@ def test_a_joined_frame_with_steps_a_rank_has_keeps_only_each_ranks_new_rows():
     ]
 
 
-def test_a_joined_frame_with_a_row_its_relay_does_not_serve_adds_nothing():
+def test_a_joined_frame_keeps_only_the_rows_of_the_ranks_given():
+    """Rows of a rank whose reply the channel did not take are left out, and named."""
     trace = Trace({r: job_info(r) for r in (0, 1, 2)})
-    data = host_frame({0: [step_record(1, 0)], 2: [step_record(1, 2)]})
-    with pytest.raises(ValueError, match="rank 2 arrived through a relay that does not relay"):
-        trace.add_host(data, {0, 1})
-    assert len(trace.columns) == 0 and trace.last_step == 0
+    data = host_frame({0: [step_record(1, 0), odd_record(2, 0)], 2: [step_record(1, 2)]})
+    assert trace.add_host(data, {0, 1}) == [2]
+    assert 2 not in trace.records or len(trace.records[2]) == 0
+    assert [r.step for r in trace.records[0]] == [1, 2]
+    assert trace.records[0][1].nonfinite_module == "layers.1.mlp"  # its extras kept
+    assert trace.columns.rows()["rank"].tolist() == [0, 0]
+
+
+def test_a_joined_frame_on_the_slow_path_keeps_each_rows_extras():
+    trace = Trace({r: job_info(r) for r in (0, 1)})
+    trace.add_packed(1, pack(1, [step_record(1, 1)]).to_bytes())
+    sent = {0: [step_record(1, 0), odd_record(2, 0)], 1: [step_record(1, 1), odd_record(2, 1)]}
+    trace.add_host(host_frame(sent), {0, 1})  # rank 1's step 1 is a repeat: the slow path
+    for rank in (0, 1):
+        assert [r.step for r in trace.records[rank]] == [1, 2]
+        assert same(trace.records[rank][1], odd_record(2, rank))
+
+
+def test_extras_nested_too_deep_are_a_clear_error():
+    frame = pack(0, [odd_record(1, 0)]).to_bytes()
+    header = struct.Struct("<4sIII")
+    _, n, k, _ = header.unpack_from(frame)
+    deep = b"[" * 100_000 + b"]" * 100_000  # json.loads: RecursionError, not ValueError
+    bad = (
+        header.pack(MAGIC, n, k, len(deep))
+        + frame[header.size : header.size + n * ROW.itemsize + 8 * k]
+        + deep
+    )
+    with pytest.raises(ValueError, match="extras are not valid.*RecursionError"):
+        read_frame(bad, 0)

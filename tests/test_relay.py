@@ -8,6 +8,7 @@ the stepping protocol, as agent/stepping.StepServer does."""
 from __future__ import annotations
 
 import json
+import struct
 import time
 
 import pytest
@@ -15,7 +16,8 @@ import zmq
 
 from dtlab.agent.relay import HOLD_S, Relay, local_address
 from dtlab.control.channel import Channel
-from dtlab.records.packed import MAGIC, pack
+from dtlab.records.columns import ROW
+from dtlab.records.packed import MAGIC, concat, pack, read_frame
 from dtlab.records.trace import Trace
 from dtlab.records.wire import (
     JOINED,
@@ -107,7 +109,7 @@ def test_a_command_reaches_each_named_rank_once_and_the_rows_come_back_joined(ho
     assert sorted((r.rank, r.kind, r.id, r.rows) for r in got) == [
         (r, "done", 7, b"") for r in (1, 2, 3)
     ]
-    assert [rows.ranks for rows in joined] == [frozenset({0, 1, 2, 3})]  # one frame
+    assert [rows.ranks for rows in joined] == [frozenset({1, 2, 3})]  # one frame, their ranks
     trace = Trace({})
     trace.add_host(joined[0].data, joined[0].ranks)
     assert {r: [(rec.step, rec.loss) for rec in recs] for r, recs in trace.records.items()} == {
@@ -131,34 +133,65 @@ def test_rows_that_are_not_a_valid_frame_come_back_with_their_reply_as_sent(host
 
 
 def test_a_relay_speaks_only_for_its_own_ranks():
-    """Seen by the channel: a reply, or a row, of a rank the relay does not serve (no hello
-    came through it) is not taken from it."""
+    """Seen by the channel: a reply of a rank the relay does not serve (no hello came
+    through it), or one that is not a rank's, is not taken from it, nor are its rows; a
+    message without the session key is dropped whole."""
     channel = Channel()
     fake = zmq.Context.instance().socket(zmq.DEALER)  # a relay, as the channel sees one
     fake.setsockopt(zmq.IDENTITY, b"relay:0")
     fake.setsockopt(zmq.LINGER, 0)
 
-    def send(*replies: dict, rows: bytes = b"") -> None:
-        header = {"key": channel.key, "replies": list(replies)}
+    def send(*replies: dict, rows: bytes = b"", key: str = channel.key) -> None:
+        header = {"key": key, "replies": list(replies)}
         fake.send_multipart([JOINED, json.dumps(header).encode(), rows])
 
     try:
         fake.connect(channel.address)
         send({"kind": "hello", "id": None, "rank": 0}, {"kind": "hello", "id": None, "rank": 1})
         assert channel.wait_connected([0, 1], timeout=10) == set()
-        send({"kind": "done", "id": 3, "rank": 9}, rows=packed(9, range(1, 2)))
+        rows = concat([read_frame(packed(r, range(1, 2)), r) for r in (1, 9)])
+        send(
+            {"kind": "done", "id": 3, "rank": 9},
+            {"kind": "done", "id": 3, "rank": [1]},  # not a rank: dropped, no crash
+            {"kind": "done", "id": 3, "rank": 1},
+            rows=rows,
+        )
         joined: list[HostRows] = []
-        assert replies(channel, 1, 2.0, joined) == []  # rank 9 is not relay:0's
-        assert [rows.ranks for rows in joined] == [frozenset({0, 1})]
+        assert [(r.rank, r.kind) for r in replies(channel, 1, joined=joined)] == [(1, "done")]
+        assert [host.ranks for host in joined] == [frozenset({1})]  # rank 9's reply: not taken
         trace = Trace({})
-        with pytest.raises(ValueError, match="rank 9 arrived through a relay that does not"):
-            trace.add_host(joined[0].data, joined[0].ranks)
-        assert dict(trace.records) == {}
-        send({"kind": "done", "id": 3, "rank": 1})  # its own rank: taken
-        assert [(r.rank, r.kind) for r in replies(channel, 1)] == [(1, "done")]
+        assert trace.add_host(joined[0].data, joined[0].ranks) == [9]  # its rows left out
+        assert list(trace.records) == [1] and len(trace.columns) == 1
+        send({"kind": "done", "id": 4, "rank": 1}, rows=packed(1, range(2, 3)), key="x" * 32)
+        assert replies(channel, 1, 0.5, joined) == [] and len(joined) == 1
     finally:
         fake.close()
         channel.close()
+
+
+def test_a_relay_whose_held_rows_cannot_be_read_still_reports_its_failure(host):
+    """Rows the relay fails on (extras nested too deep to parse) go up as BATCH, and a
+    fault after that still sends a RelayError for the ranks the run waits for."""
+    channel, relay, ranks = host
+    channel.send([0, 1], RunRequest(id=6, steps=1))
+    for rank in ranks[:2]:
+        assert rank.request().id == 6
+    frame = packed(0, range(1, 2))
+    deep = b"[" * 100_000 + b"]" * 100_000
+    bad = frame[:4] + struct.pack("<III", 1, len(frame) - 16 - ROW.itemsize >> 3, len(deep))
+    bad += frame[16:] + deep
+    ranks[0].say("done", 6, step=1, rows=bad, stopped="steps")
+    got = replies(channel, 1)
+    assert [(r.rank, r.kind, r.rows == bad) for r in got] == [(0, "done", True)]  # as sent
+
+    def broken() -> None:  # a fault planted in the relay's thread
+        raise RuntimeError("planted")
+
+    relay._from_ranks = broken  # type: ignore[method-assign]
+    ranks[1].say("progress", 6, step=0)
+    got = replies(channel, 1)
+    assert [(r.rank, r.kind) for r in got] == [(1, "error")]
+    assert got[0].error is not None and got[0].error.ename == "RelayError"
 
 
 def test_a_finished_run_comes_up_as_one_message_and_a_silent_rank_holds_it_briefly():

@@ -73,6 +73,7 @@ def test_frames_that_are_not_ours_are_dropped():
     run = encode(RunRequest(id=1, steps=1), KEY)
     assert decode_request(run, "another key") is None
     assert decode_request(b"not json", KEY) is None
+    assert decode_reply(b"[" * 100_000 + b"]" * 100_000, KEY) is None  # too deep to parse
     assert decode_request(json.dumps([KEY]).encode(), KEY) is None
     assert decode_request(json.dumps({"key": KEY, "op": "format_disk"}).encode(), KEY) is None
     assert decode_request(json.dumps({"key": KEY, "op": ["run"]}).encode(), KEY) is None

@@ -21,8 +21,9 @@ so the run stops waiting for it as it would for a rank the notebook could not se
 Up: replies travel joined, ``[b"DTRJ", json, rows]``: the JSON lists the replies (each
 checked for the session key here, and sent without it), and ``rows`` is one frame of
 packed records, every reply's rows rank after rank (records.packed.concat), so the notebook
-parses one JSON object and reads one frame a host. It checks the message's key and that
-every reply and row is of a rank this relay relays. If a rank's rows are not a valid frame,
+parses one JSON object and reads one frame a host. It checks the message's key, takes
+only replies of ranks this relay serves (their hello came through it), and keeps the rows of
+those ranks alone. If a rank's rows are not a valid frame (or a reply names no rank),
 the message goes as ``[b"DTRB", json, rows, json, rows, ...]`` instead, each reply's frames as
 the rank sent them, and the notebook reports the bad rows as it does for an unrelayed rank.
 A ``done`` or ``error`` reply is held until every local rank of that run has sent one, or for
@@ -210,8 +211,12 @@ class Relay:
     def _message(self) -> list[bytes]:
         """The held replies as one message: joined, or as BATCH if some rows are not valid."""
         try:
-            frames = [read_frame(rows, data.get("rank")) for data, _, rows in self._held if rows]
-        except ValueError:  # the notebook says whose rows were dropped, and why
+            if not all(isinstance(data.get("rank"), int) for data, _, _ in self._held):
+                raise ValueError("a reply without a rank")
+            with_rows = [(data["rank"], rows) for data, _, rows in self._held if rows]
+            with_rows.sort(key=lambda held: held[0])  # rank after rank; stable: in order
+            frames = [read_frame(rows, rank) for rank, rows in with_rows]
+        except Exception:  # (any: this must not fail) the notebook says whose rows it drops
             return [BATCH, *(part for _, frame, rows in self._held for part in (frame, rows))]
         replies = [{k: v for k, v in data.items() if k != "key"} for data, _, _ in self._held]
         header = json.dumps({"key": self.key, "replies": replies}).encode()

@@ -110,11 +110,13 @@ class Channel:
         found = header.get("replies") if header is not None else None
         if not isinstance(found, list):
             return  # not from one of our relays
+        kept = len(replies)
         for data in found:
             if isinstance(data, dict):
                 self._take(data, b"", route, replies)
-        if rows:
-            joined.append(HostRows(frozenset(self.relayed.get(route, ())), rows))
+        if rows:  # kept for the ranks whose replies were taken (and only those)
+            ranks = {reply["rank"] for reply, _ in replies[kept:]}
+            joined.append(HostRows(frozenset(ranks), rows))
 
     def _take(
         self, reply: dict, rows: bytes, route: bytes | None, replies: list[tuple[dict, bytes]]
@@ -130,7 +132,7 @@ class Channel:
             if route is not None:
                 self.routes[rank] = route
                 self.relayed.setdefault(route, set()).add(rank)
-        elif route is None or self.routes.get(rank) == route:  # type: ignore[arg-type]
+        elif isinstance(rank, int) and (route is None or self.routes.get(rank) == route):
             replies.append((reply, rows))
 
     def wait_connected(self, ranks: Iterable[int], timeout: float) -> set[int]:

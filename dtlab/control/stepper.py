@@ -184,10 +184,18 @@ class Stepper:
         if self.trace is None:
             return  # (no run has started one: nothing to keep them with)
         try:
-            self.trace.add_host(rows.data, rows.ranks)
+            others = self.trace.add_host(rows.data, rows.ranks)
         except ValueError as e:
             where = label_ranks(sorted(rows.ranks)) if rows.ranks else "a relay with no ranks"
             warnings.warn(f"{where}: step records dropped: {e}", stacklevel=2)
+            return
+        if others:
+            warnings.warn(
+                f"{label_ranks(others)}: step records dropped: they came through a host's "
+                "relay without a reply it may send for them (a rank that reconnected "
+                "elsewhere, or a relay's fault); the next run connects the ranks afresh",
+                stacklevel=2,
+            )
 
     # --- what a Run asks of it (runs.RunHost) ------------------------------------------
     @property

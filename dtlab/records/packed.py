@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
@@ -201,11 +201,10 @@ _NUM_INDICES_AT = _OFFSETS["num_indices"]
 assert _OFFSETS["rank"] == 0 and _OFFSETS["step"] == 4  # what _ROW_KEYS reads
 
 
-def read_frame(data: bytes, rank: int | None = None, ranks: Collection[int] | None = None) -> Frame:
+def read_frame(data: bytes, rank: int | None = None) -> Frame:
     """The batch in ``data`` (from :meth:`Packed.to_bytes` or :func:`concat`), checked;
-    ``rank``: every row must be this rank's; ``ranks``: every row must be one of these
-    (a relayed host's). Raises ValueError saying what is wrong with a frame that is not
-    one. Reads the few numbers it checks in place: no array is made."""
+    ``rank``: every row must be this rank's. Raises ValueError saying what is wrong with a
+    frame that is not one. Reads the few numbers it checks in place: no array is made."""
     if len(data) < _HEADER.size:
         raise ValueError(f"a step-record frame of {len(data)} bytes is shorter than its header")
     magic, n, k, e = _HEADER.unpack_from(data)
@@ -225,11 +224,6 @@ def read_frame(data: bytes, rank: int | None = None, ranks: Collection[int] | No
         if row_rank != current:  # a new part (every row, for a rank it is not)
             if rank is not None and row_rank != rank:
                 raise ValueError(f"a record of rank {row_rank} arrived from rank {rank}")
-            if ranks is not None and row_rank not in ranks:
-                raise ValueError(
-                    f"a record of rank {row_rank} arrived through a relay that does not "
-                    f"relay rank {row_rank}"
-                )
             if current is not None:
                 parts.append(Part(current, start, seen, first, last, increasing))
             current, start, first, last, increasing = row_rank, seen, step, 0, True
@@ -275,8 +269,8 @@ def _extras(text: bytes, n: int) -> dict[int, dict]:
             if unknown:
                 raise ValueError(f"unknown fields {sorted(unknown)}")
             extras[i] = {name: as_tuples(value) for name, value in found.items()}
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"a step-record frame's extras are not valid ({err})") from err
+    except (ValueError, TypeError, RecursionError) as err:  # (too deeply nested: recursion)
+        raise ValueError(f"a step-record frame's extras are not valid ({err!r})") from err
     return extras
 
 

@@ -198,11 +198,21 @@ class Trace:
         is not one, or holds another rank's records, is a ValueError and adds nothing)."""
         self._add_frame(read_frame(data, rank))
 
-    def add_host(self, data: bytes, ranks: Collection[int]) -> None:
+    def add_host(self, data: bytes, ranks: Collection[int]) -> list[int]:
         """Append the records of a relayed host's replies: one frame of packed rows, rank
-        after rank, joined by its relay (agent/relay.py); a row of a rank not in ``ranks``
-        (those it relays) is a ValueError and adds nothing."""
-        self._add_frame(read_frame(data, ranks=ranks))
+        after rank, joined by its relay (agent/relay.py). Only the rows of ``ranks`` (whose
+        replies the channel took) are kept; returns the other ranks whose rows were left
+        out. A frame that is not one is a ValueError and adds nothing."""
+        frame = read_frame(data)
+        others = sorted({part.rank for part in frame.parts if part.rank not in ranks})
+        if not others:
+            self._add_frame(frame)
+            return []
+        batch = join([frame])
+        keep = np.isin(batch.rows["rank"], list(ranks))
+        if keep.any():
+            self._add_frame(read_frame(batch.take(keep).to_bytes()))
+        return others
 
     def _add_frame(self, frame: Frame) -> None:
         """A checked frame's rows: to the columns as they came, and each rank's steps to its

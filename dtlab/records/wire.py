@@ -213,6 +213,6 @@ def checked(frame: bytes, key: str) -> dict | None:
     """The frame's JSON object if it carries the session key, else None."""
     try:
         data = json.loads(frame)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested too deep to parse: not ours either)
         return None
     return data if isinstance(data, dict) and data.get("key") == key else None
