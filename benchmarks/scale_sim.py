@@ -11,17 +11,17 @@ parameters; one rank's weights part from the others at 40 % of the run, one rank
 4 MiB a step, one is a 1.5x straggler), so the notebook's Trace fills with what a real
 512-rank job would send, and the doctor must find the planted problems at the end.
 
-The notebook side is dtlab's own: Channel.send of a RunRequest to every rank,
-Channel.receive_with_rows until every rank's done reply arrived, RankReply decoding, and
-Trace.add_packed (an unrelayed rank's rows) or Trace.add_host (a relayed host's rows,
-joined by its relay): the rows checked, kept, appended to the columns; no StepRecord is
-made until something reads one. Reported per step: wall time of one step of every
-rank (broadcast, gather, decode, store), the notebook's CPU time, its CPU per rank-record,
-the target (issue 20: <= 1 ms + 5 us x N for dt.step(1) at N simulated ranks), how much
-the notebook process grew per rank-record (RSS, after the run), and the doctor's time and
-verdict over the whole trace. The fake ranks do no work, so the time is
-the notebook's and the transport's; they share the 2 cores with it, which the wall time
-includes.
+The notebook side is dtlab's own: each step is ``Stepper.run(1)``, the path of
+``dt.step(1)`` (control/stepper.py and control/runs.py: the RunRequest sent to every rank,
+the replies gathered and handled by the Run, their rows taken into the job's Trace, the
+trace's run folder written at the end of the run). Only the session around the Stepper is
+a stand-in (SimSession: no ipyparallel cluster to ask). Reported per step: the wall time of
+``Stepper.run(1)``, the notebook's CPU time, the part of it spent taking rows into the
+trace, per rank-record, the target (issue 20: <= 1 ms + 5 us x N for dt.step(1) at N
+simulated ranks), how much the notebook process grew per rank-record (RSS, after the run),
+and the doctor's time and verdict over the whole trace. The fake ranks do no work, so the
+time is the notebook's and the transport's; they share the 2 cores with it, which the wall
+time includes.
 
 Each size runs twice in one go: every fake rank straight to the notebook (as jobs below
 $DTLAB_RELAY_AT do), then through a real relay per host (agent/relay.py, a thread per host
@@ -35,10 +35,14 @@ import argparse
 import asyncio
 import gc
 import multiprocessing as mp
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 
@@ -47,40 +51,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from doctor_scale import job, named, simulate  # noqa: E402
 
+from dtlab.agent import api  # noqa: E402
 from dtlab.analysis.doctor import all_findings, run_checks  # noqa: E402
 from dtlab.analysis.registry import registered  # noqa: E402
-from dtlab.control.channel import Channel  # noqa: E402
+from dtlab.control.activity import RankActivity  # noqa: E402
+from dtlab.control.relays import RELAY_ENV  # noqa: E402
+from dtlab.control.stepper import Stepper  # noqa: E402
 from dtlab.records import Evidence  # noqa: E402
 from dtlab.records.packed import pack  # noqa: E402
-from dtlab.records.trace import Trace  # noqa: E402
+from dtlab.records.trace import RUNS_DIR_ENV, Trace  # noqa: E402
 from dtlab.records.wire import RankReply, RunRequest, decode_request, frames  # noqa: E402
 
 HELPERS = 2  # processes holding the fake ranks (one per core)
 
 
 def fake_ranks(
-    address: str, key: str, ranks: list[int], total: int, steps: int, ready, per_host: int
+    address: str, key: str, relays: dict[int, int | None], total: int, steps: int, ready
 ) -> None:
-    """A helper process: one DEALER per rank, replaying its simulated records; with
-    ``per_host``, the ranks go through a real relay (agent/relay.py) per host of that many
-    consecutive ranks, run in this process as on the host's first rank."""
+    """A helper process: one DEALER per rank of ``relays`` (rank -> the rank whose host
+    relay it goes through, None: straight), replaying its simulated records; the relays
+    (agent/relay.py) of its hosts run in this process, as on each host's first rank."""
     import zmq
     import zmq.asyncio
 
     from dtlab.agent.relay import Relay, local_address
 
     all_records, *_ = simulate(total, steps)
-    records = {r: all_records[r] for r in ranks}
+    records = {r: all_records[r] for r in relays}
     del all_records
     context = zmq.asyncio.Context()
-    firsts = sorted({r - r % per_host for r in ranks}) if per_host else []
-    relays = [Relay(address, key, first) for first in firsts]
+    threads = [Relay(address, key, r) for r, via in relays.items() if via == r]
 
     async def rank_loop(rank: int) -> None:
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.IDENTITY, str(rank).encode())
         socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(local_address(key, rank - rank % per_host) if per_host else address)
+        via = relays[rank]
+        socket.connect(address if via is None else local_address(key, via))
         await socket.send_multipart(frames(RankReply("hello", None, rank), key))
         made = 0
         while True:
@@ -92,96 +99,160 @@ def fake_ranks(
             new = records[rank][made : made + request.steps]
             made += len(new)
             rows = pack(rank, new).to_bytes()
-            reply = RankReply("done", request.id, rank, step=made, rows=rows, stopped="steps")
+            reply = RankReply(
+                "done", request.id, rank, step=made, attach=1, rows=rows, stopped="steps"
+            )
             await socket.send_multipart(frames(reply, key))
         socket.close()
 
     async def main() -> None:
         ready.set()
-        await asyncio.gather(*(rank_loop(r) for r in ranks))
+        await asyncio.gather(*(rank_loop(r) for r in relays))
 
     asyncio.run(main())
-    for relay in relays:
+    for relay in threads:
         relay.close()
 
 
-def measure(ranks: int, steps: int, per_host: int = 0) -> dict:
-    """One configuration; ``per_host``: ranks per relayed host (0: every rank straight to
-    the notebook, as below $DTLAB_RELAY_AT)."""
-    channel = Channel()
-    ctx = mp.get_context("spawn")
-    readies, helpers = [], []
-    for h in range(HELPERS):
-        ready = ctx.Event()
-        if per_host:  # whole hosts to each helper
-            mine = [r for r in range(ranks) if (r // per_host) % HELPERS == h]
-        else:
-            mine = list(range(h, ranks, HELPERS))
-        helper = ctx.Process(
-            target=fake_ranks,
-            args=(channel.address, channel.key, mine, ranks, steps, ready, per_host),
-        )
-        helper.start()
-        readies.append(ready)
-        helpers.append(helper)
-    _, params, planted, _ = simulate(ranks, 1)  # the jobs, and which ranks carry what
-    jobs = {r: job(r, params) for r in range(ranks)}
-    trace = Trace(jobs)
-    try:
+class SimSession:
+    """What dtlab's Stepper asks of a session (control/session.py), for fake ranks: the
+    ranks and their hosts, connecting them (here: starting the helper processes with what
+    ``api.serve`` would get on each rank), the attached job, the rank states (the real
+    RankActivity), and where the job stands. There is no ipyparallel cluster: nothing
+    here may be asked of one, and a helper that dies is a dead rank."""
+
+    def __init__(self, ranks: int, steps: int, per_host: int):
+        self.ranks = list(range(ranks))
+        self.world_size = ranks
+        self.steps = steps
+        hosts = {r: f"sim-{r // per_host if per_host else r}" for r in self.ranks}
+        self.infos = {r: SimpleNamespace(host=h) for r, h in hosts.items()}
+        self.config = SimpleNamespace(listen=None, launcher="local")
+        self.activity = RankActivity()
+        self.recovery = self
+        self.backend = "gloo"
+        self.calls = 0
+        _, params, self.planted, _ = simulate(ranks, 1)  # the jobs, and which ranks carry what
+        self.jobs = {r: job(r, params) for r in self.ranks}
+        self.names = tuple(p.name for p in params)
+        self.helpers: list = []
+        self.stepper = Stepper(self)
+
+    # --- what the Stepper asks -------------------------------------------------------------
+    def run_each(self, fn, args: dict, what: str = "", timeout: float | None = None) -> None:
+        assert fn is api.serve and not self.helpers  # connected once
+        ctx = mp.get_context("spawn")
+        readies = []
+        for h in range(HELPERS):  # whole hosts to each helper
+            hosts = sorted({self.infos[r].host for r in self.ranks})[h::HELPERS]
+            mine = {r: a[3] for r, a in args.items() if self.infos[r].host in hosts}
+            address, key = next(iter(args.values()))[:2]
+            ready = ctx.Event()
+            helper = ctx.Process(
+                target=fake_ranks,
+                args=(address, key, mine, self.world_size, self.steps + 1, ready),
+            )
+            helper.start()
+            readies.append(ready)
+            self.helpers.append(helper)
         for ready in readies:
             ready.wait(300)
-        missing = channel.wait_connected(range(ranks), timeout=300)
-        if missing:
-            raise RuntimeError(f"{len(missing)} fake ranks never connected")
-        walls, cpus, ingest = [], [], []
-        gc.collect()
-        rss_before = psutil.Process().memory_info().rss
-        for step in range(1, steps + 1):
-            t0, c0 = time.perf_counter(), time.process_time()
-            channel.send(range(ranks), RunRequest(id=step, steps=1))
-            done = 0
-            took = 0.0
-            while done < ranks:
-                received, joined = channel.receive_with_rows(10.0)
-                for host in joined:  # a relayed host's rows, one frame
-                    i0 = time.perf_counter()  # not process_time: a syscall, 1,024 a step
-                    trace.add_host(host.data, host.ranks)
-                    took += time.perf_counter() - i0
-                for data, rows in received:
-                    reply = RankReply.from_dict(data, rows)
-                    if reply.kind == "done" and reply.id == step:
-                        if reply.rows:  # an unrelayed rank's
-                            i0 = time.perf_counter()
-                            trace.add_packed(reply.rank, reply.rows)
-                            took += time.perf_counter() - i0
-                        done += 1
-            walls.append(time.perf_counter() - t0)
-            cpus.append(time.process_time() - c0)
-            ingest.append(took)
-        trace.columns.rows()
-        gc.collect()
-        grown = psutil.Process().memory_info().rss - rss_before
-        channel.send(range(ranks), RunRequest(id=0, steps=-1))  # the helpers stop
-    finally:
-        for helper in helpers:
+
+    def run(self, fn, timeout: float | None = None) -> dict:
+        assert fn is api.describe_job
+        return {r: (1, info) for r, info in self.jobs.items()}
+
+    def check_ready(self, client, ranks, what: str) -> None:
+        self.check_controller()
+
+    def client(self) -> None:
+        return None
+
+    def check_controller(self) -> None:
+        dead = [h.pid for h in self.helpers if not h.is_alive()]
+        if dead:
+            raise RuntimeError(f"fake-rank helper processes {dead} died")
+
+    def dead_ranks(self, ranks) -> list[int]:
+        return []  # (check_controller raises first)
+
+    # the recovery's part
+    def current_step(self) -> int:
+        trace = self.stepper.trace
+        return trace.last_step if trace is not None else 0
+
+    def stall_limit(self) -> float:
+        return 120.0
+
+    def close(self) -> None:
+        if self.stepper.channel is not None:  # the helpers stop
+            self.stepper.channel.send(self.ranks, RunRequest(id=0, steps=-1))
+        for helper in self.helpers:
             helper.join(30)
             if helper.is_alive():
                 helper.kill()
-        channel.close()
-    t0 = time.perf_counter()
-    evidence = Evidence(
-        records=trace.records, columns=trace.columns, names=tuple(p.name for p in params), jobs=jobs
-    )
-    findings = all_findings(run_checks(evidence, registered()))
-    doctor = time.perf_counter() - t0
+        self.stepper.close()
+
+
+def measure(ranks: int, steps: int, per_host: int = 0) -> dict:
+    """One configuration, stepped with dtlab's own Stepper (``dt.step(1)``'s path): each
+    step one RunRequest to every rank, its replies gathered and taken into the job's trace
+    (which writes its run folder, as a job's does). ``per_host``: ranks per relayed host
+    (0: every rank straight to the notebook, as below $DTLAB_RELAY_AT)."""
+    saved = {name: os.environ.get(name) for name in (RELAY_ENV, RUNS_DIR_ENV)}
+    folder = tempfile.mkdtemp(prefix="dtlab-scale-sim-")
+    os.environ[RELAY_ENV] = "2" if per_host else str(ranks + 1)
+    os.environ[RUNS_DIR_ENV] = folder
+    took = [0.0]
+    add = Trace._add_frame
+
+    def timed(trace: Trace, frame) -> None:  # how long the trace takes the rows in
+        t0 = time.perf_counter()  # not process_time: a syscall, 1,024 a step
+        add(trace, frame)
+        took[0] += time.perf_counter() - t0
+
+    Trace._add_frame = timed  # type: ignore[method-assign]
+    session = SimSession(ranks, steps, per_host)
+    try:
+        session.stepper.run(1)  # connects: the helpers start, every rank says hello
+        walls, cpus, ingest = [], [], []
+        gc.collect()
+        rss_before = psutil.Process().memory_info().rss
+        for _ in range(steps):
+            took[0] = 0.0
+            t0, c0 = time.perf_counter(), time.process_time()
+            session.stepper.run(1)
+            walls.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
+            ingest.append(took[0])
+        gc.collect()
+        grown = psutil.Process().memory_info().rss - rss_before
+        trace = session.stepper.trace
+        assert trace is not None and trace.last_step == steps + 1, "steps went missing"
+        t0 = time.perf_counter()
+        evidence = Evidence(
+            records=trace.records, columns=trace.columns, names=session.names, jobs=session.jobs
+        )
+        findings = all_findings(run_checks(evidence, registered()))
+        doctor = time.perf_counter() - t0
+    finally:
+        Trace._add_frame = add  # type: ignore[method-assign]
+        session.close()
+        shutil.rmtree(folder, ignore_errors=True)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     skip = steps // 10  # first steps: connections and caches warm up
     return {
         "wall_ms": statistics.median(walls[skip:]) * 1e3,
         "wall_q": [q * 1e3 for q in statistics.quantiles(walls[skip:], n=4)],
         "cpu_ms": statistics.median(cpus[skip:]) * 1e3,
+        "cpu_mean_ms": statistics.mean(cpus[skip:]) * 1e3,  # with the Parquet parts' writes
         "ingest_us": statistics.median(ingest[skip:]) / ranks * 1e6,
         "doctor_s": doctor,
-        "named": named(findings, planted),
+        "named": named(findings, session.planted),
         "bytes_per_record": grown / (ranks * steps),
     }
 
@@ -210,7 +281,8 @@ def main() -> None:
             print(
                 f"{ranks} ranks, {how}: step {m['wall_ms']:.1f} ms (IQR {q1:.1f}-{q3:.1f}; "
                 f"target {target:.1f} ms, {m['wall_ms'] / target:.1f}x), notebook CPU "
-                f"{m['cpu_ms']:.1f} ms a step, decode and store {m['ingest_us']:.1f} us per "
+                f"{m['cpu_ms']:.1f} ms a step (mean {m['cpu_mean_ms']:.1f}, with the run folder's "
+                f"Parquet parts), decode and store {m['ingest_us']:.1f} us per "
                 f"rank-record (target 10), notebook memory {m['bytes_per_record']:.0f} B per "
                 f"rank-record; doctor over the trace {m['doctor_s']:.2f} s, planted problems "
                 "named: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in m["named"].items())

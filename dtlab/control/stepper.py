@@ -265,14 +265,15 @@ class Stepper:
                 f"run %dt_launch {self.session.world_size} --restart"
             )
         self._next_id += 1
-        run = Run(self, self._next_id, steps, until, timeout, self._failure_grace())
+        step_s = self.step_s()  # (the last steps' median: read once a run)
+        run = Run(self, self._next_id, steps, until, timeout, self._failure_grace(step_s))
         message = RunRequest(
             id=run.id,
             steps=steps,
             report_s=REPORT_S,
             until=until,
             record=record,
-            agree_every=self._agree_every(),
+            agree_every=self._agree_every(step_s),
             regroup=self._regroup,
             watch=self.watch_modules,
             outputs=self.record_outputs,
@@ -294,17 +295,17 @@ class Stepper:
         recent = rows[int(np.searchsorted(rows["step"], rows["step"][-1] - 9)) :]  # 10 steps
         return float(np.median(step_seconds(recent)))
 
-    def _agree_every(self) -> int:
+    @staticmethod
+    def _agree_every(step_s: float | None) -> int:
         """Steps between agreements (~AGREE_S apart), from the last steps' durations."""
-        step_s = self.step_s()
         return 1 if step_s is None else max(1, min(1000, int(AGREE_S / max(step_s, 1e-4))))
 
-    def _failure_grace(self) -> float:
+    @classmethod
+    def _failure_grace(cls, step_s: float | None) -> float:
         """After a failure, long enough for the others to reach their next agreement."""
-        step_s = self.step_s()
         if step_s is None:
             return FAILURE_GRACE_S
-        return max(FAILURE_GRACE_S, 2 * (self._agree_every() + 1) * step_s)
+        return max(FAILURE_GRACE_S, 2 * (cls._agree_every(step_s) + 1) * step_s)
 
     def _end(self, run: Run) -> RunResult:
         try:

@@ -13,8 +13,9 @@ steps back (``Trace.read_steps``) skips the rest.
 One row per (rank, step): the numbers of a :class:`StepRecord` as typed columns (nulls
 where a value is None), sample indices as a list column, and whatever else a record carries
 that is not at its default (missing gradients, RNG fingerprints, a non-finite module...)
-as a JSON object in ``extra``. Columns are zstd-compressed with dictionary encoding, so a
-fingerprint that every data-parallel replica shares costs a few bits per row.
+as a JSON object in ``extra``. Columns are zstd-compressed, and those whose values repeat
+are dictionary-encoded, so a fingerprint that every data-parallel replica shares costs a
+few bits per row.
 pandas reads the folder directly: ``pd.read_parquet(run / "steps")``.
 """
 
@@ -57,6 +58,26 @@ _SCALARS = {
     "comm_calls": "int64",
     "comm_bytes": "int64",
 }
+# dictionary-encoded columns: those whose values repeat (across data-parallel replicas, or
+# step after step); times, memory and losses rarely repeat, and a dictionary there costs
+# more to write (about twice the CPU) and makes the file larger, not smaller
+_DICTIONARY = [
+    "rank",
+    "step",
+    "lr",
+    "scale",
+    "skipped",
+    "epoch",
+    "grad_fingerprint",
+    "param_fingerprint",
+    "buffer_fingerprint",
+    "num_nonfinite",
+    "micro_batches",
+    "synced_micro_batches",
+    "comm_calls",
+    "comm_bytes",
+    "extra",
+]
 _TIMES = {f.name: "float64" for f in fields(StepTimes)}
 _MEMORY = {f.name: "int64" for f in fields(StepMemory)}
 _BIT = {name: 1 << bit for bit, name in enumerate(NULLABLE)}
@@ -193,7 +214,7 @@ class StepFiles:
         _, pq = _pa()
         path = self.folder / f"L{level}-{first:012d}-{count}.parquet"
         tmp = path.with_name(path.name + ".tmp")
-        pq.write_table(table, tmp, compression="zstd", use_dictionary=True)
+        pq.write_table(table, tmp, compression="zstd", use_dictionary=_DICTIONARY)
         os.replace(tmp, path)
         return path
 
@@ -212,7 +233,9 @@ class StepFiles:
             path = self.folder / f"L{full + 1}-{first:012d}-{count}.parquet"
             tmp = path.with_name(path.name + ".tmp")
             # batch by batch: a merge of millions of rows holds MERGE_BATCH of them at a time
-            with pq.ParquetWriter(tmp, _schema(), compression="zstd", use_dictionary=True) as out:
+            with pq.ParquetWriter(
+                tmp, _schema(), compression="zstd", use_dictionary=_DICTIONARY
+            ) as out:
                 for part in group:
                     for batch in pq.ParquetFile(part[3]).iter_batches(MERGE_BATCH):
                         out.write_batch(batch)
