@@ -21,6 +21,7 @@ from dtlab.records.packed import MAGIC, concat, pack, read_frame
 from dtlab.records.trace import Trace
 from dtlab.records.wire import (
     JOINED,
+    DoneGroup,
     HostRows,
     RankReply,
     RunRequest,
@@ -78,10 +79,11 @@ def replies(
     got: list[RankReply] = []
     deadline = time.monotonic() + timeout_s
     while len(got) < want and time.monotonic() < deadline:
-        received, rows = channel.receive_with_rows(0.1)
-        got += [r for d, rows in received if (r := reply_from(d, rows))]
+        received = channel.receive_with_rows(0.1)
+        got += [r for d, rows in received.replies if (r := reply_from(d, rows))]
+        got += [reply for group in received.done for reply in group.replies()]
         if joined is not None:
-            joined += rows
+            joined += received.rows
     return got
 
 
@@ -164,6 +166,14 @@ def test_a_relay_speaks_only_for_its_own_ranks():
         assert list(trace.records) == [1] and len(trace.columns) == 1
         send({"kind": "done", "id": 4, "rank": 1}, rows=packed(1, range(2, 3)), key="x" * 32)
         assert replies(channel, 1, 0.5, joined) == [] and len(joined) == 1
+        group = {"id": 5, "stopped": "steps", "attach": 1, "ranks": [9, 0], "steps": [4, 4]}
+        fake.send_multipart(
+            [JOINED, json.dumps({"key": channel.key, "replies": [], "done": [group]}).encode(), b""]
+        )
+        deadline, got = time.monotonic() + 10, []
+        while not got and time.monotonic() < deadline:
+            got = channel.receive_with_rows(0.1).done
+        assert got == [DoneGroup(5, "steps", 1, (0,), (4,))]  # rank 9 is not relay:0's
     finally:
         fake.close()
         channel.close()
@@ -224,7 +234,10 @@ def test_a_finished_run_comes_up_as_one_message_and_a_silent_rank_holds_it_brief
             assert parts[1] == JOINED and len(parts) == 4, parts
             header = json.loads(parts[2])
             assert header["key"] == key
-            assert {reply["rank"] for reply in header["replies"]} == {10, 11, 12}
+            assert header["replies"] == []  # plain done replies: one group, as columns
+            assert [(g["id"], g["stopped"], sorted(g["ranks"])) for g in header["done"]] == [
+                (run, "steps", [10, 11, 12])
+            ]
             if run == 2:  # held for rank 13 until HOLD_S had passed, then sent
                 assert waited >= HOLD_S * 0.9, waited
     finally:

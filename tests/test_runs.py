@@ -12,7 +12,7 @@ import pytest
 from dtlab.control import runs
 from dtlab.control.errors import RankError, RankTimeoutError
 from dtlab.records import HangReport, HangVerdict
-from dtlab.records.wire import RankReply
+from dtlab.records.wire import DoneGroup, RankReply, done_groups, plain_done
 
 
 class ScriptedHost:
@@ -106,3 +106,68 @@ def test_an_unreachable_reply_from_a_relay_is_a_send_failure(monkeypatch):
     with pytest.raises(RankTimeoutError) as e:
         run.result()
     assert "rank 2 could not be sent the run" in e.value.reason
+
+
+class GroupHost(ScriptedHost):
+    """Every rank finishes; the attach counts it was told, kept."""
+
+    def __init__(self):
+        super().__init__(dies_after=None)
+        self.attached: list[tuple[list[int], int | None]] = []
+        self.finished: list[int] = []
+
+    def note_attach(self, ranks, attach) -> None:
+        self.attached.append((list(ranks), attach))
+
+    def rank_finished(self, rank: int) -> None:
+        self.finished.append(rank)
+
+
+def test_a_hosts_done_group_ends_a_run_as_its_replies_would():
+    """A relay's DoneGroup and the same done replies one by one give the same result."""
+    group = DoneGroup(1, "until", 3, (2, 0), (7, 7))
+    results = []
+    for as_group in (True, False):
+        host = GroupHost()
+        run = runs.Run(host, 1, steps=3, until=None, timeout=None)
+        run.handle(RankReply("done", 1, 1, step=7, attach=3, stopped="until", hit=True))
+        if as_group:
+            run.handle_done(group)
+            run.handle_done(group)  # (a repeat: those ranks are no longer pending)
+        else:
+            for reply in group.replies():
+                run.handle(reply)
+        assert run.over() and run.pending == set()
+        assert sorted(host.finished) == [0, 1, 2]
+        results.append(run.result())
+    assert results[0].last_step == results[1].last_step == 7
+    assert results[0].stopped == results[1].stopped == "until"
+    assert results[0].hit_ranks == results[1].hit_ranks == (1,)
+
+
+def test_a_done_group_from_the_wire_is_checked_not_trusted():
+    good = {"id": 4, "stopped": "steps", "attach": 1, "ranks": [8, 9], "steps": [3, 3]}
+    assert DoneGroup.from_dict(good) == DoneGroup(4, "steps", 1, (8, 9), (3, 3))
+    for bad in (
+        {**good, "ranks": [8]},  # a step count each
+        {**good, "ranks": [8, True]},  # a bool is not a rank
+        {**good, "ranks": [8, "9"]},
+        {**good, "steps": [3, 3.5]},
+        {**good, "stopped": "rm -rf"},
+        {**good, "id": None},
+        {**good, "attach": "1"},
+        [good],
+    ):
+        assert DoneGroup.from_dict(bad) is None, bad
+
+
+def test_only_plain_done_replies_become_groups():
+    done = RankReply("done", 4, 8, step=3, attach=1, stopped="steps").to_dict()
+    assert plain_done({"key": "k", **done})
+    for odd in ({"hit": True}, {"output": "printed"}, {"kind": "progress"}, {"extra": 1}):
+        assert not plain_done({**done, **odd}), odd
+    groups = done_groups([done, {**done, "rank": 9, "step": 4}, {**done, "rank": 10, "id": 5}])
+    assert groups == [
+        DoneGroup(4, "steps", 1, (8, 9), (3, 4)),
+        DoneGroup(5, "steps", 1, (10,), (3,)),
+    ]

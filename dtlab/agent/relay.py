@@ -19,7 +19,8 @@ cannot reach (its socket is gone: a killed engine) comes back as an ``unreachabl
 so the run stops waiting for it as it would for a rank the notebook could not send to.
 
 Up: replies travel joined, ``[b"DTRJ", json, rows]``: the JSON lists the replies (each
-checked for the session key here, and sent without it), and ``rows`` is one frame of
+checked for the session key here, and sent without it; plain ``done`` replies, nearly all
+of them, as columns: a DoneGroup per run, its ranks and their steps), and ``rows`` is one frame of
 packed records, every reply's rows rank after rank (records.packed.concat), so the notebook
 parses one JSON object and reads one frame a host. It checks the message's key, takes
 only replies of ranks this relay serves (their hello came through it), and keeps the rows of
@@ -42,7 +43,7 @@ import time
 import traceback
 
 from dtlab.records.packed import concat, read_frame
-from dtlab.records.wire import BATCH, JOINED, checked
+from dtlab.records.wire import BATCH, JOINED, checked, done_groups, plain_done
 
 HOLD_S = 0.05  # a finished run's replies wait this long at most for the host's other ranks
 POLL_MS = 50  # how often the thread looks at its stop flag
@@ -218,6 +219,12 @@ class Relay:
             frames = [read_frame(rows, rank) for rank, rows in with_rows]
         except Exception:  # (any: this must not fail) the notebook says whose rows it drops
             return [BATCH, *(part for _, frame, rows in self._held for part in (frame, rows))]
-        replies = [{k: v for k, v in data.items() if k != "key"} for data, _, _ in self._held]
-        header = json.dumps({"key": self.key, "replies": replies}).encode()
+        plain = [data for data, _, _ in self._held if plain_done(data)]
+        replies = [
+            {k: v for k, v in data.items() if k != "key"}
+            for data, _, _ in self._held
+            if not plain_done(data)
+        ]
+        groups = [group.to_dict() for group in done_groups(plain)]
+        header = json.dumps({"key": self.key, "replies": replies, "done": groups}).encode()
         return [JOINED, header, concat(frames) if frames else b""]

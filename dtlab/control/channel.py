@@ -18,10 +18,20 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import replace
+from typing import NamedTuple
 
 import zmq
 
-from dtlab.records.wire import BATCH, JOINED, HostRows, Request, checked
+from dtlab.records.wire import BATCH, JOINED, DoneGroup, HostRows, Request, checked
+
+
+class Received(NamedTuple):
+    """What :meth:`Channel.receive_with_rows` got."""
+
+    replies: list[tuple[dict, bytes]]  # each reply, with the packed rows sent after it
+    rows: list[HostRows]  # relayed hosts' rows, one frame per relay's message
+    done: list[DoneGroup]  # relayed hosts' plain done replies, as columns
 
 
 class Channel:
@@ -75,20 +85,21 @@ class Channel:
         at most ``timeout``; zmq sockets must never be used by two threads at once."""
         return [reply for reply, _ in self.receive_with_rows(timeout)[0]]
 
-    def receive_with_rows(self, timeout: float) -> tuple[list[tuple[dict, bytes]], list[HostRows]]:
+    def receive_with_rows(self, timeout: float) -> Received:
         """As :meth:`receive`, each reply with the frame of packed step records that came
-        after its JSON (b"" when none did; the stepping channel's replies carry them), and
-        the rows of relayed hosts' replies, one frame per relay's message."""
+        after its JSON (b"" when none did; the stepping channel's replies carry them), the
+        rows of relayed hosts' replies, one frame per relay's message, and their plain done
+        replies as DoneGroups."""
         messages = []
         with self._lock:
             if self.socket.poll(int(timeout * 1000), zmq.POLLIN):
                 while self.socket.poll(0, zmq.POLLIN):
                     messages.append(self.socket.recv_multipart())
-        replies: list[tuple[dict, bytes]] = []
-        joined: list[HostRows] = []
+        got = Received([], [], [])
+        replies = got.replies
         for parts in messages:
             if len(parts) == 4 and parts[1] == JOINED:  # identity, JOINED, JSON, rows
-                self._take_joined(parts[0], parts[2], parts[3], replies, joined)
+                self._take_joined(parts[0], parts[2], parts[3], got)
             elif len(parts) > 3 and parts[1] == BATCH and len(parts) % 2 == 0:
                 # identity, BATCH, then (JSON, rows) of each reply
                 for frame, rows in zip(parts[2::2], parts[3::2], strict=True):
@@ -96,27 +107,35 @@ class Channel:
                         self._take(data, rows, parts[0], replies)
             elif len(parts) in (2, 3) and (data := checked(parts[1], self.key)) is not None:
                 self._take(data, parts[2] if len(parts) == 3 else b"", None, replies)
-        return replies, joined
+        return got
 
-    def _take_joined(
-        self,
-        route: bytes,
-        frame: bytes,
-        rows: bytes,
-        replies: list[tuple[dict, bytes]],
-        joined: list[HostRows],
-    ) -> None:
+    def _take_joined(self, route: bytes, frame: bytes, rows: bytes, got: Received) -> None:
         header = checked(frame, self.key)
         found = header.get("replies") if header is not None else None
-        if not isinstance(found, list):
+        if header is None or not isinstance(found, list):
             return  # not from one of our relays
-        kept = len(replies)
+        kept = len(got.replies)
         for data in found:
             if isinstance(data, dict):
-                self._take(data, b"", route, replies)
+                self._take(data, b"", route, got.replies)
+        ranks = {reply["rank"] for reply, _ in got.replies[kept:]}
+        groups = header.get("done")
+        for group in map(DoneGroup.from_dict, groups if isinstance(groups, list) else ()):
+            if group is not None and (group := self._own(group, route)).ranks:
+                got.done.append(group)
+                ranks.update(group.ranks)
         if rows:  # kept for the ranks whose replies were taken (and only those)
-            ranks = {reply["rank"] for reply, _ in replies[kept:]}
-            joined.append(HostRows(frozenset(ranks), rows))
+            got.rows.append(HostRows(frozenset(ranks), rows))
+
+    def _own(self, group: DoneGroup, route: bytes) -> DoneGroup:
+        """The group, without ranks that relay does not serve."""
+        routes = self.routes
+        if all(routes.get(rank) == route for rank in group.ranks):
+            return group
+        pairs = [
+            (r, s) for r, s in zip(group.ranks, group.steps, strict=True) if routes.get(r) == route
+        ]
+        return replace(group, ranks=tuple(r for r, _ in pairs), steps=tuple(s for _, s in pairs))
 
     def _take(
         self, reply: dict, rows: bytes, route: bytes | None, replies: list[tuple[dict, bytes]]

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from dtlab.analysis.ranks import label_ranks
 from dtlab.control.errors import DtlabError, RankError, RankTimeoutError
 from dtlab.records import Condition, HangReport, RemoteFailure, RunResult
 from dtlab.records.trace import Trace
-from dtlab.records.wire import RankReply
+from dtlab.records.wire import DoneGroup, RankReply
 
 FAILURE_GRACE_S = 1.0  # after one rank fails, how long the others get to finish
 PAUSE_WAIT_S = 10.0  # after a pause request, how long ranks get to reach the boundary
@@ -26,6 +26,14 @@ POLL_S = 0.1
 STALLED_S = 2.0  # no reply from any rank for this long: the run is stalled, not slow
 STALL_CONFIRM_S = 2.0  # a deadlock is seen twice, this far apart, before a run is given up
 UNSENT_WAIT_S = 30.0  # a rank the run could not be sent to: how long to wait for its death
+
+
+class Finished(NamedTuple):
+    """How a rank's run ended, from its done reply."""
+
+    step: int  # the job's step count then
+    stopped: str | None  # one of wire.STOPS
+    hit: bool  # the run's condition held at its last step
 
 
 class RunHost(Protocol):
@@ -39,6 +47,7 @@ class RunHost(Protocol):
     def current_step(self) -> int: ...  # where the job stands (after a rewind: its step)
     def receive(self, timeout: float) -> None: ...  # read replies; each reaches its run
     def ingest(self, reply: RankReply) -> None: ...  # its records and output: to the trace
+    def note_attach(self, ranks: Iterable[int], attach: int | None) -> None: ...
     def rank_finished(self, rank: int) -> None: ...
     def send_pause(self) -> None: ...
     def dead_ranks(self, ranks: Iterable[int]) -> dict[int, str]: ...  # rank -> cause
@@ -66,7 +75,7 @@ class Run:
         self.timeout = timeout
         self.failure_grace = failure_grace
         self.pending = set(host.ranks)
-        self.done: dict[int, RankReply] = {}
+        self.done: dict[int, Finished] = {}  # how each finished rank's run ended
         self.failures: dict[int, RemoteFailure] = {}
         self.first_step = host.current_step()  # after a rewind: where it resumed
         # after a failure on one rank, ranks may start a run at different steps
@@ -107,11 +116,25 @@ class Run:
         self.last_reply = time.monotonic()
         self.step_by_rank[rank] = reply.step
         if reply.kind == "done":
-            self.done[rank] = reply
+            self.done[rank] = Finished(reply.step, reply.stopped, reply.hit)
         elif reply.kind == "error":
             self.failures[rank] = reply.error or RemoteFailure("Error", "")
         if reply.kind in ("done", "error"):
             self._finish(rank)
+
+    def handle_done(self, group: DoneGroup) -> None:
+        """A relayed host's plain done replies at once (as :meth:`handle` would each)."""
+        pending = self.pending
+        pairs = [(r, s) for r, s in zip(group.ranks, group.steps, strict=True) if r in pending]
+        if not pairs:
+            return
+        self.host.note_attach([r for r, _ in pairs], group.attach)
+        self.last_reply = time.monotonic()
+        for rank, step in pairs:
+            self.step_by_rank[rank] = step
+            self.done[rank] = Finished(step, group.stopped, False)
+            pending.discard(rank)
+            self.host.rank_finished(rank)
 
     def _finish(self, rank: int) -> None:
         self.pending.discard(rank)

@@ -170,8 +170,7 @@ class Stepper:
     def ingest(self, reply: RankReply) -> None:
         if reply.output and self.on_output is not None:
             self.on_output(reply.rank, reply.output)
-        if reply.attach != self.attach_counts.get(reply.rank):
-            self._calls_seen = -1  # attached behind our back: look again before the next run
+        self.note_attach((reply.rank,), reply.attach)
         if reply.rows:  # only a run's replies carry records: it started the trace
             assert self.trace is not None
             try:
@@ -197,6 +196,12 @@ class Stepper:
                 stacklevel=2,
             )
 
+    def note_attach(self, ranks: Iterable[int], attach: int | None) -> None:
+        """The ranks' replies say how many jobs were attached on them so far."""
+        counts = self.attach_counts
+        if any(counts.get(rank) != attach for rank in ranks):
+            self._calls_seen = -1  # attached behind our back: look again before the next run
+
     # --- what a Run asks of it (runs.RunHost) ------------------------------------------
     @property
     def ranks(self) -> list[int]:
@@ -207,11 +212,16 @@ class Stepper:
 
     def receive(self, timeout: float) -> None:
         assert self.channel is not None  # asked by a run, or by read_late_replies: connected
-        received, joined = self.channel.receive_with_rows(timeout)
-        for rows in joined:  # relayed hosts' records: before their replies, as unrelayed
+        got = self.channel.receive_with_rows(timeout)
+        for rows in got.rows:  # relayed hosts' records: before their replies, as unrelayed
             self.ingest_host(rows)
-        replies = (reply_from(data, rows) for data, rows in received)
+        replies = (reply_from(data, rows) for data, rows in got.replies)
         self.dispatch([reply for reply in replies if reply is not None])
+        for group in got.done:  # a host's finished ranks at once
+            if self.active is not None and group.id == self.active.id:
+                self.active.handle_done(group)
+            else:  # (rare: a late group) reply by reply
+                self.dispatch(group.replies())
 
     def rank_finished(self, rank: int) -> None:
         self.session.activity.end_run(rank)

@@ -44,6 +44,89 @@ class HostRows:
 
 
 @dataclass(frozen=True)
+class DoneGroup:
+    """Plain ``done`` replies of a relayed host's ranks to one run, as columns: each rank
+    made its steps and stopped the same way (``stopped``), with nothing else to say (no
+    output, no error, the condition not hit). A relay sends these instead of a reply each,
+    so the notebook handles a host's finished ranks at once (:func:`plain_done`)."""
+
+    id: int
+    stopped: str
+    attach: int | None
+    ranks: tuple[int, ...]
+    steps: tuple[int, ...]  # each rank's step count when it sent its reply
+
+    def replies(self) -> list[RankReply]:
+        """The group as the replies it stands for."""
+        return [
+            RankReply("done", self.id, rank, step=step, attach=self.attach, stopped=self.stopped)
+            for rank, step in zip(self.ranks, self.steps, strict=True)
+        ]
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "stopped": self.stopped,
+            "attach": self.attach,
+            "ranks": list(self.ranks),
+            "steps": list(self.steps),
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> DoneGroup | None:
+        """The group, or None if ``data`` is not one (its fields checked, not trusted)."""
+        if not isinstance(data, dict):
+            return None
+        run, stopped, attach = data.get("id"), data.get("stopped"), data.get("attach")
+        ranks, steps = data.get("ranks"), data.get("steps")
+        if not (
+            type(run) is int
+            and stopped in STOPS
+            and (attach is None or type(attach) is int)
+            and isinstance(ranks, list)
+            and isinstance(steps, list)
+            and len(ranks) == len(steps)
+            and all(type(v) is int for v in ranks)
+            and all(type(v) is int for v in steps)
+        ):
+            return None
+        return cls(run, stopped, attach, tuple(ranks), tuple(steps))
+
+
+_PLAIN = {"key", "kind", "id", "rank", "step", "attach", "stopped", "hit", "output", "error"}
+
+
+def plain_done(data: dict) -> bool:
+    """Is this reply (as a relay parsed it) a ``done`` that a DoneGroup can stand for?"""
+    return (
+        data.get("kind") == "done"
+        and type(data.get("id")) is int
+        and type(data.get("rank")) is int
+        and type(data.get("step")) is int
+        and data.get("stopped") in STOPS
+        and not data.get("hit")
+        and not data.get("output")
+        and data.get("error") is None
+        and (data.get("attach") is None or type(data.get("attach")) is int)
+        and data.keys() <= _PLAIN
+    )
+
+
+def done_groups(replies: list[dict]) -> list[DoneGroup]:
+    """Plain done replies (:func:`plain_done`) as groups, one per (run, how it stopped,
+    attach count), ranks in the order the replies came."""
+    found: dict[tuple[int, str, int | None], tuple[list[int], list[int]]] = {}
+    for data in replies:
+        ranks, steps = found.setdefault((data["id"], data["stopped"], data.get("attach")), ([], []))
+        ranks.append(data["rank"])
+        steps.append(data["step"])
+    return [
+        DoneGroup(run, stopped, attach, tuple(r), tuple(s))
+        for (run, stopped, attach), (r, s) in found.items()
+    ]
+
+
+@dataclass(frozen=True)
 class RunRequest:
     """Notebook -> rank: make up to ``steps`` steps, paused together at the end.
 
