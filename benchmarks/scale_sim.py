@@ -162,8 +162,17 @@ class SimSession:
         assert fn is api.describe_job
         return {r: (1, info) for r, info in self.jobs.items()}
 
-    def check_ready(self, client, ranks, what: str) -> None:
+    def check_ready(self, client, ranks, what: str) -> None:  # (as the session's does)
         self.check_controller()
+        self.stepper.read_late_replies()
+        refused = self.activity.refusal(
+            ranks,
+            what,
+            run_in_flight=self.stepper.active is not None,
+            world_size=self.world_size,
+        )
+        if refused:
+            raise RuntimeError(refused)
 
     def client(self) -> None:
         return None
@@ -181,8 +190,9 @@ class SimSession:
         trace = self.stepper.trace
         return trace.last_step if trace is not None else 0
 
-    def stall_limit(self) -> float:
-        return 120.0
+    def stall_limit(self) -> float:  # (the recovery's reads the last steps' time too)
+        step_s = self.stepper.step_s()
+        return max(120.0, 10 * (step_s or 0.0))
 
     def close(self) -> None:
         if self.stepper.channel is not None:  # the helpers stop

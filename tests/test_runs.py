@@ -150,6 +150,7 @@ def test_a_done_group_from_the_wire_is_checked_not_trusted():
     assert DoneGroup.from_dict(good) == DoneGroup(4, "steps", 1, (8, 9), (3, 3))
     for bad in (
         {**good, "ranks": [8]},  # a step count each
+        {**good, "ranks": [8, 8]},  # a rank once
         {**good, "ranks": [8, True]},  # a bool is not a rank
         {**good, "ranks": [8, "9"]},
         {**good, "steps": [3, 3.5]},

@@ -79,11 +79,16 @@ class Channel:
         return unreachable
 
     def receive(self, timeout: float) -> list[dict]:
-        """Every reply that arrives within ``timeout`` s (returns early once one came).
+        """Every reply that arrives within ``timeout`` s (returns early once one came),
+        relayed hosts' plain done replies (DoneGroups) included, each as its reply.
 
         Holds the socket's lock while it waits: another thread's ``send`` (a pause) waits
         at most ``timeout``; zmq sockets must never be used by two threads at once."""
-        return [reply for reply, _ in self.receive_with_rows(timeout)[0]]
+        got = self.receive_with_rows(timeout)
+        groups = [
+            {"key": self.key, **reply.to_dict()} for group in got.done for reply in group.replies()
+        ]
+        return [reply for reply, _ in got.replies] + groups
 
     def receive_with_rows(self, timeout: float) -> Received:
         """As :meth:`receive`, each reply with the frame of packed step records that came
