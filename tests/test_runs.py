@@ -172,3 +172,28 @@ def test_only_plain_done_replies_become_groups():
         DoneGroup(4, "steps", 1, (8, 9), (3, 4)),
         DoneGroup(5, "steps", 1, (10,), (3,)),
     ]
+
+
+def test_the_stepper_reads_the_last_steps_time_again_only_after_new_rows():
+    from dataclasses import replace
+
+    from dtlab.control.stepper import Stepper
+    from dtlab.records.steps import StepTimes
+    from dtlab.records.trace import Trace
+    from tests.fakes import job_info, step_record
+
+    stepper = Stepper(session=None)
+    assert stepper.step_s() is None  # no trace yet
+    stepper.trace = Trace({r: job_info(r) for r in (0, 1)})
+    assert stepper.step_s() is None  # no step yet
+    slow = StepTimes(data=0.5, forward=0.25, backward=0.25, optimizer=0.0)
+    for step in range(1, 4):
+        stepper.trace.add(0, [replace(step_record(step, 0), times=slow)])
+        stepper.trace.add(1, [replace(step_record(step, 1), times=slow)])
+    assert stepper.step_s() == pytest.approx(1.0)
+    assert stepper.step_s() == pytest.approx(1.0)  # (kept: nothing new)
+    fast = StepTimes(data=0.0, forward=0.01, backward=0.01, optimizer=0.0)
+    for step in range(4, 14):  # ten fast steps: the last ten are all fast
+        for rank in (0, 1):
+            stepper.trace.add(rank, [replace(step_record(step, rank), times=fast)])
+    assert stepper.step_s() == pytest.approx(0.02)

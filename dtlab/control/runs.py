@@ -90,8 +90,8 @@ class Run:
         self.give_up_reason: str | None = None
         self.step_by_rank: dict[int, int] = {}
         self.unsent: set[int] = set()  # ranks whose stepping socket was gone at the start
-        self._stall: float | None = None  # the stall limit, as last read
-        self._stall_read = 0.0
+        self._stall: float | None = host.stall_limit()  # the stall limit, as last read
+        self._stall_read = self.started
 
     def could_not_send(self, ranks: Iterable[int]) -> None:
         """The run did not reach ``ranks``: a killed engine closes its socket before the

@@ -65,6 +65,7 @@ class Stepper:
         self.watch_modules = False  # name the first module with a non-finite output
         self.record_outputs = False  # fingerprint every module's output (bisection)
         self.interrupted = False  # a run was ended by SIGINT: collectives may hang on
+        self._step_s: tuple[tuple[int, int], float | None] | None = None  # (for, step_s())
         self.on_output: Callable[[int, str], None] | None = None  # what a script prints
 
     # --- connecting and tracing --------------------------------------------------------
@@ -297,13 +298,20 @@ class Stepper:
         return run
 
     def step_s(self) -> float | None:
+        """The median step time of the last 10 steps (kept until new rows arrive: a run
+        asks at its start, and again for its stall limit)."""
         if self.trace is None:  # no job synced yet: no step timed
             return None
         rows = self.trace.columns.rows()  # by step, then rank: no record object made
-        if not len(rows):
-            return None
-        recent = rows[int(np.searchsorted(rows["step"], rows["step"][-1] - 9)) :]  # 10 steps
-        return float(np.median(step_seconds(recent)))
+        key = (id(self.trace.columns), len(rows))
+        if self._step_s is not None and self._step_s[0] == key:
+            return self._step_s[1]
+        found = None
+        if len(rows):
+            recent = rows[int(np.searchsorted(rows["step"], rows["step"][-1] - 9)) :]  # 10 steps
+            found = float(np.median(step_seconds(recent)))
+        self._step_s = (key, found)
+        return found
 
     @staticmethod
     def _agree_every(step_s: float | None) -> int:
