@@ -258,6 +258,7 @@ def measure(ranks: int, steps: int, per_host: int = 0) -> dict:
     return {
         "wall_ms": statistics.median(walls[skip:]) * 1e3,
         "wall_q": [q * 1e3 for q in statistics.quantiles(walls[skip:], n=4)],
+        "wall_p95": statistics.quantiles(walls[skip:], n=20)[-1] * 1e3,  # the part writes
         "cpu_ms": statistics.median(cpus[skip:]) * 1e3,
         "cpu_mean_ms": statistics.mean(cpus[skip:]) * 1e3,  # with the Parquet parts' writes
         "ingest_us": statistics.median(ingest[skip:]) / ranks * 1e6,
@@ -289,7 +290,8 @@ def main() -> None:
             q1, _, q3 = m["wall_q"]
             how = f"relayed ({ranks // per_host} hosts)" if per_host else "straight"
             print(
-                f"{ranks} ranks, {how}: step {m['wall_ms']:.1f} ms (IQR {q1:.1f}-{q3:.1f}; "
+                f"{ranks} ranks, {how}: step {m['wall_ms']:.1f} ms (IQR {q1:.1f}-{q3:.1f}, "
+                f"p95 {m['wall_p95']:.1f}; "
                 f"target {target:.1f} ms, {m['wall_ms'] / target:.1f}x), notebook CPU "
                 f"{m['cpu_ms']:.1f} ms a step (mean {m['cpu_mean_ms']:.1f}, with the run folder's "
                 f"Parquet parts), decode and store {m['ingest_us']:.1f} us per "

@@ -161,6 +161,7 @@ def test_many_flushes_leave_few_files_and_lose_nothing(tmp_path, monkeypatch):
         for rank in range(2):
             trace.add(rank, [step_record(step, rank)])
         trace.flush()
+    trace.sync()  # (the last part is written on a thread of its own)
     parts = StepFiles(tmp_path / "run").parts()
     assert len(parts) < MERGE_AT + 1  # 40 = 5 x 8: five level-1 parts
     assert {level for level, *_ in parts} == {1}
@@ -184,6 +185,51 @@ def test_runs_between_parts_are_in_the_journal_until_the_trace_closes(tmp_path):
     trace.close()
     assert not journal.exists() and len(StepFiles(folder).parts()) == 1
     assert Trace.load(folder).records == trace.records
+
+
+def test_a_part_written_on_its_thread_loses_nothing_if_the_notebook_stops_meanwhile(
+    tmp_path, monkeypatch
+):
+    """Its journal is sealed before the thread writes the part: a folder left with the sealed
+    journal (no part yet), or with both (the part written, the journal not yet removed),
+    loads every record once; a part that cannot be written is an error at the next flush,
+    and its records stay in the sealed journal."""
+    monkeypatch.setattr(trace_module, "PART_ROWS", 4)
+    folder = tmp_path / "run"
+    trace = Trace({r: job_info(r) for r in range(2)}, folder=folder)
+    for step in (1, 2):
+        for rank in range(2):
+            trace.add(rank, [step_record(step, rank)])
+        trace.flush()
+    trace.sync()
+    (part,) = StepFiles(folder).parts()
+    sealed = folder / "steps" / trace_module.SEALED.format(1)
+    sealed.write_bytes(
+        b"".join(len(f.data).to_bytes(4, "little") + f.data for f in frames_of(trace))
+    )
+    assert Trace.load(folder).records == trace.records  # both: each record once
+    part[3].unlink()
+    assert Trace.load(folder).records == trace.records  # the sealed journal alone
+    sealed.unlink()
+
+    def broken(self, batch) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(StepFiles, "write", broken)
+    for step in (3, 4):
+        for rank in range(2):
+            trace.add(rank, [step_record(step, rank)])
+        trace.flush()
+    with pytest.raises(OSError, match="No space left"):
+        trace.sync()
+    assert [p.name for p in (folder / "steps").glob(trace_module.SEALED_GLOB)]  # kept
+    assert [r.step for r in Trace.load(folder).records[1]] == [3, 4]  # (part 1-2 removed above)
+
+
+def frames_of(trace: Trace) -> list:
+    from dtlab.records.packed import pack, read_frame
+
+    return [read_frame(pack(r, list(recs)).to_bytes(), r) for r, recs in trace.records.items()]
 
 
 def journal_entries(journal) -> int:

@@ -10,8 +10,9 @@ A run folder (``runs/<timestamp>/`` by default, ``DTLAB_RUNS_DIR`` moves it) hol
   (:mod:`dtlab.records.step_files`), and ``steps/journal.bin``: the records since the
   last part, as the ranks sent them (packed rows, :mod:`dtlab.records.packed`, each batch
   after its length as a little-endian uint32), appended at the end of every run, so a
-  notebook that dies loses no step a run finished; ``pd.read_parquet(folder / "steps")``
-  reads the parts;
+  notebook that dies loses no step a run finished; a part is written on a thread of its
+  own from the journal sealed as ``steps/journal-<ns>.bin``, removed once the part holds
+  its rows; ``pd.read_parquet(folder / "steps")`` reads the parts;
 - ``doctor.json``: the last ``%dt_doctor`` results, a list of CheckResult with Findings.
 
 Older folders still load: ``dtlab-trace/2`` (the same parts, a journal of JSON lines in
@@ -28,6 +29,7 @@ import os
 import struct
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +54,9 @@ PART_ROWS = 4096  # records kept in the journal before they become a Parquet par
 WINDOW = 2000  # steps of every rank a Trace with a run folder keeps in memory
 WINDOW_ENV = "DTLAB_WINDOW"  # sets WINDOW (steps; 0: keep every step in memory)
 JOURNAL = "journal.bin"
+# a journal whose rows a part being written holds (journal-<ns>.bin): gone once it is written
+SEALED = "journal-{:020d}.bin"
+SEALED_GLOB = "journal-*.bin"
 JSON_JOURNAL = "journal.jsonl"  # format 2's
 _LENGTH = struct.Struct("<I")
 RUNS_DIR_ENV = "DTLAB_RUNS_DIR"
@@ -118,6 +123,7 @@ class Trace:
         self._pending_rows = 0
         self._journaled = 0  # how many of them the journal holds
         self._files: StepFiles | None = None
+        self._part: Future | None = None  # the Parquet part being written, if one is
         if self.folder is not None:
             self._write_header()
 
@@ -268,22 +274,39 @@ class Trace:
         self.columns.rows()
         if self._files is None or not self._pending:
             return
+        self._journal()
         if self._pending_rows >= PART_ROWS:
             self._write_part()
-            return
-        self._files.folder.mkdir(parents=True, exist_ok=True)
-        with open(self._files.folder / JOURNAL, "ab") as out:
-            for frame in self._pending[self._journaled :]:  # as they came
-                out.write(_LENGTH.pack(len(frame.data)) + frame.data)
-        self._journaled = len(self._pending)
         self._slide()
 
-    def _write_part(self) -> None:
+    def _journal(self) -> None:
+        """Append the frames not in the journal yet (as they came)."""
         assert self._files is not None
+        self._files.folder.mkdir(parents=True, exist_ok=True)
+        with open(self._files.folder / JOURNAL, "ab") as out:
+            for frame in self._pending[self._journaled :]:
+                out.write(_LENGTH.pack(len(frame.data)) + frame.data)
+        self._journaled = len(self._pending)
+
+    def _write_part(self) -> None:
+        """The journal's rows become a Parquet part, written (and merged) on a thread of
+        its own, so the run that fills a part does not wait for its compression. The
+        journal is sealed first (renamed: its rows stay on disk until the part holds them),
+        and one part is written at a time."""
+        assert self._files is not None and self._journaled == len(self._pending)
+        self.sync()
+        sealed = self._files.folder / SEALED.format(time.time_ns())
+        os.replace(self._files.folder / JOURNAL, sealed)
         pending, self._pending, self._journaled, self._pending_rows = self._pending, [], 0, 0
-        self._files.write(join(pending))
-        (self._files.folder / JOURNAL).unlink(missing_ok=True)  # its rows are in the part
-        self._slide()
+        self._part = _writer().submit(_write_sealed, self._files, pending, sealed)
+
+    def sync(self) -> None:
+        """Wait until the part being written (if one is) is in the run folder; a failure
+        to write it is raised here (its rows stay in its sealed journal, which a later
+        load reads)."""
+        part, self._part = self._part, None
+        if part is not None:
+            part.result()
 
     def _slide(self) -> None:
         """Forget the steps before the last ``window`` once they are all in the run folder
@@ -331,6 +354,7 @@ class Trace:
                 part.add(rank, recs.between(steps.start, steps.stop))
             return part
         self.flush()  # what is in memory, in the folder too
+        self.sync()
         for batch in _batches(self.folder, steps):
             part._add_mixed(
                 batch.take((batch.rows["step"] >= steps.start) & (batch.rows["step"] < steps.stop))
@@ -340,7 +364,9 @@ class Trace:
     def close(self) -> None:
         """Write what is left as a part (no journal stays behind)."""
         if self._files is not None and self._pending:
+            self._journal()
             self._write_part()
+        self.sync()
         self._files = None
 
     # --- as data ------------------------------------------------------------------------
@@ -416,6 +442,7 @@ class Trace:
         )
         if not self.whole and self.folder is not None:
             self.flush()
+            self.sync()
             for batch in _batches(self.folder, range(1, self.last_step + 1)):
                 copy._add_mixed(batch)
                 copy.flush()  # part by part: the copy's window bounds its memory too
@@ -430,6 +457,8 @@ class Trace:
         """Read a run folder written by dtlab (the last ``window`` steps into memory, as a
         live Trace keeps them); raises ValueError naming what is wrong."""
         folder = Path(folder)
+        if _WRITER is not None:  # parts this process is writing: in the folder first
+            _WRITER.submit(lambda: None).result()
         header_path = folder / "trace.json"
         if not header_path.is_file():
             raise ValueError(f"{folder} is not a dtlab run folder: it has no trace.json")
@@ -447,9 +476,9 @@ class Trace:
             for part in StepFiles(folder).read():
                 trace._add_mixed(part)
                 trace._slide()  # a long run's parts, one by one, in bounded memory
-        # the records since the last part (a repeat is ignored)
-        journal = folder / "steps" / JOURNAL
-        if journal.is_file():
+        # the records since the last part (a repeat is ignored): a journal sealed for a part
+        # that was being written when the notebook stopped, then the journal
+        for journal in _journals(folder):
             _read_journal(trace, journal)
         json_lines = folder / ("steps.jsonl" if header["format"] == "dtlab-trace/1" else "steps")
         if json_lines.is_dir():
@@ -479,9 +508,33 @@ def _batches(folder: Path, steps: range) -> Iterator[Packed]:
     """The rows of a run folder (format 3) that may hold ``steps``, part by part, then the
     journal's batches."""
     yield from StepFiles(folder).read(steps)
-    journal = folder / "steps" / JOURNAL
-    if journal.is_file():
+    for journal in _journals(folder):
         yield from _journal_batches(journal)
+
+
+def _journals(folder: Path) -> list[Path]:
+    """The run folder's journals, oldest first: sealed ones (a part was being written
+    when its notebook stopped), then the journal."""
+    steps = folder / "steps"
+    journal = steps / JOURNAL
+    return sorted(steps.glob(SEALED_GLOB)) + ([journal] if journal.is_file() else [])
+
+
+_WRITER: ThreadPoolExecutor | None = None
+
+
+def _writer() -> ThreadPoolExecutor:
+    """The thread that writes Parquet parts (one for every trace: parts are written one at
+    a time; Python waits for it at exit, so a part handed to it is finished)."""
+    global _WRITER
+    if _WRITER is None:
+        _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtlab-parts")
+    return _WRITER
+
+
+def _write_sealed(files: StepFiles, frames: list[Frame], sealed: Path) -> None:
+    files.write(join(frames))
+    sealed.unlink(missing_ok=True)  # its rows are in the part
 
 
 def _journal_batches(journal: Path) -> Iterator[Packed]:
