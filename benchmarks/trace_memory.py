@@ -103,6 +103,7 @@ def measure(ranks: int, steps: int, window: int, run: int, out) -> None:
             for rank in range(ranks):
                 trace.add_packed(rank, frame(rank, ranks, first, count, parts_at))
             trace.flush()
+        trace.sync()  # the last part written too (parts are written on a thread)
         took = time.perf_counter() - t0
         held = proc.memory_info().rss - before
         t0 = time.perf_counter()
