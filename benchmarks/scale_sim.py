@@ -59,7 +59,8 @@ from dtlab.control.relays import RELAY_ENV  # noqa: E402
 from dtlab.control.stepper import Stepper  # noqa: E402
 from dtlab.records import Evidence  # noqa: E402
 from dtlab.records.packed import pack  # noqa: E402
-from dtlab.records.trace import RUNS_DIR_ENV, Trace  # noqa: E402
+from dtlab.records.run_folder import RUNS_DIR_ENV  # noqa: E402
+from dtlab.records.trace import Trace  # noqa: E402
 from dtlab.records.wire import RankReply, RunRequest, decode_request, frames  # noqa: E402
 
 HELPERS = 2  # processes holding the fake ranks (one per core)

@@ -9,11 +9,11 @@ import pytest
 
 from dtlab.agent.stepping import _RunState, condition_holds
 from dtlab.analysis.conditions import describe_condition, parse_condition
-from dtlab.records import Condition, step_record_from_dict, step_record_to_dict
-from dtlab.records import trace as trace_module
+from dtlab.records import Condition, run_folder, step_record_from_dict, step_record_to_dict
 from dtlab.records.packed import pack
+from dtlab.records.run_folder import FORMAT, JOURNAL, new_run_folder
 from dtlab.records.step_files import MERGE_AT, StepFiles
-from dtlab.records.trace import FORMAT, JOURNAL, Trace, new_run_folder
+from dtlab.records.trace import Trace
 from tests.fakes import healthy_trace, job_info, step_record
 
 
@@ -155,7 +155,7 @@ def test_every_field_of_a_record_survives_the_step_files(tmp_path):
 
 
 def test_many_flushes_leave_few_files_and_lose_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(trace_module, "PART_ROWS", 2)  # a part at every flush here
+    monkeypatch.setattr(run_folder, "PART_ROWS", 2)  # a part at every flush here
     trace = Trace({r: job_info(r) for r in range(2)}, folder=tmp_path / "run")
     for step in range(1, 41):  # 40 runs of one step each: 40 parts, merged as they pile up
         for rank in range(2):
@@ -194,7 +194,7 @@ def test_a_part_written_on_its_thread_loses_nothing_if_the_notebook_stops_meanwh
     journal (no part yet), or with both (the part written, the journal not yet removed),
     loads every record once; a part that cannot be written is an error at the next flush,
     and its records stay in the sealed journal."""
-    monkeypatch.setattr(trace_module, "PART_ROWS", 4)
+    monkeypatch.setattr(run_folder, "PART_ROWS", 4)
     folder = tmp_path / "run"
     trace = Trace({r: job_info(r) for r in range(2)}, folder=folder)
     for step in (1, 2):
@@ -203,7 +203,7 @@ def test_a_part_written_on_its_thread_loses_nothing_if_the_notebook_stops_meanwh
         trace.flush()
     trace.sync()
     (part,) = StepFiles(folder).parts()
-    sealed = folder / "steps" / trace_module.SEALED.format(1)
+    sealed = folder / "steps" / run_folder.SEALED.format(1)
     sealed.write_bytes(
         b"".join(len(f.data).to_bytes(4, "little") + f.data for f in frames_of(trace))
     )
@@ -222,7 +222,7 @@ def test_a_part_written_on_its_thread_loses_nothing_if_the_notebook_stops_meanwh
         trace.flush()
     with pytest.raises(OSError, match="No space left"):
         trace.sync()
-    assert [p.name for p in (folder / "steps").glob(trace_module.SEALED_GLOB)]  # kept
+    assert [p.name for p in (folder / "steps").glob(run_folder.SEALED_GLOB)]  # kept
     assert [r.step for r in Trace.load(folder).records[1]] == [3, 4]  # (part 1-2 removed above)
 
 

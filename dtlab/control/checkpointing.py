@@ -21,7 +21,7 @@ from pathlib import Path
 from dtlab.agent import api
 from dtlab.control.errors import DtlabError, OptionError, RankError
 from dtlab.records.checkpoints import CheckpointInfo, catalogue, commit, describe, remove_partial
-from dtlab.records.trace import RUNS_DIR_ENV
+from dtlab.records.run_folder import RUNS_DIR_ENV
 
 CHECKPOINT_DIR_ENV = "DTLAB_CHECKPOINT_DIR"
 CHECKPOINT_TIMEOUT_S = 900.0  # a save is collective: a dead rank must not hold it forever

@@ -37,7 +37,8 @@ from dtlab.control.relays import relay_at, relay_plan
 from dtlab.control.runs import FAILURE_GRACE_S, POLL_S, Run
 from dtlab.records import Condition, RunResult
 from dtlab.records.columns import step_seconds
-from dtlab.records.trace import Trace, new_run_folder
+from dtlab.records.run_folder import new_run_folder
+from dtlab.records.trace import Trace
 from dtlab.records.wire import HostRows, PauseRequest, RankReply, RunRequest, reply_from
 
 CONNECT_TIMEOUT_S = 30.0

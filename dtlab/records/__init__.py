@@ -22,12 +22,13 @@ module                    holds
 ``records.columns``       every rank's rows as columns (what the doctor reads)
 ``records.summaries``     one row per step across ranks (the steps a Trace's window left)
 ``records.step_files``    a run folder's rows as Parquet parts
-``records.trace``         a job's step records by rank, in memory and in a run folder
+``records.trace``         a job's step records by rank, in memory (a window of steps)
+``records.run_folder``    a Trace's run folder: header, journal, parts written on a thread
 ``records.checkpoints``   checkpoint folders on disk: names, manifest, checksums, catalogue
 ========================  ==================================================================
 
 The dataclasses are re-exported here (``from dtlab.records import StepRecord``);
-``trace`` and ``checkpoints`` are imported as modules.
+``trace``, ``run_folder`` and ``checkpoints`` are imported as modules.
 """
 
 from __future__ import annotations

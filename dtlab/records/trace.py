@@ -1,97 +1,35 @@
 """The step records of one attached job, by rank, in memory and in a run folder.
 
-A run folder (``runs/<timestamp>/`` by default, ``DTLAB_RUNS_DIR`` moves it) holds:
-
-- ``trace.json``: ``{"format": "dtlab-trace/3", "created": <epoch s>, "world_size": N,
-  "params": [[ParamInfo, ...], ...], "jobs": {"<rank>": JobInfo}, "meta": {...}}``, each
-  job's ``params`` the number of its list in ``params`` (replicas share one);
-- ``steps/``: the step records (summaries: the per-parameter tuples stay on the ranks) as
-  zstd Parquet parts of at least ``PART_ROWS`` records, merged as they pile up
-  (:mod:`dtlab.records.step_files`), and ``steps/journal.bin``: the records since the
-  last part, as the ranks sent them (packed rows, :mod:`dtlab.records.packed`, each batch
-  after its length as a little-endian uint32), appended at the end of every run, so a
-  notebook that dies loses no step a run finished; a part is written on a thread of its
-  own from the journal sealed as ``steps/journal-<ns>.bin``, removed once the part holds
-  its rows; ``pd.read_parquet(folder / "steps")`` reads the parts;
-- ``doctor.json``: the last ``%dt_doctor`` results, a list of CheckResult with Findings.
-
-Older folders still load: ``dtlab-trace/2`` (the same parts, a journal of JSON lines in
-``steps/journal.jsonl``) and ``dtlab-trace/1`` (one JSON line per record in
-``steps.jsonl``, ~1 KB per rank-step against ~50-100 B as Parquet).
-``Trace.load(folder)`` reads a folder back, so another notebook can plot or compare it.
+A Trace keeps every rank's records as columns (what the doctor reads) and, once a run
+folder holds them, only the last ``window`` steps of them in memory, with one summary row
+per step it let go (:mod:`dtlab.records.summaries`). What the run folder holds and how it
+is written and read: :mod:`dtlab.records.run_folder`. ``Trace.load(folder)`` reads a
+folder back, so another notebook can plot or compare it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import struct
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
 
-from dtlab.records import (
-    DeepSpeedInfo,
-    JobInfo,
-    ParamInfo,
-    StepRecord,
-    step_record_from_dict,
-)
+from dtlab.records import JobInfo, ParamInfo, StepRecord
+from dtlab.records import run_folder as disk
 from dtlab.records.columns import StepColumns
 from dtlab.records.dataframe import records_frame
-from dtlab.records.packed import Frame, Packed, frame_rows, join, pack, read_frame, unpack
+from dtlab.records.packed import Frame, Packed, frame_rows, join, pack, read_frame
 from dtlab.records.rank_records import RankRecords
-from dtlab.records.step_files import StepFiles
+from dtlab.records.run_folder import FORMAT, RUNS_DIR_ENV, FolderWriter, new_run_folder
 from dtlab.records.summaries import Summaries, summarize
 
-FORMAT = "dtlab-trace/3"
-FORMATS = ("dtlab-trace/1", "dtlab-trace/2", FORMAT)  # what Trace.load reads
-PART_ROWS = 4096  # records kept in the journal before they become a Parquet part
+__all__ = ["FORMAT", "RUNS_DIR_ENV", "WINDOW", "WINDOW_ENV", "Trace", "new_run_folder"]
+
 WINDOW = 2000  # steps of every rank a Trace with a run folder keeps in memory
 WINDOW_ENV = "DTLAB_WINDOW"  # sets WINDOW (steps; 0: keep every step in memory)
-JOURNAL = "journal.bin"
-# a journal whose rows a part being written holds (journal-<ns>.bin): gone once it is written
-SEALED = "journal-{:020d}.bin"
-SEALED_GLOB = "journal-*.bin"
-JSON_JOURNAL = "journal.jsonl"  # format 2's
-_LENGTH = struct.Struct("<I")
-RUNS_DIR_ENV = "DTLAB_RUNS_DIR"
-
-
-def job_from_json(data: Mapping, param_lists: list | None = None) -> JobInfo:
-    """A job from trace.json; its ``params``: a list, or (format 3) a number in
-    ``param_lists``, the header's parameter lists."""
-    fields = dict(data)
-    params = data["params"]
-    if isinstance(params, int):
-        if not param_lists or not 0 <= params < len(param_lists):
-            raise ValueError(f"a job names parameter list {params}; the trace has none such")
-        params = param_lists[params]
-    fields["params"] = tuple(
-        ParamInfo(p["name"], tuple(p["shape"]), p["dtype"], p["numel"]) for p in params
-    )
-    fields["buffers"] = tuple(data.get("buffers", ()))
-    if data.get("deepspeed"):
-        fields["deepspeed"] = DeepSpeedInfo(**data["deepspeed"])
-    return JobInfo(**fields)
-
-
-def new_run_folder(root: str | os.PathLike | None = None) -> Path:
-    """``<root>/<YYYYmmdd-HHMMSS>[-k]/``, created; root defaults to $DTLAB_RUNS_DIR or runs."""
-    base = Path(root or os.environ.get(RUNS_DIR_ENV) or "runs")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for k in range(1000):
-        folder = base / (stamp if k == 0 else f"{stamp}-{k}")
-        try:
-            folder.mkdir(parents=True)
-            return folder
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"no free run folder name under {base}")
 
 
 class Trace:
@@ -119,13 +57,9 @@ class Trace:
         self.records: dict[int, RankRecords] = {rank: self._mine(rank) for rank in self.jobs}
         self.checks: list = []  # the last %dt_doctor results (CheckResult), kept with the run
         self.folder = Path(folder) if folder is not None else None
-        self._pending: list[Frame] = []  # records not yet in a part, frame by frame
-        self._pending_rows = 0
-        self._journaled = 0  # how many of them the journal holds
-        self._files: StepFiles | None = None
-        self._part: Future | None = None  # the Parquet part being written, if one is
+        self._writer: FolderWriter | None = None  # what writes the run folder (a live one)
         if self.folder is not None:
-            self._write_header()
+            self._writer = disk.write_header(self.folder, self.jobs, self.meta, self.created)
 
     @classmethod
     def empty(cls, ranks) -> Trace:
@@ -194,10 +128,8 @@ class Trace:
         added = [rec for rec in records if mine.append(rec)]
         if added:
             self.columns.extend(rank, added)
-            if self._files is not None:
-                frame = read_frame(pack(rank, added).to_bytes())
-                self._pending.append(frame)
-                self._pending_rows += frame.rows
+            if self._writer is not None:
+                self._writer.add(read_frame(pack(rank, added).to_bytes()))
 
     def add_packed(self, rank: int, data: bytes) -> None:
         """Append the records of a rank's reply: a frame of packed rows as it came (one that
@@ -251,9 +183,8 @@ class Trace:
     def _keep(self, frame: Frame) -> None:
         """A frame whose rows are all new: to the columns, and to the run folder's queue."""
         self.columns.append_frame(frame)
-        if self._files is not None:
-            self._pending.append(frame)
-            self._pending_rows += frame.rows
+        if self._writer is not None:
+            self._writer.add(frame)
 
     def _records_of(self, rank: int) -> RankRecords:
         mine = self.records.get(rank)
@@ -269,44 +200,20 @@ class Trace:
 
     def flush(self) -> None:
         """Put the records added since the last flush in the run folder: appended to the
-        journal, or, once there are PART_ROWS of them, written as a Parquet part. The
-        columns take in the new rows now (the end of a run), not at the doctor's first read."""
+        journal, or, once there are PART_ROWS of them, written as a Parquet part
+        (:class:`~dtlab.records.run_folder.FolderWriter`). The columns take in the new rows
+        now (the end of a run), not at the doctor's first read."""
         self.columns.rows()
-        if self._files is None or not self._pending:
-            return
-        self._journal()
-        if self._pending_rows >= PART_ROWS:
-            self._write_part()
-        self._slide()
-
-    def _journal(self) -> None:
-        """Append the frames not in the journal yet (as they came)."""
-        assert self._files is not None
-        self._files.folder.mkdir(parents=True, exist_ok=True)
-        with open(self._files.folder / JOURNAL, "ab") as out:
-            for frame in self._pending[self._journaled :]:
-                out.write(_LENGTH.pack(len(frame.data)) + frame.data)
-        self._journaled = len(self._pending)
-
-    def _write_part(self) -> None:
-        """The journal's rows become a Parquet part, written (and merged) on a thread of
-        its own, so the run that fills a part does not wait for its compression. The
-        journal is sealed first (renamed: its rows stay on disk until the part holds them),
-        and one part is written at a time."""
-        assert self._files is not None and self._journaled == len(self._pending)
-        self.sync()
-        sealed = self._files.folder / SEALED.format(time.time_ns())
-        os.replace(self._files.folder / JOURNAL, sealed)
-        pending, self._pending, self._journaled, self._pending_rows = self._pending, [], 0, 0
-        self._part = _writer().submit(_write_sealed, self._files, pending, sealed)
+        if self._writer is not None:
+            self._writer.flush()
+            self._slide()
 
     def sync(self) -> None:
         """Wait until the part being written (if one is) is in the run folder; a failure
         to write it is raised here (its rows stay in its sealed journal, which a later
         load reads)."""
-        part, self._part = self._part, None
-        if part is not None:
-            part.result()
+        if self._writer is not None:
+            self._writer.sync()
 
     def _slide(self) -> None:
         """Forget the steps before the last ``window`` once they are all in the run folder
@@ -327,9 +234,8 @@ class Trace:
         """Does the run folder hold every record in memory (in a form read_steps reads)?"""
         if self.folder is None or self._format != FORMAT:
             return False
-        if self._files is None:  # loaded, or closed: nothing waits to be written
-            return not self._pending
-        return self._journaled == len(self._pending)
+        # loaded, or closed: nothing waits to be written
+        return self._writer is None or self._writer.all_on_disk
 
     @property
     def whole(self) -> bool:
@@ -355,7 +261,7 @@ class Trace:
             return part
         self.flush()  # what is in memory, in the folder too
         self.sync()
-        for batch in _batches(self.folder, steps):
+        for batch in disk.batches(self.folder, steps):
             part._add_mixed(
                 batch.take((batch.rows["step"] >= steps.start) & (batch.rows["step"] < steps.stop))
             )
@@ -363,11 +269,9 @@ class Trace:
 
     def close(self) -> None:
         """Write what is left as a part (no journal stays behind)."""
-        if self._files is not None and self._pending:
-            self._journal()
-            self._write_part()
-        self.sync()
-        self._files = None
+        if self._writer is not None:
+            self._writer.close()
+        self._writer = None
 
     # --- as data ------------------------------------------------------------------------
     def to_records(self) -> list[dict]:
@@ -399,41 +303,11 @@ class Trace:
         return records_frame(self.columns.rows(), self.columns.indices(), extras)
 
     # --- files --------------------------------------------------------------------------
-    def _write_header(self) -> None:
-        assert self.folder is not None  # called only for a trace with a folder
-        self.folder.mkdir(parents=True, exist_ok=True)
-        # the parameter lists once each (data-parallel replicas share one); a job names its
-        # list by number: 512 ranks x 300 parameters as dataclasses.asdict took seconds
-        param_lists: dict[tuple[ParamInfo, ...], int] = {}
-        jobs = {}
-        for rank, info in self.jobs.items():
-            params = param_lists.setdefault(info.params, len(param_lists))
-            fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(info)}
-            fields["params"] = params
-            if info.deepspeed is not None:
-                fields["deepspeed"] = dataclasses.asdict(info.deepspeed)
-            jobs[str(rank)] = fields
-        header = {
-            "format": FORMAT,
-            "created": self.created,
-            "world_size": self.world_size,
-            "params": [
-                [{"name": p.name, "shape": p.shape, "dtype": p.dtype, "numel": p.numel} for p in ps]
-                for ps in param_lists
-            ],
-            "jobs": jobs,
-            "meta": self.meta,
-        }
-        (self.folder / "trace.json").write_text(json.dumps(header))
-        self._files = StepFiles(self.folder)
-
     def keep_checks(self, results: list) -> None:
         """Keep ``%dt_doctor`` results with the run (``doctor.json`` in its folder)."""
         self.checks = list(results)
         if self.folder is not None:
-            # the outcome too: passed, found or not checked, for whoever reads the file
-            data = [{**dataclasses.asdict(r), "outcome": r.outcome} for r in self.checks]
-            (self.folder / "doctor.json").write_text(json.dumps(data, indent=1, default=str))
+            disk.write_checks(self.folder, self.checks)
 
     def save(self, folder: str | os.PathLike) -> Path:
         """Write the whole trace to ``folder`` (a copy; this trace keeps its own folder)."""
@@ -443,7 +317,7 @@ class Trace:
         if not self.whole and self.folder is not None:
             self.flush()
             self.sync()
-            for batch in _batches(self.folder, range(1, self.last_step + 1)):
+            for batch in disk.batches(self.folder, range(1, self.last_step + 1)):
                 copy._add_mixed(batch)
                 copy.flush()  # part by part: the copy's window bounds its memory too
         for rank, recs in self.records.items():
@@ -457,37 +331,20 @@ class Trace:
         """Read a run folder written by dtlab (the last ``window`` steps into memory, as a
         live Trace keeps them); raises ValueError naming what is wrong."""
         folder = Path(folder)
-        if _WRITER is not None:  # parts this process is writing: in the folder first
-            _WRITER.submit(lambda: None).result()
-        header_path = folder / "trace.json"
-        if not header_path.is_file():
-            raise ValueError(f"{folder} is not a dtlab run folder: it has no trace.json")
-        header = json.loads(header_path.read_text())
-        if header.get("format") not in FORMATS:
-            raise ValueError(
-                f"{header_path}: format {header.get('format')!r}, this dtlab reads "
-                + " and ".join(map(repr, FORMATS))
-            )
-        lists = header.get("params") or []
-        jobs = {int(r): job_from_json(j, lists) for r, j in header["jobs"].items()}
+        disk.wait_for_parts()  # parts this process is writing: in the folder first
+        header, jobs = disk.read_header(folder)
         trace = cls(jobs, meta=header.get("meta"), created=header.get("created"), window=window)
         trace.folder, trace._format = folder, header["format"]
         if header["format"] != "dtlab-trace/1":
-            for part in StepFiles(folder).read():
+            for part in disk.parts(folder):
                 trace._add_mixed(part)
                 trace._slide()  # a long run's parts, one by one, in bounded memory
-        # the records since the last part (a repeat is ignored): a journal sealed for a part
-        # that was being written when the notebook stopped, then the journal
-        for journal in _journals(folder):
-            _read_journal(trace, journal)
-        json_lines = folder / ("steps.jsonl" if header["format"] == "dtlab-trace/1" else "steps")
-        if json_lines.is_dir():
-            json_lines = json_lines / JSON_JOURNAL
-        if json_lines.is_file():
-            _read_json_lines(trace, json_lines)
-        doctor = folder / "doctor.json"
-        if doctor.is_file():
-            trace.checks = [_check_from_json(c) for c in json.loads(doctor.read_text())]
+        # the records since the last part (a repeat is ignored)
+        for batch in disk.journal_batches(folder):
+            trace._add_mixed(batch)
+        for rank, rec in disk.json_records(folder, header["format"]):
+            trace.add(rank, [rec])
+        trace.checks = disk.read_checks(folder)
         return trace
 
 
@@ -502,81 +359,3 @@ def _window() -> int:
     if steps < 0:
         raise ValueError(f"${WINDOW_ENV}={text!r}: give a number of steps >= 0 (0: keep all)")
     return steps
-
-
-def _batches(folder: Path, steps: range) -> Iterator[Packed]:
-    """The rows of a run folder (format 3) that may hold ``steps``, part by part, then the
-    journal's batches."""
-    yield from StepFiles(folder).read(steps)
-    for journal in _journals(folder):
-        yield from _journal_batches(journal)
-
-
-def _journals(folder: Path) -> list[Path]:
-    """The run folder's journals, oldest first: sealed ones (a part was being written
-    when its notebook stopped), then the journal."""
-    steps = folder / "steps"
-    journal = steps / JOURNAL
-    return sorted(steps.glob(SEALED_GLOB)) + ([journal] if journal.is_file() else [])
-
-
-_WRITER: ThreadPoolExecutor | None = None
-
-
-def _writer() -> ThreadPoolExecutor:
-    """The thread that writes Parquet parts (one for every trace: parts are written one at
-    a time; Python waits for it at exit, so a part handed to it is finished)."""
-    global _WRITER
-    if _WRITER is None:
-        _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtlab-parts")
-    return _WRITER
-
-
-def _write_sealed(files: StepFiles, frames: list[Frame], sealed: Path) -> None:
-    files.write(join(frames))
-    sealed.unlink(missing_ok=True)  # its rows are in the part
-
-
-def _journal_batches(journal: Path) -> Iterator[Packed]:
-    data = journal.read_bytes()
-    at = 0
-    while at < len(data):
-        if at + _LENGTH.size > len(data):
-            break  # a run killed mid-write leaves half a last entry
-        (size,) = _LENGTH.unpack_from(data, at)
-        if at + _LENGTH.size + size > len(data):
-            break
-        try:
-            batch = unpack(data[at + _LENGTH.size : at + _LENGTH.size + size])
-        except ValueError as e:
-            raise ValueError(f"{journal}: byte {at}: not a batch of step records ({e})") from e
-        yield batch
-        at += _LENGTH.size + size
-
-
-def _read_journal(trace: Trace, journal: Path) -> None:
-    for batch in _journal_batches(journal):
-        trace._add_mixed(batch)
-
-
-def _read_json_lines(trace: Trace, path: Path) -> None:
-    """Format 1's records, or format 2's journal: one JSON line per record."""
-    lines = path.read_text().splitlines()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rank, rec = step_record_from_dict(json.loads(line))
-        except (ValueError, KeyError, TypeError) as e:
-            if number == len(lines):  # a run killed mid-write leaves half a last line
-                break
-            raise ValueError(f"{path}:{number}: not a step record ({e})") from e
-        trace.add(rank, [rec])
-
-
-def _check_from_json(data: Mapping):
-    from dtlab.records import CheckResult, Finding
-
-    findings = tuple(Finding(**{**f, "ranks": tuple(f["ranks"])}) for f in data.get("findings", ()))
-    fields = {k: v for k, v in data.items() if k != "outcome"}  # derived, written for readers
-    return CheckResult(**{**fields, "findings": findings})

@@ -50,7 +50,7 @@ class NotebookSession(Session):
         (default: ``report.html`` in the run folder, under ``runs/``, so that nothing is
         written beside the notebook)."""
         from dtlab.analysis.doctor import all_findings
-        from dtlab.records.trace import new_run_folder
+        from dtlab.records.run_folder import new_run_folder
         from dtlab.views.html_report import SessionSummary, write_report
 
         trace = self.trace
