@@ -44,7 +44,7 @@ from dtlab.records import (
     step_record_from_dict,
 )
 from dtlab.records.packed import Frame, Packed, join, unpack
-from dtlab.records.step_files import StepFiles
+from dtlab.records.step_files import RELISTS, StepFiles
 
 FORMAT = "dtlab-trace/3"
 FORMATS = ("dtlab-trace/1", "dtlab-trace/2", FORMAT)  # what Trace.load reads
@@ -236,25 +236,43 @@ def job_from_json(data: Mapping, param_lists: list | None = None) -> JobInfo:
     return JobInfo(**fields)
 
 
-def parts(folder: Path, steps: range | None = None) -> Iterator[Packed]:
-    """The rows of a run folder's Parquet parts (formats 2 and 3), part by part (only
-    those that may hold ``steps``, if given)."""
-    yield from StepFiles(folder).read(steps)
+def batches(folder: Path, steps: range | None = None) -> Iterator[Packed]:
+    """Every row of a run folder (format 3) that may hold ``steps``: its parts, then the
+    records since the last part (a journal sealed for a part that was being written when
+    the notebook stopped, then the journal), batch by batch.
+
+    A second notebook may read a folder while the one running the job writes it: parts
+    are merged, journals sealed and turned into parts. No row is left out, and one may come
+    twice (``Trace`` drops repeated steps): a part merged away is read from the part it
+    went into, and the journals are read before the parts are listed a second time, so a
+    journal that became a part meanwhile is read from that part."""
+    files = StepFiles(folder)
+    read = 0  # the rows of the parts read so far
+    for end, batch in files.read_after(0, steps):
+        read = end
+        yield batch
+    held = _journals(folder)
+    for _, batch in files.read_after(read, steps):
+        yield batch
+    yield from held
 
 
-def journal_batches(folder: Path) -> Iterator[Packed]:
-    """The records since the last part (format 3), batch by batch as they came: a journal
-    sealed for a part that was being written when the notebook stopped, then the journal."""
+def _journals(folder: Path) -> list[Packed]:
+    """The journals' batches, read at one moment: listed journal first (it is sealed by
+    a rename), and read again from the start if one went (it became a part)."""
     steps = folder / "steps"
-    journal = steps / JOURNAL
-    for path in sorted(steps.glob(SEALED_GLOB)) + ([journal] if journal.is_file() else []):
-        yield from _batches_in(path)
-
-
-def batches(folder: Path, steps: range) -> Iterator[Packed]:
-    """The rows of a run folder (format 3) that may hold ``steps``: parts, then journals."""
-    yield from parts(folder, steps)
-    yield from journal_batches(folder)
+    for _ in range(RELISTS):
+        journal = steps / JOURNAL
+        paths = [journal] if journal.is_file() else []
+        paths = sorted(steps.glob(SEALED_GLOB)) + paths
+        try:
+            return [batch for path in paths for batch in _batches_in(path)]
+        except FileNotFoundError:
+            continue
+    raise ValueError(
+        f"{steps}: its journals kept changing while they were read ({RELISTS} times); "
+        "is a notebook writing it? Read it again."
+    )
 
 
 def _batches_in(journal: Path) -> Iterator[Packed]:

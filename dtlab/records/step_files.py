@@ -36,6 +36,7 @@ from dtlab.records.steps import StepMemory, StepTimes
 
 MERGE_AT = 8  # parts of one level merged into one of the next
 MERGE_BATCH = 65_536  # rows read and written at a time in a merge (a row group each)
+RELISTS = 100  # times a reader lists the parts again when a merge removed one it listed
 FOLDER = "steps"
 _PART = re.compile(r"^L(\d+)-(\d+)-(\d+)\.parquet$")
 
@@ -246,15 +247,35 @@ class StepFiles:
     def read(self, steps: range | None = None) -> Iterator[Packed]:
         """Every part's rows, in the order written (``steps``: only those); a part that
         cannot be read is a ValueError naming it."""
+        for _, batch in self.read_after(0, steps):
+            yield batch
+
+    def read_after(self, row: int, steps: range | None = None) -> Iterator[tuple[int, Packed]]:
+        """The parts holding rows past the first ``row`` written, in order, as (the row
+        each ends at, its rows). Safe while another process writes the folder: a part
+        merged away between the listing and its read is read from the part it went into
+        (whole: rows before ``row`` come again, and a Trace drops repeats)."""
         _, pq = _pa()
         only = None if steps is None else [("step", ">=", steps.start), ("step", "<", steps.stop)]
-        for _, _, _, path in self.parts():
-            try:
-                table = pq.read_table(path, schema=_schema(), filters=only)
-                batch = packed_of(table)
-            except (OSError, ValueError, TypeError, KeyError) as e:
-                raise ValueError(f"{path}: not a dtlab step file ({e})") from e
-            yield batch
+        for _ in range(RELISTS):
+            for _, first, count, path in self.parts():
+                if first + count <= row:
+                    continue
+                try:
+                    table = pq.read_table(path, schema=_schema(), filters=only)
+                    batch = packed_of(table)
+                except FileNotFoundError:
+                    break  # merged into a part of the next level meanwhile: list again
+                except (OSError, ValueError, TypeError, KeyError) as e:
+                    raise ValueError(f"{path}: not a dtlab step file ({e})") from e
+                row = first + count
+                yield row, batch
+            else:
+                return
+        raise ValueError(
+            f"{self.folder}: its parts kept being merged away while they were read "
+            f"({RELISTS} times); is a notebook writing it? Read it again."
+        )
 
     def num_bytes(self) -> int:
         return sum(p[3].stat().st_size for p in self.parts())

@@ -336,12 +336,10 @@ class Trace:
         trace = cls(jobs, meta=header.get("meta"), created=header.get("created"), window=window)
         trace.folder, trace._format = folder, header["format"]
         if header["format"] != "dtlab-trace/1":
-            for part in disk.parts(folder):
-                trace._add_mixed(part)
+            # parts, then the records since the last part (a repeat is ignored)
+            for batch in disk.batches(folder):
+                trace._add_mixed(batch)
                 trace._slide()  # a long run's parts, one by one, in bounded memory
-        # the records since the last part (a repeat is ignored)
-        for batch in disk.journal_batches(folder):
-            trace._add_mixed(batch)
         for rank, rec in disk.json_records(folder, header["format"]):
             trace.add(rank, [rec])
         trace.checks = disk.read_checks(folder)
