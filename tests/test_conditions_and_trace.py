@@ -169,6 +169,27 @@ def test_many_flushes_leave_few_files_and_lose_nothing(tmp_path, monkeypatch):
     trace.close()
 
 
+def test_parts_are_not_merged_past_their_largest_size(tmp_path, monkeypatch):
+    """Merging rewrites every row; parts that would merge into one bigger than
+    MAX_PART_ROWS stay as they are (and read back whole)."""
+    from dtlab.records import step_files
+
+    monkeypatch.setattr(run_folder, "PART_ROWS", 2)  # a part of 2 rows at every flush
+    monkeypatch.setattr(step_files, "MAX_PART_ROWS", 2 * MERGE_AT)  # level 1 merges no more
+    trace = Trace({r: job_info(r) for r in range(2)}, folder=tmp_path / "run")
+    steps = 3 * MERGE_AT * MERGE_AT
+    for step in range(1, steps + 1):
+        for rank in range(2):
+            trace.add(rank, [step_record(step, rank)])
+        trace.flush()
+    trace.sync()
+    parts = StepFiles(tmp_path / "run").parts()
+    assert {(level, count) for level, _, count, _ in parts} == {(1, 2 * MERGE_AT)}
+    assert len(parts) == 3 * MERGE_AT
+    assert Trace.load(tmp_path / "run").records == trace.records
+    trace.close()
+
+
 def test_runs_between_parts_are_in_the_journal_until_the_trace_closes(tmp_path):
     folder = tmp_path / "run"
     trace = Trace({r: job_info(r) for r in range(2)}, folder=folder)

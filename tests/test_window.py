@@ -9,7 +9,7 @@ import pytest
 
 from dtlab.analysis.doctor import run_checks
 from dtlab.records import Evidence
-from dtlab.records.packed import pack
+from dtlab.records.packed import pack, read_frame
 from dtlab.records.summaries import summarize
 from dtlab.records.trace import WINDOW_ENV, Trace
 from dtlab.views.reports import doctor_summary
@@ -174,3 +174,43 @@ def test_a_healthy_long_run_passes_the_earlier_steps_and_a_short_one_leaves_it_o
     run(short, 20)
     assert short.whole
     assert "earlier_steps" not in {r.check for r in run_checks(evidence_of(short))}
+
+
+def test_columns_slid_many_times_keep_each_rows_indices_in_bounded_arrays():
+    """Runs interleave their ranks' steps (rank 0's five, then rank 1's...), so a slide cuts
+    through a run's sample indices; many slides later every row held still reads its own
+    indices, and the arrays stay a few windows big, whatever the run's length."""
+    from dtlab.records.columns import StepColumns
+
+    columns = StepColumns()
+    window, chunk, ranks = 300, 7, 3
+
+    def indices(rank: int, step: int) -> list[int]:
+        return [step * 100 + rank * 10 + k for k in range(step % 4)]  # 0-3, some none
+
+    for start in range(1, 5000, chunk):
+        for rank in range(ranks):
+            recs = [
+                step_record(s, rank, indices=tuple(indices(rank, s)))
+                for s in range(start, start + chunk)
+            ]
+            columns.append_frame(read_frame(pack(rank, recs).to_bytes(), rank))
+        last = start + chunk - 1
+        if last > window:
+            gone = columns.drop_through(last - window)
+            assert gone["step"].max() == last - window and len(gone) == ranks * len(
+                np.unique(gone["step"])
+            )
+        rows, held = columns.rows(), columns.indices()
+        assert rows["step"].min() == max(1, last - window + 1)
+        assert len(rows) == ranks * min(last, window)
+        if start % 5 and start < 4990:
+            continue
+        got = [
+            held[a : a + n].tolist()
+            for a, n in zip(rows["indices_at"], rows["num_indices"], strict=True)
+        ]
+        want = [indices(int(r), int(s)) for r, s in zip(rows["rank"], rows["step"], strict=True)]
+        assert got == want
+    assert len(columns._rows) <= 4 * ranks * window  # (the arrays, not what they hold)
+    assert len(columns._indices) <= 4 * 3 * ranks * window

@@ -23,8 +23,15 @@ from dtlab.records.steps import StepRecord
 
 def _grown(array: np.ndarray, used: int, size: int) -> np.ndarray:
     grown = np.zeros(size, dtype=array.dtype)
-    grown[:used] = array[:used]
+    _put(grown, 0, array[:used])
     return grown
+
+
+def _put(array: np.ndarray, at: int, rows: np.ndarray) -> None:
+    """``array[at:at + len(rows)] = rows`` as one copy of bytes (overlap allowed): numpy
+    copies a structured array field by field, ~8x slower at a million rows."""
+    n = array.dtype.itemsize
+    array.view(np.uint8)[at * n : (at + len(rows)) * n] = np.ascontiguousarray(rows).view(np.uint8)
 
 
 def step_seconds(rows: np.ndarray) -> np.ndarray:
@@ -81,21 +88,28 @@ def _compacted(rows: np.ndarray, indices: np.ndarray) -> tuple[np.ndarray, np.nd
 class StepColumns:
     """One row per (rank, step), kept in step then rank order: rows that arrive after the
     last read wait at the end, and are sorted into place on the next read, so a read
-    costs the new rows' sort (plus a merge when a late rank's older steps arrive)."""
+    costs the new rows' sort (plus a merge when a late rank's older steps arrive).
+
+    The rows held are ``_rows[_first:_size]`` and their sample indices
+    ``_indices[_istart:_iend]`` (each row's ``indices_at`` counts from ``_istart``): a
+    window that slides moves ``_first`` and ``_istart`` on, and the arrays are compacted
+    in place only when they are full, so a slide copies nothing but the rows it returns."""
 
     def __init__(self, capacity: int = 1024) -> None:
         self._rows = np.zeros(capacity, dtype=ROW)
-        self._size = 0  # rows held
-        self._settled = 0  # rows[:settled] are in order; the rest arrived since
+        self._first = 0  # rows before it were dropped
+        self._size = 0  # rows[first:size] are held
+        self._settled = 0  # rows[first:settled] are in order; the rest arrived since
         self._indices = np.zeros(8 * capacity, dtype=np.int64)  # every row's, one after another
-        self._indices_size = 0
+        self._istart = 0
+        self._iend = 0
         # appended since the last read, as Python tuples and ints: made into array rows in
         # one np.fromiter call when read
         self._waiting: list[tuple] = []
         self._waiting_indices: list[int] = []
         self._frames: list[Frame] = []  # frames of packed rows appended since the last read
-        self._aligned: tuple[tuple, tuple] | None = None  # ((size, ranks) it was built for, it)
-        self._ranks: tuple[int, np.ndarray] | None = None  # (size, the ranks with rows)
+        self._aligned: tuple[tuple, tuple] | None = None  # ((first, size, ranks) it is for, it)
+        self._ranks: tuple[tuple, np.ndarray] | None = None  # ((first, size), ranks with rows)
 
     @classmethod
     def from_records(cls, records: Mapping[int, Sequence[StepRecord]]) -> StepColumns:
@@ -110,7 +124,7 @@ class StepColumns:
     def append(self, rank: int, rec: StepRecord) -> None:
         if self._frames:  # rows keep the order they arrived in
             self._take_waiting()
-        at = self._indices_size + len(self._waiting_indices)
+        at = self._iend - self._istart + len(self._waiting_indices)
         self._waiting.append(row_of(rank, rec, at))
         if rec.indices:
             self._waiting_indices.extend(rec.indices)
@@ -124,19 +138,45 @@ class StepColumns:
         if self._waiting:
             new = np.fromiter(self._waiting, dtype=ROW, count=len(self._waiting))
             self._waiting = []
-            size = self._size + len(new)
-            if size > len(self._rows):
-                self._rows = _grown(self._rows, self._size, max(size, 2 * len(self._rows)))
-            self._rows[self._size : size] = new
-            self._size = size
+            self._room_for_rows(len(new))
+            _put(self._rows, self._size, new)
+            self._size += len(new)
         if self._waiting_indices:
             new_indices = np.fromiter(self._waiting_indices, np.int64, len(self._waiting_indices))
             self._waiting_indices = []
-            at, n = self._indices_size, len(new_indices)
-            if at + n > len(self._indices):
-                self._indices = _grown(self._indices, at, max(at + n, 2 * len(self._indices)))
-            self._indices[at : at + n] = new_indices
-            self._indices_size = at + n
+            self._room_for_indices(len(new_indices))
+            self._indices[self._iend : self._iend + len(new_indices)] = new_indices
+            self._iend += len(new_indices)
+
+    def _room_for_rows(self, n: int) -> None:
+        """Room for ``n`` more rows after the last: the rows held moved to the front when
+        that leaves a quarter free (a slid window's), else a bigger array."""
+        if self._size + n <= len(self._rows):
+            return
+        live = self._size - self._first
+        if self._first and live + n <= len(self._rows) * 3 // 4:
+            _put(self._rows, 0, self._rows[self._first : self._size])
+        else:
+            self._rows = _grown(
+                self._rows[self._first :], live, max(live + n, 2 * live, len(self._rows))
+            )
+        self._settled -= self._first
+        self._first, self._size = 0, live
+        self._aligned = self._ranks = None
+
+    def _room_for_indices(self, n: int) -> None:
+        """Room for ``n`` more sample indices, as :meth:`_room_for_rows` (rows count theirs
+        from the start of the indices held, so nothing else moves)."""
+        if self._iend + n <= len(self._indices):
+            return
+        live = self._iend - self._istart
+        if self._istart and live + n <= len(self._indices) * 3 // 4:
+            self._indices[:live] = self._indices[self._istart : self._iend]
+        else:
+            self._indices = _grown(
+                self._indices[self._istart :], live, max(live + n, 2 * live, len(self._indices))
+            )
+        self._istart, self._iend = 0, live
 
     def append_frame(self, frame: Frame) -> None:
         """A rank's checked frame of packed rows, as it came: made into rows with every
@@ -148,16 +188,15 @@ class StepColumns:
     def append_rows(self, rows: np.ndarray, indices: np.ndarray) -> None:
         """Rows of ROW (``rows["indices_at"]`` counting from the start of ``indices``)."""
         self._take_waiting()
-        at, n = self._indices_size, len(indices)
+        n = len(indices)
         if n:
-            if at + n > len(self._indices):
-                self._indices = _grown(self._indices, at, max(at + n, 2 * len(self._indices)))
-            self._indices[at : at + n] = indices
-            self._indices_size = at + n
+            self._room_for_indices(n)
+            self._indices[self._iend : self._iend + n] = indices
+        at = self._iend - self._istart  # where these rows' indices start
+        self._iend += n
+        self._room_for_rows(len(rows))
         size = self._size + len(rows)
-        if size > len(self._rows):
-            self._rows = _grown(self._rows, self._size, max(size, 2 * len(self._rows)))
-        self._rows[self._size : size] = rows
+        _put(self._rows, self._size, rows)
         self._rows["indices_at"][self._size : size] += at
         self._size = size
 
@@ -165,7 +204,7 @@ class StepColumns:
         """Every row's sample indices, one after another (``row["indices_at"]``, and
         ``row["num_indices"]`` of them)."""
         self._take_waiting()
-        return self._indices[: self._indices_size]
+        return self._indices[self._istart : self._iend]
 
     def extend(self, rank: int, recs: Iterable[StepRecord]) -> None:
         for rec in recs:
@@ -177,12 +216,13 @@ class StepColumns:
         self._take_waiting()
         if self._settled < self._size:
             self._settle()
-        return self._rows[: self._size]
+        return self._rows[self._first : self._size]
 
     sorted_rows = rows
 
     def _settle(self) -> None:
-        done, new = self._rows[: self._settled], self._rows[self._settled : self._size]
+        done = self._rows[self._first : self._settled]
+        new = self._rows[self._settled : self._size]
         new = _by_step_then_rank(new)
         last, first = (done[-1] if len(done) else None), (new[0] if len(new) else None)
         if (
@@ -194,12 +234,12 @@ class StepColumns:
                 last["rank"],
             )
         ):
-            self._rows[self._settled : self._settled + len(new)] = new  # in place, after
+            _put(self._rows, self._settled, new)  # in place, after
             self._size = self._settled + len(new)
         else:  # older steps arrived late: sort the whole
-            merged = _by_step_then_rank(self._rows[: self._size])
-            self._rows[: len(merged)] = merged
-            self._size = len(merged)
+            merged = _by_step_then_rank(self._rows[self._first : self._size])
+            _put(self._rows, self._first, merged)
+            self._size = self._first + len(merged)
         self._settled = self._size
 
     def find(self, rank: int, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -225,29 +265,31 @@ class StepColumns:
 
     def drop_through(self, step: int) -> np.ndarray:
         """Forget the rows of steps up to ``step`` (a Trace's bounded window: they are in its
-        run folder); returns them (a copy, by step then rank). The arrays shrink to what
-        is left, so memory follows the window, not the run."""
+        run folder); returns them (a copy, by step then rank). The rows and indices held
+        start later; their arrays are compacted when next full, so memory follows the
+        window, not the run."""
         rows = self.rows()
         cut = int(np.searchsorted(rows["step"], step, side="right"))
         if not cut:
             return rows[:0].copy()
-        gone, kept = rows[:cut].copy(), rows[cut:]
-        indices, kept_at = _compacted(kept, self._indices[: self._indices_size])
-        size = len(kept)
-        # room for a third more: a window slides by a quarter (growing past it doubles)
-        self._rows = _grown(kept, size, max(1024, size + size // 3))
-        self._rows["indices_at"][:size] = kept_at
-        self._indices = _grown(indices, len(indices), max(8 * 1024, len(indices) * 4 // 3))
-        self._size = self._settled = size
-        self._indices_size = len(indices)
+        gone = rows[:cut].copy()
+        self._first += cut
+        kept = self.rows()
+        have = kept["num_indices"] > 0
+        # the indices of the rows gone: those before the first kept row's (runs interleave
+        # their ranks' steps, so a few may stay behind it until the arrays are compacted)
+        low = int(kept["indices_at"][have].min()) if have.any() else self._iend - self._istart
+        if low:
+            kept["indices_at"] -= low
+            self._istart += low
         self._aligned = self._ranks = None
         return gone
 
     def ranks(self) -> np.ndarray:
         """The ranks that have rows, ascending."""
         rows = self.rows()
-        if self._ranks is None or self._ranks[0] != self._size:
-            self._ranks = (self._size, np.unique(rows["rank"]))
+        if self._ranks is None or self._ranks[0] != (self._first, self._size):
+            self._ranks = ((self._first, self._size), np.unique(rows["rank"]))
         return self._ranks[1]
 
     def by_rank(self) -> dict[int, np.ndarray]:
@@ -269,7 +311,7 @@ class StepColumns:
         default: those with rows): ``table`` is a steps x ranks structured array (ROW),
         so ``table["forward"]`` is a matrix (a view of the rows when nothing is missing)."""
         rows = self.rows()
-        key = (self._size, None if ranks is None else tuple(sorted(ranks)))
+        key = (self._first, self._size, None if ranks is None else tuple(sorted(ranks)))
         if self._aligned is not None and self._aligned[0] == key:
             return self._aligned[1]
         have = self.ranks()

@@ -48,7 +48,7 @@ from dtlab.records.step_files import RELISTS, StepFiles
 
 FORMAT = "dtlab-trace/3"
 FORMATS = ("dtlab-trace/1", "dtlab-trace/2", FORMAT)  # what Trace.load reads
-PART_ROWS = 4096  # records kept in the journal before they become a Parquet part
+PART_ROWS = 65536  # records kept in the journal before they become a Parquet part
 JOURNAL = "journal.bin"
 # a journal whose rows a part being written holds (journal-<ns>.bin): gone once it is written
 SEALED = "journal-{:020d}.bin"

@@ -1,11 +1,13 @@
 """A run folder's step records as Parquet files (trace formats ``dtlab-trace/2`` and ``/3``).
 
 ``<run>/steps/`` holds parts named ``L<level>-<first>-<count>.parquet``. Each
-:meth:`StepFiles.write` (a Trace's flush: the end of every run) adds a level-0 part, written
-to a temporary name and renamed, so a run killed mid-write leaves every part it finished
-and no half file. When ``MERGE_AT`` parts share a level they are merged into one part of
-the next level (as a log-structured store does): a run of a thousand ``dt.step(1)`` calls
-leaves a handful of files, and each record is rewritten about log_MERGE_AT(parts) times.
+:meth:`StepFiles.write` (a Trace's journal once it holds ``PART_ROWS`` rows,
+:mod:`dtlab.records.run_folder`) adds a level-0 part, written to a temporary name and
+renamed, so a run killed mid-write leaves every part it finished and no half file. When
+``MERGE_AT`` parts share a level they are merged into one part of the next level (as a
+log-structured store does), unless that part would pass ``MAX_PART_ROWS``: each record is
+rewritten at most twice (65k-row parts, then 500k-row ones), and 512 ranks x 100k steps
+leave ~90 files of 20-40 MB.
 A merge streams its parts batch by batch, so a long run's big merges need no more memory
 than a small one's; the row groups it writes carry step statistics, so reading a range of
 steps back (``Trace.read_steps``) skips the rest.
@@ -35,6 +37,10 @@ from dtlab.records.row import NULLABLE, ROW
 from dtlab.records.steps import StepMemory, StepTimes
 
 MERGE_AT = 8  # parts of one level merged into one of the next
+# parts are not merged past this many rows (~150 MB on disk at 37 B a row): merging costs
+# ~1.2 us a row each time, and the step statistics of a big part's row groups let a
+# read of a few steps skip most of it anyway
+MAX_PART_ROWS = 1 << 22
 MERGE_BATCH = 65_536  # rows read and written at a time in a merge (a row group each)
 RELISTS = 100  # times a reader lists the parts again when a merge removed one it listed
 FOLDER = "steps"
@@ -226,7 +232,15 @@ class StepFiles:
             levels: dict[int, list] = {}
             for part in parts:
                 levels.setdefault(part[0], []).append(part)
-            full = next((lv for lv in sorted(levels) if len(levels[lv]) >= MERGE_AT), None)
+            full = next(
+                (
+                    lv
+                    for lv in sorted(levels)
+                    if len(levels[lv]) >= MERGE_AT
+                    and sum(p[2] for p in levels[lv][:MERGE_AT]) <= MAX_PART_ROWS
+                ),
+                None,
+            )
             if full is None:
                 return
             group = levels[full][:MERGE_AT]
