@@ -48,6 +48,9 @@ class Channel:
         self.connected: set[int] = set()
         self.routes: dict[int, bytes] = {}  # rank -> the identity of its host's relay
         self.relayed: dict[bytes, set[int]] = {}  # a relay's identity -> the ranks it relays
+        # (ranks sent to, the routes then) -> (ranks sent straight, each relay's "to" suffix)
+        self._sends: tuple[tuple, dict, list[int], dict[bytes, tuple[list[int], bytes]]] | None
+        self._sends = None
         self._lock = threading.Lock()  # a zmq socket must not be used by two threads at once
 
     def send(self, ranks: Iterable[int], message: Request | dict) -> list[int]:
@@ -55,14 +58,7 @@ class Channel:
         ranks it could not reach (not connected, or their relay is gone)."""
         payload = message if isinstance(message, dict) else message.to_dict()
         frame = json.dumps({"key": self.key, **payload}).encode()
-        direct: list[int] = []
-        relayed: dict[bytes, list[int]] = {}
-        for rank in ranks:
-            route = self.routes.get(rank)
-            if route is None:
-                direct.append(rank)
-            else:
-                relayed.setdefault(route, []).append(rank)
+        direct, relayed = self._routes_of(tuple(ranks))
         unreachable = []
         with self._lock:
             for rank in direct:
@@ -70,13 +66,34 @@ class Channel:
                     self.socket.send_multipart([str(rank).encode(), frame], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     unreachable.append(rank)
-            for route, targets in relayed.items():  # the frame, its ranks named
-                named = b'%s, "to": %s}' % (frame[:-1], json.dumps(targets).encode())
+            for route, (targets, to) in relayed.items():  # the frame, its ranks named
                 try:
-                    self.socket.send_multipart([route, named], zmq.NOBLOCK)
+                    self.socket.send_multipart([route, frame[:-1] + to], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     unreachable.extend(targets)
         return unreachable
+
+    def _routes_of(
+        self, ranks: tuple[int, ...]
+    ) -> tuple[list[int], dict[bytes, tuple[list[int], bytes]]]:
+        """The ranks sent to straight, and each relay's ranks with the JSON that names them
+        (worked out again only when the ranks or their routes changed)."""
+        if self._sends is not None and self._sends[0] == ranks and self._sends[1] == self.routes:
+            return self._sends[2], self._sends[3]
+        direct: list[int] = []
+        targets: dict[bytes, list[int]] = {}
+        for rank in ranks:
+            route = self.routes.get(rank)
+            if route is None:
+                direct.append(rank)
+            else:
+                targets.setdefault(route, []).append(rank)
+        relayed = {
+            route: (mine, b', "to": %s}' % json.dumps(mine).encode())
+            for route, mine in targets.items()
+        }
+        self._sends = (ranks, dict(self.routes), direct, relayed)
+        return direct, relayed
 
     def receive(self, timeout: float) -> list[dict]:
         """Every reply that arrives within ``timeout`` s (returns early once one came),
