@@ -258,15 +258,16 @@ def batches(folder: Path, steps: range | None = None) -> Iterator[Packed]:
 
 
 def _journals(folder: Path) -> list[Packed]:
-    """The journals' batches, read at one moment: listed journal first (it is sealed by
-    a rename), and read again from the start if one went (it became a part)."""
+    """The journals' batches, read at one moment: the journal first (the newest rows: it
+    is sealed by a rename, and a new one starts at the next run), then the sealed ones
+    (each a part once written), returned oldest first; read again if one went meanwhile."""
     steps = folder / "steps"
     for _ in range(RELISTS):
-        journal = steps / JOURNAL
-        paths = [journal] if journal.is_file() else []
-        paths = sorted(steps.glob(SEALED_GLOB)) + paths
         try:
-            return [batch for path in paths for batch in _batches_in(path)]
+            journal = steps / JOURNAL
+            newest = list(_batches_in(journal)) if journal.is_file() else []
+            sealed = [b for path in sorted(steps.glob(SEALED_GLOB)) for b in _batches_in(path)]
+            return sealed + newest
         except FileNotFoundError:
             continue
     raise ValueError(
