@@ -190,6 +190,49 @@ def test_parts_are_not_merged_past_their_largest_size(tmp_path, monkeypatch):
     trace.close()
 
 
+def test_a_part_too_big_to_merge_does_not_stop_the_parts_after_it_merging(tmp_path, monkeypatch):
+    """One flush of more than MAX_PART_ROWS rows (a long run in one dt.step) is a part
+    no merge may take; the parts written after it still merge, and all rows read back
+    in order."""
+    from dtlab.records import step_files
+
+    monkeypatch.setattr(run_folder, "PART_ROWS", 2)
+    monkeypatch.setattr(step_files, "MAX_PART_ROWS", 2 * MERGE_AT)
+    trace = Trace({r: job_info(r) for r in range(2)}, folder=tmp_path / "run")
+    big = 2 * MERGE_AT  # steps: 4 x MERGE_AT rows in one flush
+    for rank in range(2):
+        trace.add(rank, [step_record(step, rank) for step in range(1, big + 1)])
+    trace.flush()
+    for step in range(big + 1, big + 1 + 2 * MERGE_AT):
+        for rank in range(2):
+            trace.add(rank, [step_record(step, rank)])
+        trace.flush()
+    trace.sync()
+    parts = StepFiles(tmp_path / "run").parts()
+    assert [(level, count) for level, _, count, _ in parts] == [
+        (0, 2 * big),
+        (1, 2 * MERGE_AT),
+        (1, 2 * MERGE_AT),
+    ]
+    assert Trace.load(tmp_path / "run").records == trace.records
+    trace.close()
+
+
+def test_a_deleted_part_is_named_as_missing_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_folder, "PART_ROWS", 2)
+    trace = Trace({r: job_info(r) for r in range(2)}, folder=tmp_path / "run")
+    for step in range(1, 4):
+        for rank in range(2):
+            trace.add(rank, [step_record(step, rank)])
+        trace.flush()
+    trace.close()
+    parts = StepFiles(tmp_path / "run").parts()
+    assert [first for _, first, _, _ in parts] == [0, 2, 4]
+    parts[1][3].unlink()
+    with pytest.raises(ValueError, match=r"rows 2\.\.3 are in no part file"):
+        Trace.load(tmp_path / "run")
+
+
 def test_runs_between_parts_are_in_the_journal_until_the_trace_closes(tmp_path):
     folder = tmp_path / "run"
     trace = Trace({r: job_info(r) for r in range(2)}, folder=folder)

@@ -4,8 +4,8 @@
 :meth:`StepFiles.write` (a Trace's journal once it holds ``PART_ROWS`` rows,
 :mod:`dtlab.records.run_folder`) adds a level-0 part, written to a temporary name and
 renamed, so a run killed mid-write leaves every part it finished and no half file. When
-``MERGE_AT`` parts share a level they are merged into one part of the next level (as a
-log-structured store does), unless that part would pass ``MAX_PART_ROWS``: each record is
+``MERGE_AT`` parts in a row share a level they are merged into one part of the next level
+(as a log-structured store does), unless that part would pass ``MAX_PART_ROWS``: each record is
 rewritten at most twice (65k-row parts, then 500k-row ones), and 512 ranks x 100k steps
 leave ~90 files of 20-40 MB.
 A merge streams its parts batch by batch, so a long run's big merges need no more memory
@@ -227,25 +227,9 @@ class StepFiles:
 
     def _merge(self) -> None:
         _, pq = _pa()
-        while True:
-            parts = self.parts()
-            levels: dict[int, list] = {}
-            for part in parts:
-                levels.setdefault(part[0], []).append(part)
-            full = next(
-                (
-                    lv
-                    for lv in sorted(levels)
-                    if len(levels[lv]) >= MERGE_AT
-                    and sum(p[2] for p in levels[lv][:MERGE_AT]) <= MAX_PART_ROWS
-                ),
-                None,
-            )
-            if full is None:
-                return
-            group = levels[full][:MERGE_AT]
-            first, count = group[0][1], sum(p[2] for p in group)
-            path = self.folder / f"L{full + 1}-{first:012d}-{count}.parquet"
+        while (group := self._mergeable(self.parts())) is not None:
+            level, first, count = group[0][0], group[0][1], sum(p[2] for p in group)
+            path = self.folder / f"L{level + 1}-{first:012d}-{count}.parquet"
             tmp = path.with_name(path.name + ".tmp")
             # batch by batch: a merge of millions of rows holds MERGE_BATCH of them at a time
             with pq.ParquetWriter(
@@ -257,6 +241,19 @@ class StepFiles:
             os.replace(tmp, path)
             for part in group:
                 part[3].unlink()
+
+    @staticmethod
+    def _mergeable(parts: list) -> list | None:
+        """The first ``MERGE_AT`` parts in a row (in row order, so the merged part's rows
+        are contiguous) that share a level and hold at most ``MAX_PART_ROWS`` rows
+        together; lower levels first. A part too big to merge (one flush of millions of
+        rows) is passed over, and the parts after it still merge."""
+        for level in sorted({p[0] for p in parts}):
+            for i in range(len(parts) - MERGE_AT + 1):
+                group = parts[i : i + MERGE_AT]
+                if all(p[0] == level for p in group) and sum(p[2] for p in group) <= MAX_PART_ROWS:
+                    return group
+        return None
 
     def read(self, steps: range | None = None) -> Iterator[Packed]:
         """Every part's rows, in the order written (``steps``: only those); a part that
@@ -271,10 +268,23 @@ class StepFiles:
         (whole: rows before ``row`` come again, and a Trace drops repeats)."""
         _, pq = _pa()
         only = None if steps is None else [("step", ">=", steps.start), ("step", "<", steps.stop)]
+        gaps: list[tuple[int, int]] = []
         for _ in range(RELISTS):
             for _, first, count, path in self.parts():
                 if first + count <= row:
                     continue
+                if first > row:
+                    # listing while a merge renamed one part in and unlinked others can
+                    # miss the merged part: list again; a gap seen on three listings in a
+                    # row is a part that is gone
+                    gaps.append((row, first))
+                    if gaps[-3:] == [(row, first)] * 3:
+                        raise ValueError(
+                            f"{self.folder}: the run's rows {row}..{first - 1} are in no "
+                            "part file (one was deleted or moved?): put it back; the folder "
+                            "cannot be read whole without it"
+                        )
+                    break
                 try:
                     table = pq.read_table(path, schema=_schema(), filters=only)
                     batch = packed_of(table)
