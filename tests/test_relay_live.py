@@ -1,7 +1,8 @@
 """Host relays on 4 live ranks ($DTLAB_RELAY_AT=2 engages them at any size): the ranks
 reach the notebook through rank 0's relay, steps and records arrive as without one, and a
-killed relay rank is an error naming it, not a hang. .ci/run also runs the stepping tests
-with relays on."""
+killed relay rank is an error naming it, not a hang. With the ranks taken as two hosts
+and $DTLAB_RELAY_FAN_IN=2, rank 2's relay sends up through rank 0's, a group relay, over
+TCP. .ci/run also runs the stepping tests with relays on."""
 
 import time
 
@@ -62,4 +63,52 @@ def test_a_relay_that_fails_ends_the_run_naming_it_and_the_next_run_has_a_new_on
     before = dt.trace.last_step
     dt.step(2)  # the ranks connected again, through a new relay
     assert dt.trace.last_step >= before + 2
+    assert dt.stepper.channel.routes.get(3) == b"relay:0"
+
+
+def test_two_hosts_relays_joined_by_a_group_relay_carry_steps_and_records(dt, monkeypatch):
+    """The ranks' hosts as if ranks 0-1 and 2-3 were two machines: rank 2's host relay
+    connects to rank 0's group relay over TCP; the notebook sees one relay for all."""
+    from dtlab.control import stepper
+
+    monkeypatch.setattr(stepper, "relay_plan", lambda infos, at: {0: 0, 1: 0, 2: 2, 3: 2})
+    monkeypatch.setenv("DTLAB_RELAY_FAN_IN", "2")
+    dt.step(2)
+    channel = dt.stepper.channel
+    assert {r: channel.routes.get(r) for r in range(4)} == {r: b"relay:0" for r in range(4)}
+    remote = dt.execute(
+        "from dtlab.agent.state import RANK\nprint(RANK.relay.remote)", ranks=[0, 2]
+    )
+    assert remote[0].stdout.startswith("tcp://127.0.0.1:") and remote[2].stdout == "None\n"
+    first = dt.trace.last_step
+    result = dt.step(5)
+    assert (result.first_step, result.last_step) == (first, first + 5)
+    for step in range(first + 1, first + 6):
+        assert sorted(dt.trace.at(step)) == [0, 1, 2, 3]
+    monkeypatch.setenv("DTLAB_RELAY_FAN_IN", "8")  # no group relay for two hosts
+    dt.step(1)
+    routes = dt.stepper.channel.routes
+    assert {r: routes.get(r) for r in range(4)} == {
+        0: b"relay:0",
+        1: b"relay:0",
+        2: b"relay:2",
+        3: b"relay:2",
+    }
+
+
+def test_a_host_relay_behind_the_group_relay_killed_mid_run_is_named(dt, monkeypatch):
+    from dtlab.control import stepper
+
+    monkeypatch.setattr(stepper, "relay_plan", lambda infos, at: {0: 0, 1: 0, 2: 2, 3: 2})
+    monkeypatch.setenv("DTLAB_RELAY_FAN_IN", "2")
+    dt.step(1)
+    assert dt.stepper.channel.routes.get(3) == b"relay:0"
+    dt.execute(f"dtlab.inject.kill_at(step={dt.trace.last_step + 2})", ranks=[2])
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as failed:
+        dt.step(5)
+    assert time.monotonic() - t0 < 60
+    assert failed.value.dead_ranks == (2,), str(failed.value)
+    dt.restart(None)
+    dt.step(2)  # new ranks, new relays
     assert dt.stepper.channel.routes.get(3) == b"relay:0"

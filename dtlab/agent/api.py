@@ -99,11 +99,21 @@ def rank_now():
 # --- stepping and records ----------------------------------------------------------------
 
 
-def serve(address: str, key: str, rank: int, relay: int | None = None) -> int:
-    """Connect the stepping channel and serve it (through ``relay``'s host relay, if one)."""
+def serve(
+    address: str, key: str, rank: int, relay: int | None = None, upstream: str | None = None
+) -> int:
+    """Connect the stepping channel and serve it (through ``relay``'s host relay, if one,
+    which sends up to ``upstream``, a group relay, if one)."""
     from dtlab.agent.stepping import serve as serve_
 
-    return serve_(address, key, rank, relay)
+    return serve_(address, key, rank, relay, upstream)
+
+
+def open_group_relay(address: str, key: str, rank: int) -> str:
+    """Start this rank's relay as a group relay; the address other hosts' relays use."""
+    from dtlab.agent.stepping import open_group_relay as open_
+
+    return open_(address, key, rank)
 
 
 def record_at(step: int):

@@ -30,6 +30,16 @@ the rank sent them, and the notebook reports the bad rows as it does for an unre
 A ``done`` or ``error`` reply is held until every local rank of that run has sent one, or for
 HOLD_S at most (a dead rank does not hold up the others); everything else goes at once
 with whatever else is waiting.
+
+A *group relay* (``listen=True``; control/relays.py says which) is a host relay that other
+hosts' relays send up through, over TCP on the address it reaches the notebook from
+(:attr:`Relay.remote`). To them it is the notebook; to the notebook it is one relay whose
+ranks are all theirs. It learns which relay serves a rank from the hello that came through
+it, forwards a command to each relay naming that relay's ranks, and joins their JOINED
+messages (replies, done groups, rows) with its own ranks' into one: a run's replies wait
+until every rank of the group finished, or HOLD_S. A relay's message it cannot join (rows
+that are not a frame of that relay's ranks) goes up as it came, and the notebook keeps what
+is valid of it, as it would from that relay.
 """
 
 from __future__ import annotations
@@ -37,13 +47,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import tempfile
 import threading
 import time
 import traceback
+from urllib.parse import urlsplit
 
-from dtlab.records.packed import concat, read_frame
-from dtlab.records.wire import BATCH, JOINED, checked, done_groups, plain_done
+from dtlab.records.packed import Frame, concat, read_frame
+from dtlab.records.wire import (
+    BATCH,
+    JOINED,
+    DoneGroup,
+    checked,
+    done_groups,
+    merged_groups,
+    plain_done,
+)
 
 HOLD_S = 0.05  # a finished run's replies wait this long at most for the host's other ranks
 POLL_MS = 50  # how often the thread looks at its stop flag
@@ -58,10 +78,13 @@ def local_address(key: str, relay_rank: int) -> str:
 class Relay:
     """The relay thread of one host (see the module's description)."""
 
-    def __init__(self, upstream: str, key: str, rank: int):
+    def __init__(self, upstream: str, key: str, rank: int, *, listen: bool = False):
+        """``upstream``: the notebook's channel, or the group relay's :attr:`remote`;
+        ``listen``: be a group relay (other hosts' relays connect to :attr:`remote`)."""
         import zmq  # (the agent layer imports zmq only where it is used)
 
         self.key, self.rank = key, rank
+        self.remote: str | None = None
         self.local = local_address(key, rank)
         context = zmq.Context.instance()
         self.up = context.socket(zmq.DEALER)
@@ -73,6 +96,9 @@ class Relay:
         self._path = self.local.removeprefix("ipc://")
         try:
             self.down.bind(self.local)  # (libzmq replaces a stale file of a killed relay)
+            if listen:  # on the interface this host reaches the notebook by
+                ip = facing_ip(upstream)
+                self.remote = f"tcp://{ip}:{self.down.bind_to_random_port(f'tcp://{ip}')}"
             self.up.connect(upstream)
         except zmq.ZMQError as e:
             self.up.close()
@@ -87,7 +113,10 @@ class Relay:
         self._held: list[tuple[dict, bytes, bytes]] = []
         self._held_runs: set[int] = set()  # runs with a finished reply among them
         self._held_since = 0.0
-        self._ranks: set[int] = set()  # the local ranks that said hello
+        self._ranks: set[int] = set()  # the ranks that said hello (through it or a relay)
+        self._via: dict[int, bytes] = {}  # a rank behind another host's relay -> that relay
+        self._frames: list[Frame] = []  # held rows joined by other hosts' relays (checked)
+        self._groups: list[DoneGroup] = []  # held done groups of other hosts' relays
         self._thread = threading.Thread(target=self._serve, name="dtlab-relay", daemon=True)
         self._thread.start()
 
@@ -109,7 +138,7 @@ class Relay:
                     self._from_notebook()
                 if self.down in events:
                     self._from_ranks()
-                if self._held and self._ready():
+                if self._holding() and self._ready():
                     self._send_up()
         except Exception as e:  # a bug here must not leave the host's ranks silent
             self._fail(e)
@@ -138,8 +167,11 @@ class Relay:
         self._held += [(reply, json.dumps(reply).encode(), b"") for reply in replies]
         self._send_up()
 
+    def _holding(self) -> bool:
+        return bool(self._held or self._frames or self._groups)
+
     def _timeout_ms(self) -> int:
-        if not self._held:
+        if not self._holding():
             return POLL_MS
         left = self._held_since + HOLD_S - time.monotonic()
         return max(0, min(POLL_MS, int(left * 1000) + 1))
@@ -157,11 +189,21 @@ class Relay:
             if isinstance(run, int):  # one run at a time: older ones are over
                 self._waiting = {run: set(targets)}
             unreachable = []
+            relayed: dict[bytes, list[int]] = {}
             for rank in targets:
+                if (via := self._via.get(rank)) is not None:
+                    relayed.setdefault(via, []).append(rank)
+                    continue
                 try:
                     self.down.send_multipart([str(rank).encode(), parts[-1]], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     unreachable.append(rank)
+            for via, ranks in relayed.items():  # the command, naming that relay's ranks
+                try:
+                    frame = json.dumps({**data, "to": ranks}).encode()
+                    self.down.send_multipart([via, frame], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    unreachable.extend(ranks)
             for rank in unreachable:
                 reply = {"key": self.key, "kind": "unreachable", "id": run, "rank": rank}
                 self._hold((reply, json.dumps(reply).encode(), b""), rank, run, finished=True)
@@ -171,6 +213,9 @@ class Relay:
 
         while self.down.poll(0, zmq.POLLIN):
             parts = self.down.recv_multipart()  # identity, json, maybe rows
+            if len(parts) > 2 and parts[1] in (JOINED, BATCH):
+                self._from_relay(parts)  # another host's relay (this is a group relay)
+                continue
             if len(parts) not in (2, 3):
                 continue
             data = checked(parts[1], self.key)
@@ -183,13 +228,84 @@ class Relay:
                 self._ranks.add(rank)
             self._hold((data, parts[1], parts[2] if len(parts) == 3 else b""), rank, run, finished)
 
-    def _hold(self, reply: tuple[dict, bytes, bytes], rank, run, finished: bool) -> None:
-        if not self._held:
+    def _from_relay(self, parts: list[bytes]) -> None:
+        """Another host's relay's message: held to be joined, its hellos giving its ranks'
+        route; one this cannot join goes up as it came."""
+        via = parts[0]
+        if parts[1] == BATCH:  # (identity, BATCH, then each reply's JSON and rows)
+            if len(parts) % 2:
+                return
+            for frame, rows in zip(parts[2::2], parts[3::2], strict=True):
+                if (data := checked(frame, self.key)) is not None:
+                    self._relayed(via, data, frame, rows)
+            return
+        header = checked(parts[2], self.key) if len(parts) == 4 else None
+        found, groups = (header.get("replies"), header.get("done")) if header else (None, None)
+        if not isinstance(found, list) or not isinstance(groups, list):
+            return  # not from one of our relays
+        replies = [
+            {"key": self.key, **data}
+            for data in found
+            if isinstance(data, dict) and isinstance(data.get("rank"), int)
+        ]
+        for data in replies:  # hellos first: the rows below may be of ranks new here
+            if data.get("kind") == "hello":
+                self._via[data["rank"]] = via
+                self._ranks.add(data["rank"])
+        done = [g for g in map(DoneGroup.from_dict, groups) if g is not None]
+        try:
+            joined = read_frame(parts[3]) if parts[3] else None
+            theirs = {p.rank for p in joined.parts} if joined is not None else set()
+            theirs |= {r for g in done for r in g.ranks} | {d["rank"] for d in replies}
+            if any(self._via.get(r) != via for r in theirs):
+                raise ValueError("rows or replies of ranks that relay does not serve")
+        except ValueError:
+            self._forward(parts)
+            return
+        for data in replies:
+            self._relayed(via, data, json.dumps(data).encode(), b"")
+        if joined is not None:
+            self._start_holding()
+            self._frames.append(joined)
+        for group in done:
+            self._start_holding()
+            self._groups.append(group)
+            self._finished(group.id, group.ranks)
+
+    def _relayed(self, via: bytes, data: dict, frame: bytes, rows: bytes) -> None:
+        """A reply another host's relay sent up (checked for the key): held as a rank's."""
+        rank, run = data.get("rank"), data.get("id")
+        if data.get("kind") == "hello" and isinstance(rank, int):
+            self._via[rank] = via
+            self._ranks.add(rank)
+        elif not isinstance(rank, int) or self._via.get(rank) != via:
+            return  # not one of that relay's ranks
+        finished = data.get("kind") in ("done", "error", "unreachable") and isinstance(run, int)
+        self._hold((data, frame, rows), rank, run, finished)
+
+    def _forward(self, parts: list[bytes]) -> None:
+        """Another relay's message, up as it came (the notebook keeps what is valid)."""
+        import zmq  # (the agent layer imports zmq only where it is used)
+
+        try:
+            self.up.send_multipart(parts[1:], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the notebook is gone or not keeping up: its run notices the silence
+
+    def _start_holding(self) -> None:
+        if not self._holding():
             self._held_since = time.monotonic()
+
+    def _hold(self, reply: tuple[dict, bytes, bytes], rank, run, finished: bool) -> None:
+        self._start_holding()
         self._held.append(reply)
         if finished:
-            self._waiting.get(run, set()).discard(rank)
-            self._held_runs.add(run)
+            self._finished(run, (rank,))
+
+    def _finished(self, run, ranks) -> None:
+        waiting = self._waiting.get(run, set())
+        waiting.difference_update(ranks)
+        self._held_runs.add(run)
 
     def _ready(self) -> bool:
         """Send now? Not while a held run's other local ranks may still finish (HOLD_S)."""
@@ -201,30 +317,49 @@ class Relay:
         import zmq  # (the agent layer imports zmq only where it is used)
 
         try:
-            self.up.send_multipart(self._message(), zmq.NOBLOCK)
+            for message in self._messages():
+                self.up.send_multipart(message, zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the notebook is gone or not keeping up: its run notices the silence
         for run in self._held_runs:
             if not self._waiting.get(run):
                 self._waiting.pop(run, None)
-        self._held, self._held_runs = [], set()
+        self._held, self._held_runs, self._frames, self._groups = [], set(), [], []
+
+    def _messages(self) -> list[list[bytes]]:
+        """What is held as one joined message; if some rank's rows are not valid, those
+        replies go as BATCH and what other relays joined as a joined message of its own."""
+        try:
+            return [self._message()]
+        except Exception:  # (any: this must not fail) the notebook says whose rows it drops
+            batch = [BATCH, *(part for _, frame, rows in self._held for part in (frame, rows))]
+            if not (self._frames or self._groups):
+                return [batch]
+            self._held = []
+            return [batch, self._message()]
 
     def _message(self) -> list[bytes]:
-        """The held replies as one message: joined, or as BATCH if some rows are not valid."""
-        try:
-            if not all(isinstance(data.get("rank"), int) for data, _, _ in self._held):
-                raise ValueError("a reply without a rank")
-            with_rows = [(data["rank"], rows) for data, _, rows in self._held if rows]
-            with_rows.sort(key=lambda held: held[0])  # rank after rank; stable: in order
-            frames = [read_frame(rows, rank) for rank, rows in with_rows]
-        except Exception:  # (any: this must not fail) the notebook says whose rows it drops
-            return [BATCH, *(part for _, frame, rows in self._held for part in (frame, rows))]
+        """The held replies as one JOINED message (ValueError if some rows are not valid)."""
+        if not all(isinstance(data.get("rank"), int) for data, _, _ in self._held):
+            raise ValueError("a reply without a rank")
+        with_rows = [(data["rank"], rows) for data, _, rows in self._held if rows]
+        with_rows.sort(key=lambda held: held[0])  # rank after rank; stable: in order
+        frames = [read_frame(rows, rank) for rank, rows in with_rows] + self._frames
         plain = [data for data, _, _ in self._held if plain_done(data)]
         replies = [
             {k: v for k, v in data.items() if k != "key"}
             for data, _, _ in self._held
             if not plain_done(data)
         ]
-        groups = [group.to_dict() for group in done_groups(plain)]
+        groups = [group.to_dict() for group in merged_groups(done_groups(plain) + self._groups)]
         header = json.dumps({"key": self.key, "replies": replies, "done": groups}).encode()
         return [JOINED, header, concat(frames) if frames else b""]
+
+
+def facing_ip(address: str) -> str:
+    """This host's IP on the interface that reaches ``address`` (``tcp://host:port``; no
+    packet is sent): where a group relay listens for the other hosts' relays."""
+    host = urlsplit(address).hostname or "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]

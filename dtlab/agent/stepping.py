@@ -41,17 +41,22 @@ MAX_AGREE_EVERY = 1000
 AGREE_POLL_S = 0.0005  # polling the agreement keeps SIGINT deliverable
 
 
-def serve(address: str, key: str, rank: int, relay: int | None = None) -> int:
+def serve(
+    address: str, key: str, rank: int, relay: int | None = None, upstream: str | None = None
+) -> int:
     """Connect this rank to the notebook's channel (replacing an older connection).
     Called on every rank at once, so the control group is made here (a collective).
     ``relay``: the rank whose relay this host's ranks reach the notebook through (this
-    rank runs it if it is that rank; :mod:`dtlab.agent.relay`); None: straight."""
-    stop_serving()
+    rank runs it if it is that rank; :mod:`dtlab.agent.relay`); None: straight.
+    ``upstream``: where this rank's relay sends up, a group relay's address (None: the
+    notebook; a group relay opened by :func:`open_group_relay` for this channel is kept)."""
+    opened = RANK.relay if _opened_for(key, rank) else None
+    stop_serving(keep_relay=opened is not None)
     control_group(rebuild=True)
-    if relay == rank:
+    if relay == rank and opened is None:
         from dtlab.agent.relay import Relay
 
-        RANK.relay = Relay(address, key, rank)
+        RANK.relay = Relay(upstream or address, key, rank)
     if relay is not None:
         from dtlab.agent.relay import local_address
 
@@ -60,11 +65,27 @@ def serve(address: str, key: str, rank: int, relay: int | None = None) -> int:
     return jobs.attach_count()
 
 
-def stop_serving() -> None:
+def open_group_relay(address: str, key: str, rank: int) -> str:
+    """Start this rank's host relay as a group relay (other hosts' relays send up through
+    it; :func:`serve` keeps it); returns the address they connect to."""
+    from dtlab.agent.relay import Relay
+
+    stop_serving()
+    relay = RANK.relay = Relay(address, key, rank, listen=True)
+    assert relay.remote is not None  # (listen=True binds one)
+    return relay.remote
+
+
+def _opened_for(key: str, rank: int) -> bool:
+    relay = RANK.relay
+    return relay is not None and relay.key == key and relay.rank == rank and bool(relay.remote)
+
+
+def stop_serving(keep_relay: bool = False) -> None:
     if RANK.step_server is not None:
         RANK.step_server.close()
         RANK.step_server = None
-    if RANK.relay is not None:
+    if RANK.relay is not None and not keep_relay:
         RANK.relay.close()
         RANK.relay = None
 

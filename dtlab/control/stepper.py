@@ -33,7 +33,7 @@ from dtlab.control.channel import Channel
 from dtlab.control.config import checked_timeout
 from dtlab.control.errors import DtlabError, OptionError
 from dtlab.control.network import EVERYWHERE, LOOPBACK, is_loopback, listen_address, route_ip
-from dtlab.control.relays import relay_at, relay_plan
+from dtlab.control.relays import fan_in, relay_at, relay_groups, relay_plan
 from dtlab.control.runs import FAILURE_GRACE_S, POLL_S, Run
 from dtlab.records import Condition, RunResult
 from dtlab.records.columns import step_seconds
@@ -55,8 +55,9 @@ class Stepper:
     def __init__(self, session) -> None:
         self.session = session
         self.channel: Channel | None = None
-        self._relays: dict[int, int] = {}  # rank -> its host's relay rank (none: straight)
-        self._plan: tuple[object, int, dict[int, int]] | None = None  # (infos, at, relay_plan)
+        # (rank -> its host's relay rank, host relay -> its group relay): empty: straight
+        self._relays: tuple[dict[int, int], dict[int, int]] = ({}, {})
+        self._plan: tuple[object, tuple[int, int], tuple] | None = None  # (infos, env, plan)
         self._relay_failed = False  # a relay said it failed: reconnect before the next run
         self.trace: Trace | None = None
         self.attach_counts: dict[int, int] = {}
@@ -73,20 +74,26 @@ class Stepper:
     # --- connecting and tracing --------------------------------------------------------
     def _connect(self) -> None:
         """Connect the ranks to a new Channel, unless connected already the way the job's
-        size asks (straight, or through one relay per host: a changed $DTLAB_RELAY_AT
-        takes effect at the next run, and a relay that failed is replaced)."""
-        relays = self._relay_plan()
+        size asks (straight, or through one relay per host, joined by group relays from
+        $DTLAB_RELAY_FAN_IN hosts on: a changed setting takes effect at the next run, and
+        a relay that failed is replaced)."""
+        plan = self._relay_plan()
         if self.channel is not None:
-            if relays == self._relays and not self._relay_failed:
+            if plan == self._relays and not self._relay_failed:
                 return
             self.channel.close()
             self.channel = None
+        relays, groups = plan
         channel = Channel(*_channel_hosts(self.session))
         try:
+            upstream = self._open_group_relays(channel, groups)
             ranks = self.session.ranks
             self.session.run_each(
                 api.serve,
-                {r: (channel.address, channel.key, r, relays.get(r)) for r in ranks},
+                {
+                    r: (channel.address, channel.key, r, relays.get(r), upstream.get(r))
+                    for r in ranks
+                },
                 what="connect the stepping channel",
                 timeout=CONNECT_TIMEOUT_S,
             )
@@ -99,14 +106,28 @@ class Stepper:
         except BaseException:
             channel.close()
             raise
-        self.channel, self._relays, self._relay_failed = channel, relays, False
+        self.channel, self._relays, self._relay_failed = channel, plan, False
 
-    def _relay_plan(self) -> dict[int, int]:
-        """relay_plan of the session's ranks, worked out again only when they or
-        $DTLAB_RELAY_AT changed (a launch replaces ``session.infos``; 0.2 ms at 512 ranks)."""
-        infos, at = self.session.infos, relay_at()
-        if self._plan is None or self._plan[0] is not infos or self._plan[1] != at:
-            self._plan = (infos, at, relay_plan(infos, at))
+    def _open_group_relays(self, channel: Channel, groups: dict[int, int]) -> dict[int, str]:
+        """Start the group relays; returns where each other host relay sends up."""
+        leaders = sorted(set(groups.values()))
+        if not leaders:
+            return {}
+        opened = self.session.run_each(
+            api.open_group_relay,
+            {r: (channel.address, channel.key, r) for r in leaders},
+            what="start the group relays",
+            timeout=CONNECT_TIMEOUT_S,
+        )
+        return {r: opened[leader] for r, leader in groups.items() if r != leader}
+
+    def _relay_plan(self) -> tuple[dict[int, int], dict[int, int]]:
+        """(relay_plan, relay_groups) of the session's ranks, worked out again only when
+        they or the settings changed (a launch replaces ``session.infos``; 0.2 ms at 512)."""
+        infos, at, per_group = self.session.infos, relay_at(), fan_in()
+        if self._plan is None or self._plan[0] is not infos or self._plan[1] != (at, per_group):
+            relays = relay_plan(infos, at)
+            self._plan = (infos, (at, per_group), (relays, relay_groups(relays, per_group)))
         return self._plan[2]
 
     def _sync_job(self) -> None:

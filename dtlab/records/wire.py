@@ -127,6 +127,24 @@ def done_groups(replies: list[dict]) -> list[DoneGroup]:
     ]
 
 
+def merged_groups(groups: list[DoneGroup]) -> list[DoneGroup]:
+    """Groups of the same (run, how it stopped, attach count) as one (a group relay joins
+    its hosts' groups), ranks in order of arrival; a rank seen again is left out."""
+    found: dict[tuple[int, str, int | None], tuple[list[int], list[int], set[int]]] = {}
+    for group in groups:
+        key = (group.id, group.stopped, group.attach)
+        ranks, steps, seen = found.setdefault(key, ([], [], set()))
+        for rank, step in zip(group.ranks, group.steps, strict=True):
+            if rank not in seen:
+                seen.add(rank)
+                ranks.append(rank)
+                steps.append(step)
+    return [
+        DoneGroup(run, stopped, attach, tuple(r), tuple(s))
+        for (run, stopped, attach), (r, s, _) in found.items()
+    ]
+
+
 @dataclass(frozen=True)
 class RunRequest:
     """Notebook -> rank: make up to ``steps`` steps, paused together at the end.

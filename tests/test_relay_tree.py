@@ -1,0 +1,155 @@
+"""Group relays (agent/relay.py, ``listen=True``): other hosts' relays send up through one
+host's relay over TCP, and the notebook's real Channel sees a single relay for all their
+ranks. Hellos give every rank the group relay's route, a command reaches each named rank
+once, a finished run comes up as one message with every rank's rows, a rank behind
+another host's relay that cannot be reached is reported, a relay's message the group
+relay cannot join goes up as it came, and a host relay's failure still reaches the
+notebook. No torch: the ranks are DEALER sockets speaking the stepping protocol."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import zmq
+
+from dtlab.agent import relay as relay_module
+from dtlab.agent.relay import Relay
+from dtlab.control.channel import Channel
+from dtlab.records.packed import concat, read_frame
+from dtlab.records.trace import Trace
+from dtlab.records.wire import JOINED, HostRows, RunRequest
+from tests.test_relay import Rank, packed, replies
+
+pytestmark = pytest.mark.timeout(60)
+
+HOSTS = {0: range(0, 4), 4: range(4, 8), 8: range(8, 12)}  # relay rank -> its host's ranks
+
+
+@pytest.fixture
+def tree():
+    """A Channel; rank 0's relay as the group relay; ranks 4 and 8's relays sending up
+    through it; fake ranks 0-11, each on its host's relay."""
+    channel = Channel()
+    group = Relay(channel.address, channel.key, 0, listen=True)
+    assert group.remote is not None and group.remote.startswith("tcp://127.0.0.1:")
+    relays = [group] + [Relay(group.remote, channel.key, r) for r in (4, 8)]
+    ranks = [Rank(channel.key, r, relay) for relay, local in HOSTS.items() for r in local]
+    try:
+        assert channel.wait_connected(range(12), timeout=20) == set()
+        yield channel, relays, ranks
+    finally:
+        for rank in ranks:
+            rank.close()
+        for relay in relays:
+            relay.close()
+        channel.close()
+
+
+def test_every_rank_behind_the_group_relay_has_its_route(tree):
+    channel, _, _ = tree
+    assert channel.routes == {r: b"relay:0" for r in range(12)}
+
+
+def test_a_finished_run_of_every_host_comes_up_as_one_message(tree, monkeypatch):
+    channel, _, ranks = tree
+    monkeypatch.setattr(relay_module, "HOLD_S", 10.0)  # no early send on a busy machine
+    assert channel.send(range(12), RunRequest(id=3, steps=2)) == []
+    for rank in ranks:
+        request = rank.request()
+        assert (request.id, request.steps) == (3, 2)
+    for rank in ranks:
+        assert rank.socket.poll(50) == 0  # once each
+        rank.say("done", 3, step=2, rows=packed(rank.rank, range(1, 3)), stopped="steps")
+    joined: list[HostRows] = []
+    got = replies(channel, 12, joined=joined)
+    assert sorted((r.rank, r.kind, r.id) for r in got) == [(r, "done", 3) for r in range(12)]
+    assert [rows.ranks for rows in joined] == [frozenset(range(12))]  # one frame, one message
+    trace = Trace({})
+    assert trace.add_host(joined[0].data, joined[0].ranks) == []
+    assert {r: [(rec.step, rec.loss) for rec in recs] for r, recs in trace.records.items()} == {
+        r: [(1, float(r)), (2, float(r))] for r in range(12)
+    }
+
+
+def test_a_rank_behind_another_hosts_relay_that_cannot_be_reached_is_reported(tree):
+    channel, _, ranks = tree
+    ranks[6].close()  # rank 6 (on relay 4's host): its engine was killed
+    deadline = time.monotonic() + 10
+    unreachable = []
+    while not unreachable and time.monotonic() < deadline:
+        channel.send([6], RunRequest(id=9, steps=1))  # until relay 4 has seen it go
+        unreachable = [r for r in replies(channel, 1, 0.5) if r.kind == "unreachable"]
+    assert [(r.rank, r.id) for r in unreachable[:1]] == [(6, 9)]
+
+
+def test_a_message_the_group_relay_cannot_join_goes_up_as_it_came(tree):
+    """Rows naming a rank its sender does not serve: the group relay forwards the message
+    whole, and the notebook keeps the valid part (as from a relay of its own)."""
+    channel, relays, _ = tree
+    fake = zmq.Context.instance().socket(zmq.DEALER)  # another host's relay, as seen
+    fake.setsockopt(zmq.IDENTITY, b"relay:20")
+    fake.setsockopt(zmq.LINGER, 0)
+
+    def send(*replies_: dict, rows: bytes = b"") -> None:
+        header = {"key": channel.key, "replies": list(replies_), "done": []}
+        fake.send_multipart([JOINED, json.dumps(header).encode(), rows])
+
+    try:
+        fake.connect(relays[0].remote)
+        send({"kind": "hello", "id": None, "rank": 20})
+        assert channel.wait_connected([20], timeout=10) == set()
+        assert channel.routes[20] == b"relay:0"
+        rows = concat([read_frame(packed(r, range(1, 2)), r) for r in (1, 20)])
+        send({"kind": "done", "id": 4, "rank": 20, "step": 1, "stopped": "steps"}, rows=rows)
+        joined: list[HostRows] = []
+        got = replies(channel, 1, joined=joined)
+        assert [(r.rank, r.kind) for r in got] == [(20, "done")]
+        assert [rows.ranks for rows in joined] == [frozenset({20})]
+        trace = Trace({})
+        assert trace.add_host(joined[0].data, joined[0].ranks) == [1]  # rank 1's: left out
+        assert list(trace.records) == [20]
+    finally:
+        fake.close()
+
+
+def test_a_host_relay_that_fails_is_named_through_the_group_relay(tree):
+    channel, relays, ranks = tree
+    channel.send([4, 5], RunRequest(id=5, steps=1))
+    for rank in ranks[4:6]:
+        assert rank.request().id == 5
+
+    def broken() -> None:  # a fault planted in relay 4's thread
+        raise RuntimeError("planted")
+
+    relays[1]._from_ranks = broken  # type: ignore[method-assign]
+    ranks[4].say("done", 5, step=1, stopped="steps")
+    got = replies(channel, 2)
+    assert sorted((r.rank, r.kind, r.id) for r in got) == [(4, "error", 5), (5, "error", 5)]
+    assert got[0].error is not None and "relay of rank 4's host failed" in got[0].error.evalue
+
+
+def test_group_relays_join_runs_of_host_relays_by_rank():
+    from dtlab.control.relays import relay_groups
+
+    plan = {r: r - r % 4 for r in range(40)}  # 10 hosts of 4 ranks: relays 0, 4, ..., 36
+    assert relay_groups(plan, 8) == {**{r: 0 for r in range(0, 32, 4)}, 32: 32, 36: 32}
+    assert relay_groups(plan, 11) == {}  # fewer host relays than a group: none
+    assert relay_groups(plan, 1) == {}
+    three = relay_groups(plan, 3)  # the last run of one (relay 36) goes straight
+    assert three == {0: 0, 4: 0, 8: 0, 12: 12, 16: 12, 20: 12, 24: 24, 28: 24, 32: 24}
+
+
+def test_a_bad_fan_in_is_refused_with_what_to_give(monkeypatch):
+    from dtlab.control.errors import OptionError
+    from dtlab.control.relays import FAN_IN, fan_in
+
+    monkeypatch.delenv("DTLAB_RELAY_FAN_IN", raising=False)
+    assert fan_in() == FAN_IN
+    monkeypatch.setenv("DTLAB_RELAY_FAN_IN", "1")
+    assert fan_in() == 1
+    for bad in ("0", "many"):
+        monkeypatch.setenv("DTLAB_RELAY_FAN_IN", bad)
+        with pytest.raises(OptionError, match="DTLAB_RELAY_FAN_IN=.*host relays >= 1"):
+            fan_in()
