@@ -55,7 +55,7 @@ from dtlab.agent import api  # noqa: E402
 from dtlab.analysis.doctor import all_findings, run_checks  # noqa: E402
 from dtlab.analysis.registry import registered  # noqa: E402
 from dtlab.control.activity import RankActivity  # noqa: E402
-from dtlab.control.relays import RELAY_ENV  # noqa: E402
+from dtlab.control.relays import FAN_IN, FAN_IN_ENV, RELAY_ENV  # noqa: E402
 from dtlab.control.stepper import Stepper  # noqa: E402
 from dtlab.records import Evidence  # noqa: E402
 from dtlab.records.packed import pack  # noqa: E402
@@ -66,12 +66,33 @@ from dtlab.records.wire import RankReply, RunRequest, decode_request, frames  # 
 HELPERS = 2  # processes holding the fake ranks (one per core)
 
 
+def group_relays(address: str, key: str, leaders: list[int], opened, stop) -> None:
+    """A helper process: the group relays (agent/relay.py, ``listen=True``) of ``leaders``,
+    as each would run on its host's first rank; sends their addresses on ``opened`` and
+    serves until ``stop`` is set."""
+    from dtlab.agent.relay import Relay
+
+    relays = [Relay(address, key, r, listen=True) for r in leaders]
+    opened.send({relay.rank: relay.remote for relay in relays})
+    stop.wait()
+    for relay in relays:
+        relay.close()
+
+
 def fake_ranks(
-    address: str, key: str, relays: dict[int, int | None], total: int, steps: int, ready
+    address: str,
+    key: str,
+    relays: dict[int, int | None],
+    upstream: dict[int, str | None],
+    total: int,
+    steps: int,
+    ready,
 ) -> None:
     """A helper process: one DEALER per rank of ``relays`` (rank -> the rank whose host
-    relay it goes through, None: straight), replaying its simulated records; the relays
-    (agent/relay.py) of its hosts run in this process, as on each host's first rank."""
+    relay it goes through, None: straight), replaying its simulated records; the host
+    relays (agent/relay.py) of its hosts run in this process, as on each host's first rank,
+    each sending up to its ``upstream`` (a group relay's address; None: the notebook), but
+    for group relays, which run in the group_relays process."""
     import zmq
     import zmq.asyncio
 
@@ -81,7 +102,11 @@ def fake_ranks(
     records = {r: all_records[r] for r in relays}
     del all_records
     context = zmq.asyncio.Context()
-    threads = [Relay(address, key, r) for r, via in relays.items() if via == r]
+    threads = [
+        Relay(upstream.get(r) or address, key, r)
+        for r, via in relays.items()
+        if via == r and upstream.get(r) != ""
+    ]
 
     async def rank_loop(rank: int) -> None:
         socket = context.socket(zmq.DEALER)
@@ -137,27 +162,45 @@ class SimSession:
         self.jobs = {r: job(r, params) for r in self.ranks}
         self.names = tuple(p.name for p in params)
         self.helpers: list = []
+        self.leaders: list[int] = []  # ranks running a group relay
+        self.stop_groups = None
         self.stepper = Stepper(self)
 
     # --- what the Stepper asks -------------------------------------------------------------
-    def run_each(self, fn, args: dict, what: str = "", timeout: float | None = None) -> None:
-        assert fn is api.serve and not self.helpers  # connected once
+    def run_each(self, fn, args: dict, what: str = "", timeout: float | None = None) -> dict:
         ctx = mp.get_context("spawn")
+        address, key = next(iter(args.values()))[:2]
+        if fn is api.open_group_relay:  # first: a helper of their own (not on the notebook)
+            assert not self.helpers and not self.leaders  # connected once
+            self.leaders = sorted(args)
+            opened, sent = ctx.Pipe(duplex=False)
+            self.stop_groups = ctx.Event()
+            helper = ctx.Process(
+                target=group_relays, args=(address, key, self.leaders, sent, self.stop_groups)
+            )
+            helper.start()
+            self.helpers.append(helper)
+            if not opened.poll(300):
+                raise RuntimeError("the group relays' helper did not start")
+            return opened.recv()
+        assert fn is api.serve and len(self.helpers) <= 1  # connected once
+        # host relays: the group relays' own run in their helper ("" here: none to start)
+        upstream = {r: "" if r in self.leaders else a[4] for r, a in args.items()}
         readies = []
         for h in range(HELPERS):  # whole hosts to each helper
             hosts = sorted({self.infos[r].host for r in self.ranks})[h::HELPERS]
             mine = {r: a[3] for r, a in args.items() if self.infos[r].host in hosts}
-            address, key = next(iter(args.values()))[:2]
             ready = ctx.Event()
             helper = ctx.Process(
                 target=fake_ranks,
-                args=(address, key, mine, self.world_size, self.steps + 1, ready),
+                args=(address, key, mine, upstream, self.world_size, self.steps + 1, ready),
             )
             helper.start()
             readies.append(ready)
             self.helpers.append(helper)
         for ready in readies:
             ready.wait(300)
+        return {r: 1 for r in args}
 
     def run(self, fn, timeout: float | None = None) -> dict:
         assert fn is api.describe_job
@@ -198,6 +241,8 @@ class SimSession:
     def close(self) -> None:
         if self.stepper.channel is not None:  # the helpers stop
             self.stepper.channel.send(self.ranks, RunRequest(id=0, steps=-1))
+        if self.stop_groups is not None:
+            self.stop_groups.set()
         for helper in self.helpers:
             helper.join(30)
             if helper.is_alive():
@@ -205,14 +250,16 @@ class SimSession:
         self.stepper.close()
 
 
-def measure(ranks: int, steps: int, per_host: int = 0) -> dict:
+def measure(ranks: int, steps: int, per_host: int = 0, fan_in: int = 1) -> dict:
     """One configuration, stepped with dtlab's own Stepper (``dt.step(1)``'s path): each
     step one RunRequest to every rank, its replies gathered and taken into the job's trace
     (which writes its run folder, as a job's does). ``per_host``: ranks per relayed host
-    (0: every rank straight to the notebook, as below $DTLAB_RELAY_AT)."""
-    saved = {name: os.environ.get(name) for name in (RELAY_ENV, RUNS_DIR_ENV)}
+    (0: every rank straight to the notebook, as below $DTLAB_RELAY_AT); ``fan_in``: host
+    relays per group relay (1: none, each host relay sends to the notebook)."""
+    saved = {name: os.environ.get(name) for name in (RELAY_ENV, FAN_IN_ENV, RUNS_DIR_ENV)}
     folder = tempfile.mkdtemp(prefix="dtlab-scale-sim-")
     os.environ[RELAY_ENV] = "2" if per_host else str(ranks + 1)
+    os.environ[FAN_IN_ENV] = str(fan_in)
     os.environ[RUNS_DIR_ENV] = folder
     took = [0.0]
     add = Trace._add_frame
@@ -276,31 +323,42 @@ def main() -> None:
     parser.add_argument(
         "--per-host", type=int, default=8, help="ranks per host behind a relay (default 8)"
     )
+    parser.add_argument(
+        "--fan-in", type=int, default=FAN_IN, help=f"host relays per group relay ({FAN_IN})"
+    )
     args = parser.parse_args()
     print(
         f"one step of every fake rank at a time, {args.steps} steps, fake ranks in {HELPERS} "
         "processes (medians after the first tenth of the steps); each size straight to the "
-        f"notebook, then through a relay per host of {args.per_host} ranks"
+        f"notebook, then through a relay per host of {args.per_host} ranks, then with those "
+        f"joined by a group relay per {args.fan_in} hosts"
     )
     for ranks in args.ranks:
         target = 1.0 + 0.005 * ranks
-        walls = {}
-        for per_host in (0, args.per_host):
-            m = measure(ranks, args.steps, per_host)
-            walls[per_host] = m["wall_ms"]
+        hosts = ranks // args.per_host
+        configs = {
+            "straight": (0, 1),
+            f"relayed ({hosts} hosts)": (args.per_host, 1),
+            f"relayed, grouped ({-(-hosts // args.fan_in)} group relays)": (
+                args.per_host,
+                args.fan_in,
+            ),
+        }
+        for how, (per_host, fan_in) in configs.items():
+            m = measure(ranks, args.steps, per_host, fan_in)
             q1, _, q3 = m["wall_q"]
-            how = f"relayed ({ranks // per_host} hosts)" if per_host else "straight"
             print(
                 f"{ranks} ranks, {how}: step {m['wall_ms']:.1f} ms (IQR {q1:.1f}-{q3:.1f}, "
                 f"p95 {m['wall_p95']:.1f}; "
                 f"target {target:.1f} ms, {m['wall_ms'] / target:.1f}x), notebook CPU "
-                f"{m['cpu_ms']:.1f} ms a step (mean {m['cpu_mean_ms']:.1f}, with the run folder's "
-                f"Parquet parts), decode and store {m['ingest_us']:.1f} us per "
-                f"rank-record (target 10), notebook memory {m['bytes_per_record']:.0f} B per "
+                f"{m['cpu_ms']:.1f} ms a step, {m['cpu_ms'] * 1e3 / ranks:.1f} us a rank "
+                f"(target 10; mean {m['cpu_mean_ms']:.1f} ms, with the run folder's Parquet "
+                f"parts), of which decode and store {m['ingest_us']:.1f} us per "
+                f"rank-record, notebook memory {m['bytes_per_record']:.0f} B per "
                 f"rank-record; doctor over the trace {m['doctor_s']:.2f} s, planted problems "
-                "named: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in m["named"].items())
+                "named: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in m["named"].items()),
+                flush=True,
             )
-        print(f"{ranks} ranks: relayed / straight step time {walls[args.per_host] / walls[0]:.2f}x")
 
 
 if __name__ == "__main__":

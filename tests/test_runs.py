@@ -42,7 +42,7 @@ class ScriptedHost:
     def ingest(self, reply: RankReply) -> None:
         pass
 
-    def rank_finished(self, rank: int) -> None:
+    def ranks_finished(self, ranks) -> None:
         pass
 
     def send_pause(self) -> None:
@@ -119,8 +119,8 @@ class GroupHost(ScriptedHost):
     def note_attach(self, ranks, attach) -> None:
         self.attached.append((list(ranks), attach))
 
-    def rank_finished(self, rank: int) -> None:
-        self.finished.append(rank)
+    def ranks_finished(self, ranks) -> None:
+        self.finished.extend(ranks)
 
 
 def test_a_hosts_done_group_ends_a_run_as_its_replies_would():

@@ -36,6 +36,12 @@ class RankActivity:
         if run_id is None or self._runs.get(rank) == run_id:
             self._runs.pop(rank, None)
 
+    def end_runs(self, ranks: Iterable[int]) -> None:
+        """``ranks`` finished whatever run they were in."""
+        runs = self._runs
+        for rank in ranks:
+            runs.pop(rank, None)
+
     def stepping(self) -> list[int]:
         return sorted(self._runs)
 

@@ -152,7 +152,7 @@ class Channel:
     def _own(self, group: DoneGroup, route: bytes) -> DoneGroup:
         """The group, without ranks that relay does not serve."""
         routes = self.routes
-        if all(routes.get(rank) == route for rank in group.ranks):
+        if self.relayed.get(route, set()).issuperset(group.ranks):
             return group
         pairs = [
             (r, s) for r, s in zip(group.ranks, group.steps, strict=True) if routes.get(r) == route

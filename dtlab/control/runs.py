@@ -48,7 +48,7 @@ class RunHost(Protocol):
     def receive(self, timeout: float) -> None: ...  # read replies; each reaches its run
     def ingest(self, reply: RankReply) -> None: ...  # its records and output: to the trace
     def note_attach(self, ranks: Iterable[int], attach: int | None) -> None: ...
-    def rank_finished(self, rank: int) -> None: ...
+    def ranks_finished(self, ranks: Iterable[int]) -> None: ...
     def send_pause(self) -> None: ...
     def dead_ranks(self, ranks: Iterable[int]) -> dict[int, str]: ...  # rank -> cause
     def stall_limit(self) -> float: ...
@@ -80,7 +80,9 @@ class Run:
         self.first_step = host.current_step()  # after a rewind: where it resumed
         # after a failure on one rank, ranks may start a run at different steps
         self.start_steps = (
-            {recs.last_step for recs in host.trace.records.values()} if host.trace else {0}
+            {recs.last_step for recs in host.trace.records.values()}
+            if host.trace is not None and host.trace.records
+            else {0}
         )
         self.started = self.last_check = self.last_reply = self.next_look = time.monotonic()
         self.hang: HangReport | None = None  # the HangReport taken when the run stopped progressing
@@ -125,20 +127,24 @@ class Run:
     def handle_done(self, group: DoneGroup) -> None:
         """A relayed host's plain done replies at once (as :meth:`handle` would each)."""
         pending = self.pending
-        pairs = [(r, s) for r, s in zip(group.ranks, group.steps, strict=True) if r in pending]
-        if not pairs:
+        if pending.issuperset(group.ranks):  # (nearly always)
+            ranks, steps = group.ranks, group.steps
+        else:
+            pairs = [(r, s) for r, s in zip(group.ranks, group.steps, strict=True) if r in pending]
+            ranks, steps = tuple(r for r, _ in pairs), tuple(s for _, s in pairs)
+        if not ranks:
             return
-        self.host.note_attach([r for r, _ in pairs], group.attach)
+        self.host.note_attach(ranks, group.attach)
         self.last_reply = time.monotonic()
-        for rank, step in pairs:
-            self.step_by_rank[rank] = step
-            self.done[rank] = Finished(step, group.stopped, False)
-            pending.discard(rank)
-            self.host.rank_finished(rank)
+        self.step_by_rank.update(zip(ranks, steps, strict=True))
+        finished = {step: Finished(step, group.stopped, False) for step in set(steps)}
+        self.done.update((r, finished[s]) for r, s in zip(ranks, steps, strict=True))
+        pending.difference_update(ranks)
+        self.host.ranks_finished(ranks)
 
     def _finish(self, rank: int) -> None:
         self.pending.discard(rank)
-        self.host.rank_finished(rank)
+        self.host.ranks_finished((rank,))
         if rank in self.failures and self.first_failure is None:
             self.first_failure = time.monotonic()
 

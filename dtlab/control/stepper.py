@@ -61,6 +61,7 @@ class Stepper:
         self._relay_failed = False  # a relay said it failed: reconnect before the next run
         self.trace: Trace | None = None
         self.attach_counts: dict[int, int] = {}
+        self._attach_all: tuple[dict, int | None] = ({}, None)  # (counts, the count of all)
         self.active: Run | None = None
         self._next_id = 0
         self._calls_seen = -1  # session.calls when the attached job was last looked at
@@ -231,6 +232,11 @@ class Stepper:
     def note_attach(self, ranks: Iterable[int], attach: int | None) -> None:
         """The ranks' replies say how many jobs were attached on them so far."""
         counts = self.attach_counts
+        if self._attach_all[0] is not counts:  # (a new dict when the job was attached)
+            values = set(counts.values())
+            self._attach_all = (counts, values.pop() if len(values) == 1 else None)
+        if attach is not None and attach == self._attach_all[1] and counts.keys() >= set(ranks):
+            return  # (nearly always: every rank's count is the same, in one set operation)
         if any(counts.get(rank) != attach for rank in ranks):
             self._calls_seen = -1  # attached behind our back: look again before the next run
 
@@ -255,8 +261,8 @@ class Stepper:
             else:  # (rare: a late group) reply by reply
                 self.dispatch(group.replies())
 
-    def rank_finished(self, rank: int) -> None:
-        self.session.activity.end_run(rank)
+    def ranks_finished(self, ranks: Iterable[int]) -> None:
+        self.session.activity.end_runs(ranks)
 
     def dead_ranks(self, ranks: Iterable[int]) -> dict[int, str]:
         """Ranks whose engine is gone, with the cause (the controller is checked first:
