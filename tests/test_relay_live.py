@@ -69,9 +69,9 @@ def test_a_relay_that_fails_ends_the_run_naming_it_and_the_next_run_has_a_new_on
 def test_two_hosts_relays_joined_by_a_group_relay_carry_steps_and_records(dt, monkeypatch):
     """The ranks' hosts as if ranks 0-1 and 2-3 were two machines: rank 2's host relay
     connects to rank 0's group relay over TCP; the notebook sees one relay for all."""
-    from dtlab.control import stepper
+    from dtlab.control import connection
 
-    monkeypatch.setattr(stepper, "relay_plan", lambda infos, at: {0: 0, 1: 0, 2: 2, 3: 2})
+    monkeypatch.setattr(connection, "relay_plan", lambda infos, at: {0: 0, 1: 0, 2: 2, 3: 2})
     monkeypatch.setenv("DTLAB_RELAY_FAN_IN", "2")
     dt.step(2)
     channel = dt.stepper.channel
@@ -97,9 +97,9 @@ def test_two_hosts_relays_joined_by_a_group_relay_carry_steps_and_records(dt, mo
 
 
 def test_a_host_relay_behind_the_group_relay_killed_mid_run_is_named(dt, monkeypatch):
-    from dtlab.control import stepper
+    from dtlab.control import connection
 
-    monkeypatch.setattr(stepper, "relay_plan", lambda infos, at: {0: 0, 1: 0, 2: 2, 3: 2})
+    monkeypatch.setattr(connection, "relay_plan", lambda infos, at: {0: 0, 1: 0, 2: 2, 3: 2})
     monkeypatch.setenv("DTLAB_RELAY_FAN_IN", "2")
     dt.step(1)
     assert dt.stepper.channel.routes.get(3) == b"relay:0"

@@ -63,11 +63,11 @@ class Recovery:
 
     def start_sidecars(self, timeout: float = CONNECT_TIMEOUT_S) -> None:
         """Start each rank's sidecar (at launch: a stuck rank can no longer be asked to)."""
-        from dtlab.control.stepper import _channel_hosts
+        from dtlab.control.connection import channel_hosts
 
         if self.sidecars is not None:
             self.sidecars.close()
-        channel = Channel(*_channel_hosts(self.session))
+        channel = Channel(*channel_hosts(self.session))
         try:
             where = {r: (channel.address, channel.key, r) for r in self.session.ranks}
             deadline = time.monotonic() + timeout

@@ -75,7 +75,7 @@ class Scripts:
             raise OptionError(f"the script's path must be a non-empty string, got {path!r}")
         argv = [str(a) for a in argv]
         session = self.session
-        session.stepper._connect()
+        session.stepper.connect()
         self.output, self.on_output, self._shown = {}, on_output, {}
         session.stepper.on_output = self._printed  # steps bring it in their replies
         sent: dict = {}

@@ -2,7 +2,8 @@
 
 One run, in order:
 1. (once per session) each rank connects to the notebook's :class:`Channel` (one
-   ipyparallel call) and says hello;
+   ipyparallel call, two with group relays: :mod:`dtlab.control.connection`) and says
+   hello;
 2. (after any ipyparallel call, which may have re-attached the job) the ranks describe
    their job; a new job starts a new Trace and run folder;
 3. the notebook sends ``run`` to all ranks; each steps on its own event loop
@@ -18,7 +19,6 @@ the Pause button works while ranks step.
 from __future__ import annotations
 
 import asyncio
-import socket
 import warnings
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
@@ -31,9 +31,8 @@ from dtlab.analysis.ranks import label_ranks
 from dtlab.control.calls import counted_interrupts
 from dtlab.control.channel import Channel
 from dtlab.control.config import checked_timeout
+from dtlab.control.connection import CONNECT_TIMEOUT_S, Connection
 from dtlab.control.errors import DtlabError, OptionError
-from dtlab.control.network import EVERYWHERE, LOOPBACK, is_loopback, listen_address, route_ip
-from dtlab.control.relays import fan_in, relay_at, relay_groups, relay_plan
 from dtlab.control.runs import FAILURE_GRACE_S, POLL_S, Run
 from dtlab.records import Condition, RunResult
 from dtlab.records.columns import step_seconds
@@ -41,7 +40,6 @@ from dtlab.records.run_folder import new_run_folder
 from dtlab.records.trace import Trace
 from dtlab.records.wire import HostRows, PauseRequest, RankReply, RunRequest, reply_from
 
-CONNECT_TIMEOUT_S = 30.0
 REPORT_S = 0.25  # ranks send progress (and records) at most this often
 AGREE_S = 1.0  # in a plain multi-step run, ranks agree (pause?) about this often: one
 # agreement costs ~5 ms at 8 ranks on 2 cores, so every step would add ~4%
@@ -54,11 +52,7 @@ class Stepper:
 
     def __init__(self, session) -> None:
         self.session = session
-        self.channel: Channel | None = None
-        # (rank -> its host's relay rank, host relay -> its group relay): empty: straight
-        self._relays: tuple[dict[int, int], dict[int, int]] = ({}, {})
-        self._plan: tuple[object, tuple[int, int], tuple] | None = None  # (infos, env, plan)
-        self._relay_failed = False  # a relay said it failed: reconnect before the next run
+        self.connection = Connection(session)
         self.trace: Trace | None = None
         self.attach_counts: dict[int, int] = {}
         self._attach_all: tuple[dict, int | None] = ({}, None)  # (counts, the count of all)
@@ -73,63 +67,15 @@ class Stepper:
         self.on_output: Callable[[int, str], None] | None = None  # what a script prints
 
     # --- connecting and tracing --------------------------------------------------------
-    def _connect(self) -> None:
-        """Connect the ranks to a new Channel, unless connected already the way the job's
-        size asks (straight, or through one relay per host, joined by group relays from
-        $DTLAB_RELAY_FAN_IN hosts on: a changed setting takes effect at the next run, and
-        a relay that failed is replaced)."""
-        plan = self._relay_plan()
-        if self.channel is not None:
-            if plan == self._relays and not self._relay_failed:
-                return
-            self.channel.close()
-            self.channel = None
-        relays, groups = plan
-        channel = Channel(*_channel_hosts(self.session))
-        try:
-            upstream = self._open_group_relays(channel, groups)
-            ranks = self.session.ranks
-            self.session.run_each(
-                api.serve,
-                {
-                    r: (channel.address, channel.key, r, relays.get(r), upstream.get(r))
-                    for r in ranks
-                },
-                what="connect the stepping channel",
-                timeout=CONNECT_TIMEOUT_S,
-            )
-            missing = channel.wait_connected(ranks, CONNECT_TIMEOUT_S)
-            if missing:
-                raise DtlabError(
-                    f"{label_ranks(missing)} did not connect to the notebook's stepping "
-                    f"channel at {channel.address} (a firewall between the hosts?)"
-                )
-        except BaseException:
-            channel.close()
-            raise
-        self.channel, self._relays, self._relay_failed = channel, plan, False
+    @property
+    def channel(self) -> Channel | None:
+        """The stepping channel the ranks are connected to (None: not yet, or closed)."""
+        return self.connection.channel
 
-    def _open_group_relays(self, channel: Channel, groups: dict[int, int]) -> dict[int, str]:
-        """Start the group relays; returns where each other host relay sends up."""
-        leaders = sorted(set(groups.values()))
-        if not leaders:
-            return {}
-        opened = self.session.run_each(
-            api.open_group_relay,
-            {r: (channel.address, channel.key, r) for r in leaders},
-            what="start the group relays",
-            timeout=CONNECT_TIMEOUT_S,
-        )
-        return {r: opened[leader] for r, leader in groups.items() if r != leader}
-
-    def _relay_plan(self) -> tuple[dict[int, int], dict[int, int]]:
-        """(relay_plan, relay_groups) of the session's ranks, worked out again only when
-        they or the settings changed (a launch replaces ``session.infos``; 0.2 ms at 512)."""
-        infos, at, per_group = self.session.infos, relay_at(), fan_in()
-        if self._plan is None or self._plan[0] is not infos or self._plan[1] != (at, per_group):
-            relays = relay_plan(infos, at)
-            self._plan = (infos, (at, per_group), (relays, relay_groups(relays, per_group)))
-        return self._plan[2]
+    def connect(self) -> None:
+        """Connect the ranks to the stepping channel, unless they are already connected
+        the way the job's size asks (control/connection.py)."""
+        self.connection.connect()
 
     def _sync_job(self) -> None:
         """Start a new trace when the job was (re-)attached. Only a call through the session
@@ -179,9 +125,7 @@ class Stepper:
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
+        self.connection.close()
 
     # --- replies -----------------------------------------------------------------------
     def dispatch(self, replies: list[RankReply]) -> None:
@@ -189,7 +133,7 @@ class Stepper:
         run) its records to the trace and its rank marked free."""
         for reply in replies:
             if reply.kind == "error" and reply.error and reply.error.ename == "RelayError":
-                self._relay_failed = True  # the next run connects the ranks afresh
+                self.connection.relay_failed = True  # the next run connects them afresh
             if self.active is not None and reply.id == self.active.id:
                 self.active.handle(reply)
                 continue
@@ -292,7 +236,7 @@ class Stepper:
         if steps < 1:
             raise OptionError(f"the number of steps must be at least 1, got {steps}")
         timeout = checked_timeout(timeout)
-        self._connect()
+        self.connect()
         self.session.check_ready(self.session.client(), self.session.ranks, "step")
         self._sync_job()
         assert self.channel is not None and self.trace is not None  # connected, synced
@@ -465,24 +409,3 @@ def _progress_of(run: Run, steps: int, until: Condition | None) -> tuple[str, in
         assert until.value is not None  # a "step" condition always has its step
         return phase, max(int(until.value) - run.first_step, 1)
     return phase, 0
-
-
-def _channel_hosts(session) -> tuple[str, str]:
-    """(where to listen, what address to give the ranks): loopback while every rank is on
-    this host, else the launch's ``--listen`` address."""
-    here = socket.gethostname()
-    address = listen_address(session.config.listen)
-    if session.config.launcher == "local" or (
-        is_loopback(address) and all(i.host == here for i in session.infos.values())
-    ):
-        return LOOPBACK, LOOPBACK
-    if is_loopback(address):
-        remote = sorted({i.host for i in session.infos.values()} - {here})
-        raise DtlabError(
-            f"ranks run on other hosts ({', '.join(remote)}) but dtlab listens on loopback "
-            "only: launch with --listen <interface or address> (e.g. --listen eth0)"
-        )
-    if address == EVERYWHERE:  # the address of this machine that remote ranks can reach
-        remote = [i.host for i in session.infos.values() if i.host != here]
-        return "*", route_ip(remote[0]) if remote else LOOPBACK
-    return address, address
