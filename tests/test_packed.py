@@ -2,6 +2,7 @@
 
 import json
 import math
+import random
 import struct
 from dataclasses import replace
 
@@ -244,3 +245,45 @@ def test_extras_nested_too_deep_are_a_clear_error():
     )
     with pytest.raises(ValueError, match="extras are not valid.*RecursionError"):
         read_frame(bad, 0)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_many_rows_are_checked_in_numpy_as_a_few_are_row_by_row(seed):
+    """read_frame checks frames of more than _FEW_ROWS rows with numpy: the same parts
+    (runs of a rank, their steps, whether each rises) and the same errors as row by row."""
+    from dtlab.records import packed as packed_module
+
+    rng = random.Random(seed)
+    frames = []
+    for _ in range(rng.randint(1, 12)):  # runs of ranks, some again, steps not always rising
+        rank = rng.randint(0, 5)
+        steps = sorted(rng.sample(range(1, 60), rng.randint(1, 9)))
+        if rng.random() < 0.3:
+            steps.reverse()
+        frames.append(read_frame(pack(rank, [step_record(s, rank) for s in steps]).to_bytes()))
+    data = concat(frames)
+    _, n, k, _ = struct.unpack_from("<4sIII", data)
+    few = packed_module._few_parts_of(data, n, k, None)
+    assert packed_module._parts_of(data, n, k, None) == few
+    errors = []
+    for check in (packed_module._parts_of, packed_module._few_parts_of):
+        with pytest.raises(ValueError) as refused:
+            check(data, n, k, 99)  # no row is rank 99's
+        errors.append(str(refused.value))
+    assert errors[0] == errors[1] == f"a record of rank {few[0].rank} arrived from rank 99"
+
+
+def test_numpy_checks_refuse_what_row_by_row_refuses(monkeypatch):
+    from dtlab.records import packed as packed_module
+
+    frame = pack(0, [step_record(s, 0) for s in range(1, 41)]).to_bytes()
+    header = struct.Struct("<4sIII")
+    zero = bytearray(frame)
+    struct.pack_into("<q", zero, header.size + 4, 0)  # the first row's step: 0
+    for few in (0, 100):  # numpy, then row by row
+        monkeypatch.setattr(packed_module, "_FEW_ROWS", few)
+        with pytest.raises(ValueError, match="with step 0"):
+            read_frame(bytes(zero), 0)
+        with pytest.raises(ValueError, match="rank 0 arrived from rank 3"):
+            read_frame(frame, 3)
+        assert [p[:3] for p in read_frame(frame, 0).parts] == [(0, 0, 40)]

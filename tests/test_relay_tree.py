@@ -153,3 +153,55 @@ def test_a_bad_fan_in_is_refused_with_what_to_give(monkeypatch):
         monkeypatch.setenv("DTLAB_RELAY_FAN_IN", bad)
         with pytest.raises(OptionError, match="DTLAB_RELAY_FAN_IN=.*host relays >= 1"):
             fan_in()
+
+
+def test_a_local_ranks_bad_rows_do_not_cost_another_hosts_rows_their_reply(tree, monkeypatch):
+    """Rank 1's rows are not a frame, so the group relay sends its replies as BATCH; what
+    relay 4 joined (rank 5's error and rows) still goes up joined, rows with their reply."""
+    channel, _, ranks = tree
+    monkeypatch.setattr(relay_module, "HOLD_S", 10.0)  # both in one message, on a busy machine
+    channel.send([1, 5], RunRequest(id=6, steps=1))
+    for rank in (ranks[1], ranks[5]):
+        assert rank.request().id == 6
+    ranks[5].say("error", 6, step=1, rows=packed(5, range(1, 2)))
+    ranks[1].say("done", 6, step=1, rows=b"not a frame", stopped="steps")
+    joined: list[HostRows] = []
+    got = replies(channel, 2, joined=joined)
+    assert sorted((r.rank, r.kind, r.rows[:11]) for r in got) == [
+        (1, "done", b"not a frame"),  # as the rank sent it: the notebook says it drops it
+        (5, "error", b""),
+    ]
+    assert [rows.ranks for rows in joined] == [frozenset({5})]
+    trace = Trace({})
+    assert trace.add_host(joined[0].data, joined[0].ranks) == []
+    assert [rec.step for rec in trace.records[5]] == [1]
+
+
+def test_a_malformed_message_on_the_group_relays_port_is_dropped(tree):
+    """With the key but not a relay's (a done group whose ranks are lists), or from a peer
+    that is not a relay: dropped, and the relay goes on."""
+    channel, relays, ranks = tree
+    peers = []
+    for identity in (b"relay:30", b"1"):
+        peer = zmq.Context.instance().socket(zmq.DEALER)
+        peer.setsockopt(zmq.IDENTITY, identity)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(relays[0].remote)
+        peers.append(peer)
+    bad = {"id": 2, "stopped": "steps", "attach": 1, "ranks": [[1]], "steps": [1]}
+    odd = {"kind": "done", "id": 2, "rank": "one"}
+    try:
+        for peer in peers:
+            header = {"key": channel.key, "replies": [odd, 5], "done": [bad, "x"]}
+            peer.send_multipart([JOINED, json.dumps(header).encode(), b""])
+            peer.send_multipart([JOINED, b"{not json", b""])
+        time.sleep(0.2)  # (nothing to wait on: they are dropped) then the relay still works
+        assert channel.send([1, 6], RunRequest(id=7, steps=1)) == []
+        for rank in (ranks[1], ranks[6]):
+            assert rank.request().id == 7
+            rank.say("progress", 7, step=1)
+        got = replies(channel, 2)
+        assert sorted((r.rank, r.kind) for r in got) == [(1, "progress"), (6, "progress")]
+    finally:
+        for peer in peers:
+            peer.close()

@@ -47,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import tempfile
 import threading
@@ -65,6 +66,7 @@ from dtlab.records.wire import (
     plain_done,
 )
 
+_RELAY = re.compile(rb"^relay:\d+$")  # the identity of a host's relay (a group relay's peers)
 HOLD_S = 0.05  # a finished run's replies wait this long at most for the host's other ranks
 POLL_MS = 50  # how often the thread looks at its stop flag
 
@@ -94,17 +96,24 @@ class Relay:
         self.down.setsockopt(zmq.LINGER, 0)
         self.down.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a rank gone -> an error, not a drop
         self._path = self.local.removeprefix("ipc://")
+        # a group relay's: other hosts' relays (a socket of its own: no identity of theirs
+        # can shadow a local rank's)
+        self.hosts = context.socket(zmq.ROUTER) if listen else None
         try:
             self.down.bind(self.local)  # (libzmq replaces a stale file of a killed relay)
-            if listen:  # on the interface this host reaches the notebook by
+            if self.hosts is not None:  # on the interface this host reaches the notebook by
+                self.hosts.setsockopt(zmq.LINGER, 0)
+                self.hosts.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 ip = facing_ip(upstream)
-                self.remote = f"tcp://{ip}:{self.down.bind_to_random_port(f'tcp://{ip}')}"
+                self.remote = f"tcp://{ip}:{self.hosts.bind_to_random_port(f'tcp://{ip}')}"
             self.up.connect(upstream)
-        except zmq.ZMQError as e:
-            self.up.close()
-            self.down.close()
+        except (zmq.ZMQBaseError, OSError) as e:
+            for sock in (self.up, self.down, self.hosts):
+                if sock is not None:
+                    sock.close()
+            where = f"{self.local} and TCP" if listen else self.local
             raise RuntimeError(
-                f"rank {rank} could not start its host's relay at {self.local}: {e} "
+                f"rank {rank} could not start its host's relay at {where}: {e} "
                 "(a TMPDIR path too long for a socket? set TMPDIR shorter on the ranks)"
             ) from e
         self._stop = threading.Event()
@@ -115,8 +124,11 @@ class Relay:
         self._held_since = 0.0
         self._ranks: set[int] = set()  # the ranks that said hello (through it or a relay)
         self._via: dict[int, bytes] = {}  # a rank behind another host's relay -> that relay
-        self._frames: list[Frame] = []  # held rows joined by other hosts' relays (checked)
-        self._groups: list[DoneGroup] = []  # held done groups of other hosts' relays
+        # held from other hosts' relays' joined messages: replies (without the key), rows
+        # (checked frames) and done groups
+        self._joined: list[dict] = []
+        self._frames: list[Frame] = []
+        self._groups: list[DoneGroup] = []
         self._thread = threading.Thread(target=self._serve, name="dtlab-relay", daemon=True)
         self._thread.start()
 
@@ -131,6 +143,8 @@ class Relay:
         poller = zmq.Poller()
         poller.register(self.up, zmq.POLLIN)
         poller.register(self.down, zmq.POLLIN)
+        if self.hosts is not None:
+            poller.register(self.hosts, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(self._timeout_ms()))
@@ -138,6 +152,8 @@ class Relay:
                     self._from_notebook()
                 if self.down in events:
                     self._from_ranks()
+                if self.hosts is not None and self.hosts in events:
+                    self._from_hosts()
                 if self._holding() and self._ready():
                     self._send_up()
         except Exception as e:  # a bug here must not leave the host's ranks silent
@@ -145,6 +161,8 @@ class Relay:
         finally:
             self.up.close(linger=1000)  # a failure's report still goes out
             self.down.close()
+            if self.hosts is not None:
+                self.hosts.close()
             if os.path.exists(self._path):
                 os.unlink(self._path)
 
@@ -168,7 +186,7 @@ class Relay:
         self._send_up()
 
     def _holding(self) -> bool:
-        return bool(self._held or self._frames or self._groups)
+        return bool(self._held or self._joined or self._frames or self._groups)
 
     def _timeout_ms(self) -> int:
         if not self._holding():
@@ -200,8 +218,9 @@ class Relay:
                     unreachable.append(rank)
             for via, ranks in relayed.items():  # the command, naming that relay's ranks
                 try:
+                    assert self.hosts is not None  # (only a group relay learns such routes)
                     frame = json.dumps({**data, "to": ranks}).encode()
-                    self.down.send_multipart([via, frame], zmq.NOBLOCK)
+                    self.hosts.send_multipart([via, frame], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     unreachable.extend(ranks)
             for rank in unreachable:
@@ -213,9 +232,6 @@ class Relay:
 
         while self.down.poll(0, zmq.POLLIN):
             parts = self.down.recv_multipart()  # identity, json, maybe rows
-            if len(parts) > 2 and parts[1] in (JOINED, BATCH):
-                self._from_relay(parts)  # another host's relay (this is a group relay)
-                continue
             if len(parts) not in (2, 3):
                 continue
             data = checked(parts[1], self.key)
@@ -226,7 +242,17 @@ class Relay:
             rank = data.get("rank")
             if data.get("kind") == "hello" and isinstance(rank, int):
                 self._ranks.add(rank)
+                self._via.pop(rank, None)  # a local rank now
             self._hold((data, parts[1], parts[2] if len(parts) == 3 else b""), rank, run, finished)
+
+    def _from_hosts(self) -> None:
+        import zmq  # (the agent layer imports zmq only where it is used)
+
+        assert self.hosts is not None  # (polled only when there is one)
+        while self.hosts.poll(0, zmq.POLLIN):
+            parts = self.hosts.recv_multipart()  # identity, JOINED or BATCH, ...
+            if len(parts) > 2 and parts[1] in (JOINED, BATCH) and _RELAY.match(parts[0]):
+                self._from_relay(parts)
 
     def _from_relay(self, parts: list[bytes]) -> None:
         """Another host's relay's message: held to be joined, its hellos giving its ranks'
@@ -260,10 +286,14 @@ class Relay:
             if any(self._via.get(r) != via for r in theirs):
                 raise ValueError("rows or replies of ranks that relay does not serve")
         except ValueError:
-            self._forward(parts)
+            self._forward(parts, replies, done)
             return
+        self._start_holding()
         for data in replies:
-            self._relayed(via, data, json.dumps(data).encode(), b"")
+            del data["key"]
+            self._joined.append(data)
+            if data.get("kind") in ("done", "error", "unreachable") and type(data.get("id")) is int:
+                self._finished(data["id"], (data["rank"],))
         if joined is not None:
             self._start_holding()
             self._frames.append(joined)
@@ -283,14 +313,25 @@ class Relay:
         finished = data.get("kind") in ("done", "error", "unreachable") and isinstance(run, int)
         self._hold((data, frame, rows), rank, run, finished)
 
-    def _forward(self, parts: list[bytes]) -> None:
-        """Another relay's message, up as it came (the notebook keeps what is valid)."""
+    def _forward(self, parts: list[bytes], replies: list[dict], done: list[DoneGroup]) -> None:
+        """Another relay's message, up as it came (the notebook keeps what is valid), after
+        what is held (replies stay in order); its finished ranks hold nothing up any more."""
         import zmq  # (the agent layer imports zmq only where it is used)
 
+        if self._holding():
+            self._send_up()
         try:
             self.up.send_multipart(parts[1:], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the notebook is gone or not keeping up: its run notices the silence
+        finished = [(g.id, g.ranks) for g in done] + [
+            (d["id"], (d["rank"],))
+            for d in replies
+            if d.get("kind") in ("done", "error", "unreachable") and type(d.get("id")) is int
+        ]
+        for run, ranks in finished:
+            if (waiting := self._waiting.get(run)) is not None:
+                waiting.difference_update(ranks)
 
     def _start_holding(self) -> None:
         if not self._holding():
@@ -324,7 +365,13 @@ class Relay:
         for run in self._held_runs:
             if not self._waiting.get(run):
                 self._waiting.pop(run, None)
-        self._held, self._held_runs, self._frames, self._groups = [], set(), [], []
+        self._held, self._held_runs, self._joined, self._frames, self._groups = (
+            [],
+            set(),
+            [],
+            [],
+            [],
+        )
 
     def _messages(self) -> list[list[bytes]]:
         """What is held as one joined message; if some rank's rows are not valid, those
@@ -333,9 +380,9 @@ class Relay:
             return [self._message()]
         except Exception:  # (any: this must not fail) the notebook says whose rows it drops
             batch = [BATCH, *(part for _, frame, rows in self._held for part in (frame, rows))]
-            if not (self._frames or self._groups):
+            if not (self._joined or self._frames or self._groups):
                 return [batch]
-            self._held = []
+            self._held = []  # what other relays joined stays joined
             return [batch, self._message()]
 
     def _message(self) -> list[bytes]:
@@ -350,7 +397,7 @@ class Relay:
             {k: v for k, v in data.items() if k != "key"}
             for data, _, _ in self._held
             if not plain_done(data)
-        ]
+        ] + self._joined
         groups = [group.to_dict() for group in merged_groups(done_groups(plain) + self._groups)]
         header = json.dumps({"key": self.key, "replies": replies, "done": groups}).encode()
         return [JOINED, header, concat(frames) if frames else b""]

@@ -86,9 +86,9 @@ class DoneGroup:
             and isinstance(ranks, list)
             and isinstance(steps, list)
             and len(ranks) == len(steps)
-            and len(set(ranks)) == len(ranks)  # (a rank twice: not what a relay sends)
             and all(type(v) is int for v in ranks)
             and all(type(v) is int for v in steps)
+            and len(set(ranks)) == len(ranks)  # (a rank twice: not what a relay sends)
         ):
             return None
         return cls(run, stopped, attach, tuple(ranks), tuple(steps))
