@@ -18,7 +18,7 @@ from dtlab.analysis.ranks import label_ranks
 from dtlab.control.channel import Channel
 from dtlab.control.errors import DtlabError
 from dtlab.control.network import EVERYWHERE, LOOPBACK, is_loopback, listen_address, route_ip
-from dtlab.control.relays import fan_in, relay_at, relay_groups, relay_plan
+from dtlab.control.relays import FAN_IN_ENV, fan_in, relay_at, relay_groups, relay_plan
 
 CONNECT_TIMEOUT_S = 30.0
 
@@ -60,10 +60,7 @@ class Connection:
             )
             missing = channel.wait_connected(ranks, CONNECT_TIMEOUT_S)
             if missing:
-                raise DtlabError(
-                    f"{label_ranks(missing)} did not connect to the notebook's stepping "
-                    f"channel at {channel.address} (a firewall between the hosts?)"
-                )
+                raise DtlabError(_not_connected(missing, channel.address, relays, upstream))
         except BaseException:
             channel.close()
             raise
@@ -100,6 +97,26 @@ class Connection:
                 (relays, relay_groups(relays, per_group)),
             )
         return found[2]
+
+
+def _not_connected(
+    missing: set[int], address: str, relays: dict[int, int], upstream: dict[int, str]
+) -> str:
+    """What to say when ``missing`` ranks never said hello: the link they needed."""
+    behind = sorted(r for r in missing if relays.get(r) in upstream)
+    if not behind:
+        return (
+            f"{label_ranks(missing)} did not connect to the notebook's stepping channel at "
+            f"{address} (a firewall between the hosts?)"
+        )
+    via = sorted({upstream[relays[r]] for r in behind})
+    return (
+        f"{label_ranks(missing)} did not connect to the notebook's stepping channel; "
+        f"{label_ranks(behind)} send through the group relays at {', '.join(via)}, which "
+        "other hosts reach over TCP (a firewall between the hosts?). Set "
+        f"{FAN_IN_ENV}=1 to have each host's relay send straight to the notebook at "
+        f"{address}"
+    )
 
 
 def channel_hosts(session) -> tuple[str, str]:
