@@ -54,7 +54,7 @@ def test_every_rank_behind_the_group_relay_has_its_route(tree):
 
 def test_a_finished_run_of_every_host_comes_up_as_one_message(tree, monkeypatch):
     channel, _, ranks = tree
-    monkeypatch.setattr(relay_module, "HOLD_S", 10.0)  # no early send on a busy machine
+    monkeypatch.setattr(relay_module, "GROUP_HOLD_S", 10.0)  # no early send on a busy machine
     assert channel.send(range(12), RunRequest(id=3, steps=2)) == []
     for rank in ranks:
         request = rank.request()
@@ -159,7 +159,7 @@ def test_a_local_ranks_bad_rows_do_not_cost_another_hosts_rows_their_reply(tree,
     """Rank 1's rows are not a frame, so the group relay sends its replies as BATCH; what
     relay 4 joined (rank 5's error and rows) still goes up joined, rows with their reply."""
     channel, _, ranks = tree
-    monkeypatch.setattr(relay_module, "HOLD_S", 10.0)  # both in one message, on a busy machine
+    monkeypatch.setattr(relay_module, "GROUP_HOLD_S", 10.0)  # one message, on a busy machine too
     channel.send([1, 5], RunRequest(id=6, steps=1))
     for rank in (ranks[1], ranks[5]):
         assert rank.request().id == 6

@@ -37,7 +37,7 @@ hosts' relays send up through, over TCP on the address it reaches the notebook f
 ranks are all theirs. It learns which relay serves a rank from the hello that came through
 it, forwards a command to each relay naming that relay's ranks, and joins their JOINED
 messages (replies, done groups, rows) with its own ranks' into one: a run's replies wait
-until every rank of the group finished, or HOLD_S. A relay's message it cannot join (rows
+until every rank of the group finished, or GROUP_HOLD_S. A relay's message it cannot join (rows
 that are not a frame of that relay's ranks) goes up as it came, and the notebook keeps what
 is valid of it, as it would from that relay.
 """
@@ -68,6 +68,10 @@ from dtlab.records.wire import (
 
 _RELAY = re.compile(rb"^relay:\d+$")  # the identity of a host's relay (a group relay's peers)
 HOLD_S = 0.05  # a finished run's replies wait this long at most for the host's other ranks
+# ... and in a group relay for the group's other ranks: 8 hosts finish further apart than one
+# host's ranks, and the wait costs a run nothing while a rank is still stepping (the run
+# ends with its last rank); only a rank that never replies (dead) holds the others back
+GROUP_HOLD_S = 0.5
 POLL_MS = 50  # how often the thread looks at its stop flag
 
 
@@ -185,13 +189,16 @@ class Relay:
         self._held += [(reply, json.dumps(reply).encode(), b"") for reply in replies]
         self._send_up()
 
+    def _hold_s(self) -> float:
+        return HOLD_S if self.hosts is None else GROUP_HOLD_S
+
     def _holding(self) -> bool:
         return bool(self._held or self._joined or self._frames or self._groups)
 
     def _timeout_ms(self) -> int:
         if not self._holding():
             return POLL_MS
-        left = self._held_since + HOLD_S - time.monotonic()
+        left = self._held_since + self._hold_s() - time.monotonic()
         return max(0, min(POLL_MS, int(left * 1000) + 1))
 
     def _from_notebook(self) -> None:
@@ -349,8 +356,8 @@ class Relay:
         self._held_runs.add(run)
 
     def _ready(self) -> bool:
-        """Send now? Not while a held run's other local ranks may still finish (HOLD_S)."""
-        if time.monotonic() - self._held_since >= HOLD_S:
+        """Send now? Not while a held run's other ranks may still finish (HOLD_S)."""
+        if time.monotonic() - self._held_since >= self._hold_s():
             return True
         return not any(self._waiting.get(run) for run in self._held_runs)
 
