@@ -23,10 +23,12 @@ and the doctor's time and verdict over the whole trace. The fake ranks do no wor
 time is the notebook's and the transport's; they share the 2 cores with it, which the wall
 time includes.
 
-Each size runs twice in one go: every fake rank straight to the notebook (as jobs below
-$DTLAB_RELAY_AT do), then through a real relay per host (agent/relay.py, a thread per host
+Each size runs three times in one go: every fake rank straight to the notebook (as jobs
+below $DTLAB_RELAY_AT do); through a real relay per host (agent/relay.py, a thread per host
 in the helper processes, as on each host's first rank), where the notebook sends one
-command and gets one message per host.
+command and gets one message per host; and with those host relays joined by group relays
+(``--fan-in`` hosts each, as from $DTLAB_RELAY_FAN_IN host relays on; in a helper process
+of their own, reached over TCP), where the notebook gets one message per group.
 """
 
 from __future__ import annotations
