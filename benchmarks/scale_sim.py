@@ -192,6 +192,8 @@ class SimSession:
         for h in range(HELPERS):  # whole hosts to each helper
             hosts = sorted({self.infos[r].host for r in self.ranks})[h::HELPERS]
             mine = {r: a[3] for r, a in args.items() if self.infos[r].host in hosts}
+            if not mine:  # (fewer hosts than helpers)
+                continue
             ready = ctx.Event()
             helper = ctx.Process(
                 target=fake_ranks,
@@ -337,7 +339,7 @@ def main() -> None:
     )
     for ranks in args.ranks:
         target = 1.0 + 0.005 * ranks
-        hosts = ranks // args.per_host
+        hosts = -(-ranks // args.per_host)
         configs = {
             "straight": (0, 1),
             f"relayed ({hosts} hosts)": (args.per_host, 1),
