@@ -84,10 +84,12 @@ def test_a_rank_behind_another_hosts_relay_that_cannot_be_reached_is_reported(tr
     assert [(r.rank, r.id) for r in unreachable[:1]] == [(6, 9)]
 
 
-def test_a_message_the_group_relay_cannot_join_goes_up_as_it_came(tree):
-    """Rows naming a rank its sender does not serve: the group relay forwards the message
-    whole, and the notebook keeps the valid part (as from a relay of its own)."""
-    channel, relays, _ = tree
+def test_a_message_the_group_relay_cannot_join_goes_up_with_its_senders_replies_only(tree):
+    """Rows and a reply naming a rank its sender does not serve (rank 1, the group
+    relay's own): the group relay sends the message on its own, without that reply, and
+    the notebook keeps only the rows of the sender's rank; then, all of its run's ranks
+    having replied, a fault in the group relay is still reported."""
+    channel, relays, ranks = tree
     fake = zmq.Context.instance().socket(zmq.DEALER)  # another host's relay, as seen
     fake.setsockopt(zmq.IDENTITY, b"relay:20")
     fake.setsockopt(zmq.LINGER, 0)
@@ -101,15 +103,31 @@ def test_a_message_the_group_relay_cannot_join_goes_up_as_it_came(tree):
         send({"kind": "hello", "id": None, "rank": 20})
         assert channel.wait_connected([20], timeout=10) == set()
         assert channel.routes[20] == b"relay:0"
+        assert channel.send([20], RunRequest(id=4, steps=1)) == []
+        assert fake.poll(10_000)
+        assert json.loads(fake.recv_multipart()[-1])["to"] == [20]
         rows = concat([read_frame(packed(r, range(1, 2)), r) for r in (1, 20)])
-        send({"kind": "done", "id": 4, "rank": 20, "step": 1, "stopped": "steps"}, rows=rows)
+        send(
+            {"kind": "done", "id": 4, "rank": 20, "step": 1, "stopped": "steps"},
+            {"kind": "done", "id": 4, "rank": 1, "step": 1, "stopped": "steps"},  # not its
+            rows=rows,
+        )
         joined: list[HostRows] = []
-        got = replies(channel, 1, joined=joined)
+        got = replies(channel, 2, 2.0, joined=joined)
         assert [(r.rank, r.kind) for r in got] == [(20, "done")]
         assert [rows.ranks for rows in joined] == [frozenset({20})]
         trace = Trace({})
         assert trace.add_host(joined[0].data, joined[0].ranks) == [1]  # rank 1's: left out
         assert list(trace.records) == [20]
+
+        def broken() -> None:  # a fault planted in the group relay's thread
+            raise RuntimeError("planted")
+
+        relays[0]._from_ranks = broken  # type: ignore[method-assign]
+        ranks[0].say("progress", 4, step=1)
+        failed = replies(channel, 1)
+        assert failed and {r.kind for r in failed} == {"error"}
+        assert failed[0].error is not None and failed[0].error.ename == "RelayError"
     finally:
         fake.close()
 
@@ -195,6 +213,8 @@ def test_a_malformed_message_on_the_group_relays_port_is_dropped(tree):
             header = {"key": channel.key, "replies": [odd, 5], "done": [bad, "x"]}
             peer.send_multipart([JOINED, json.dumps(header).encode(), b""])
             peer.send_multipart([JOINED, b"{not json", b""])
+        odd_local = {"key": channel.key, "kind": "done", "id": 3, "rank": [1]}
+        ranks[1].socket.send_multipart([json.dumps(odd_local).encode()])  # from a local rank
         time.sleep(0.2)  # (nothing to wait on: they are dropped) then the relay still works
         assert channel.send([1, 6], RunRequest(id=7, steps=1)) == []
         for rank in (ranks[1], ranks[6]):

@@ -3,9 +3,10 @@
 At hundreds of ranks the notebook's cost of a step is mostly per message: each command is
 sent rank by rank and each reply received on its own. With relays (jobs of at least
 ``DTLAB_RELAY_AT`` ranks, 64 by default) the notebook sends a command once per host and
-gets a finished run's replies back as one message per host (progress replies are not
-held: they go up with whatever else is waiting). Each reply inside is still checked and
-handed to its run in Python: relays save the sends and receives, not that.
+gets a finished run's replies back as one message per host (progress replies are held
+only while a finished reply of the run is: otherwise they go up at once). Each reply
+inside is still checked and handed to its run in Python: relays save the sends and
+receives, not that.
 
 A relay is a thread of the host's lowest rank with two sockets:
 
@@ -37,9 +38,10 @@ hosts' relays send up through, over TCP on the address it reaches the notebook f
 ranks are all theirs. It learns which relay serves a rank from the hello that came through
 it, forwards a command to each relay naming that relay's ranks, and joins their JOINED
 messages (replies, done groups, rows) with its own ranks' into one: a run's replies wait
-until every rank of the group finished, or GROUP_HOLD_S. A relay's message it cannot join (rows
-that are not a frame of that relay's ranks) goes up as it came, and the notebook keeps what
-is valid of it, as it would from that relay.
+until every rank of the group finished, or GROUP_HOLD_S. A relay's message it cannot join
+(rows that are not a frame of that relay's ranks) goes up on its own, with only the
+replies of that relay's ranks and its rows as they came: the notebook keeps those ranks'
+rows alone and says whose it drops.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import tempfile
 import threading
 import time
 import traceback
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 from dtlab.records.packed import Frame, concat, read_frame
@@ -180,7 +183,7 @@ class Relay:
             "the next run connects the ranks again with new relays",
             "traceback": traceback.format_exc(),
         }
-        runs = list(self._waiting.items()) or [(None, set())]
+        runs = [(run, ranks) for run, ranks in self._waiting.items() if ranks] or [(None, set())]
         replies = [
             {"key": self.key, "kind": "error", "id": run, "rank": rank, "error": failure}
             for run, ranks in runs
@@ -209,9 +212,11 @@ class Relay:
             data = checked(parts[-1], self.key)
             if data is None:
                 continue  # not from our notebook
-            targets = [r for r in data.get("to") or () if isinstance(r, int)]
+            to = data.get("to")
+            targets = [r for r in to if type(r) is int] if isinstance(to, list) else []
             run = data.get("id") if data.get("op") == "run" else None
-            if isinstance(run, int):  # one run at a time: older ones are over
+            run = run if type(run) is int else None
+            if run is not None:  # one run at a time: older ones are over
                 self._waiting = {run: set(targets)}
             unreachable = []
             relayed: dict[bytes, list[int]] = {}
@@ -230,9 +235,10 @@ class Relay:
                     self.hosts.send_multipart([via, frame], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     unreachable.extend(ranks)
-            for rank in unreachable:
+            for rank in unreachable:  # (sent at once: the run's other ranks are stepping)
                 reply = {"key": self.key, "kind": "unreachable", "id": run, "rank": rank}
-                self._hold((reply, json.dumps(reply).encode(), b""), rank, run, finished=True)
+                self._hold((reply, json.dumps(reply).encode(), b""), rank, run, finished=False)
+                self._waiting.get(run, set()).discard(rank)
 
     def _from_ranks(self) -> None:
         import zmq  # (the agent layer imports zmq only where it is used)
@@ -244,10 +250,9 @@ class Relay:
             data = checked(parts[1], self.key)
             if data is None:
                 continue
-            run = data.get("id")
-            finished = data.get("kind") in ("done", "error") and isinstance(run, int)
-            rank = data.get("rank")
-            if data.get("kind") == "hello" and isinstance(rank, int):
+            run, rank, kind = data.get("id"), data.get("rank"), data.get("kind")
+            finished = kind in ("done", "error") and type(run) is int and type(rank) is int
+            if kind == "hello" and type(rank) is int:
                 self._ranks.add(rank)
                 self._via.pop(rank, None)  # a local rank now
             self._hold((data, parts[1], parts[2] if len(parts) == 3 else b""), rank, run, finished)
@@ -258,7 +263,7 @@ class Relay:
         assert self.hosts is not None  # (polled only when there is one)
         while self.hosts.poll(0, zmq.POLLIN):
             parts = self.hosts.recv_multipart()  # identity, JOINED or BATCH, ...
-            if len(parts) > 2 and parts[1] in (JOINED, BATCH) and _RELAY.match(parts[0]):
+            if len(parts) > 2 and parts[1] in (JOINED, BATCH) and _RELAY.fullmatch(parts[0]):
                 self._from_relay(parts)
 
     def _from_relay(self, parts: list[bytes]) -> None:
@@ -268,6 +273,8 @@ class Relay:
         if parts[1] == BATCH:  # (identity, BATCH, then each reply's JSON and rows)
             if len(parts) % 2:
                 return
+            if self._holding():  # (rare) its rows must not come up before those held
+                self._send_up()
             for frame, rows in zip(parts[2::2], parts[3::2], strict=True):
                 if (data := checked(frame, self.key)) is not None:
                     self._relayed(via, data, frame, rows)
@@ -279,7 +286,7 @@ class Relay:
         replies = [
             {"key": self.key, **data}
             for data in found
-            if isinstance(data, dict) and isinstance(data.get("rank"), int)
+            if isinstance(data, dict) and type(data.get("rank")) is int
         ]
         for data in replies:  # hellos first: the rows below may be of ranks new here
             if data.get("kind") == "hello":
@@ -293,7 +300,7 @@ class Relay:
             if any(self._via.get(r) != via for r in theirs):
                 raise ValueError("rows or replies of ranks that relay does not serve")
         except ValueError:
-            self._forward(parts, replies, done)
+            self._forward(via, parts[3], replies, done)
             return
         self._start_holding()
         for data in replies:
@@ -312,23 +319,34 @@ class Relay:
     def _relayed(self, via: bytes, data: dict, frame: bytes, rows: bytes) -> None:
         """A reply another host's relay sent up (checked for the key): held as a rank's."""
         rank, run = data.get("rank"), data.get("id")
-        if data.get("kind") == "hello" and isinstance(rank, int):
+        if type(rank) is not int:
+            return
+        if data.get("kind") == "hello":
             self._via[rank] = via
             self._ranks.add(rank)
-        elif not isinstance(rank, int) or self._via.get(rank) != via:
+        elif self._via.get(rank) != via:
             return  # not one of that relay's ranks
-        finished = data.get("kind") in ("done", "error", "unreachable") and isinstance(run, int)
+        finished = data.get("kind") in ("done", "error", "unreachable") and type(run) is int
         self._hold((data, frame, rows), rank, run, finished)
 
-    def _forward(self, parts: list[bytes], replies: list[dict], done: list[DoneGroup]) -> None:
-        """Another relay's message, up as it came (the notebook keeps what is valid), after
-        what is held (replies stay in order); its finished ranks hold nothing up any more."""
+    def _forward(self, via: bytes, rows: bytes, replies: list[dict], done: list[DoneGroup]) -> None:
+        """Another relay's message this cannot join (its rows are not a frame of its own
+        ranks): up after what is held (replies stay in order), with only the replies and
+        done groups of that relay's ranks, and its rows as they came; the notebook keeps
+        the rows of those ranks alone, and says whose it drops."""
         import zmq  # (the agent layer imports zmq only where it is used)
 
         if self._holding():
             self._send_up()
+        replies = [d for d in replies if self._via.get(d["rank"]) == via]
+        done = [g for g in (_own_part(g, self._via, via) for g in done) if g.ranks]
+        header = {
+            "key": self.key,
+            "replies": [{k: v for k, v in d.items() if k != "key"} for d in replies],
+            "done": [g.to_dict() for g in done],
+        }
         try:
-            self.up.send_multipart(parts[1:], zmq.NOBLOCK)
+            self.up.send_multipart([JOINED, json.dumps(header).encode(), rows], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the notebook is gone or not keeping up: its run notices the silence
         finished = [(g.id, g.ranks) for g in done] + [
@@ -390,7 +408,11 @@ class Relay:
             if not (self._joined or self._frames or self._groups):
                 return [batch]
             self._held = []  # what other relays joined stays joined
-            return [batch, self._message()]
+            try:
+                return [batch, self._message()]
+            except Exception:  # (checked when they came: not expected) their replies still go
+                self._frames, self._groups = [], []
+                return [batch, self._message()]
 
     def _message(self) -> list[bytes]:
         """The held replies as one JOINED message (ValueError if some rows are not valid)."""
@@ -408,6 +430,12 @@ class Relay:
         groups = [group.to_dict() for group in merged_groups(done_groups(plain) + self._groups)]
         header = json.dumps({"key": self.key, "replies": replies, "done": groups}).encode()
         return [JOINED, header, concat(frames) if frames else b""]
+
+
+def _own_part(group: DoneGroup, via: dict[int, bytes], relay: bytes) -> DoneGroup:
+    """The group's ranks (and steps) that ``relay`` serves."""
+    pairs = [(r, s) for r, s in zip(group.ranks, group.steps, strict=True) if via.get(r) == relay]
+    return replace(group, ranks=tuple(r for r, _ in pairs), steps=tuple(s for _, s in pairs))
 
 
 def facing_ip(address: str) -> str:
