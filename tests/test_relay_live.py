@@ -112,3 +112,34 @@ def test_a_host_relay_behind_the_group_relay_killed_mid_run_is_named(dt, monkeyp
     dt.restart(None)
     dt.step(2)  # new ranks, new relays
     assert dt.stepper.channel.routes.get(3) == b"relay:0"
+
+
+def test_group_relays_no_host_can_reach_are_left_out_with_a_warning(dt, monkeypatch):
+    """Rank 0's group relay starts but gives an address nobody listens on (a firewall, as
+    seen from the other hosts): ranks 2-3 never connect, so the ranks connect again without
+    group relays, the warning says why, and later runs do not try again."""
+    from dtlab.control import connection
+
+    monkeypatch.setattr(connection, "relay_plan", lambda infos, at: {0: 0, 1: 0, 2: 2, 3: 2})
+    monkeypatch.setenv("DTLAB_RELAY_FAN_IN", "2")
+    monkeypatch.setattr(connection, "CONNECT_TIMEOUT_S", 8.0)
+    dt.execute(
+        "import dtlab.agent.stepping as stepping\n"
+        "real_open = stepping.open_group_relay\n"
+        "def unreachable(address, key, rank):\n"
+        "    real_open(address, key, rank)\n"
+        "    return 'tcp://127.0.0.1:9'\n"
+        "stepping.open_group_relay = unreachable",
+        ranks=[0],
+    )
+    dt.stepper.connection.close()  # (an earlier test may have left it connected so)
+    try:
+        with pytest.warns(UserWarning, match="ranks 2-3 send through the group relays at"):
+            dt.step(2)
+        routes = dt.stepper.channel.routes
+        assert [routes.get(r) for r in range(4)] == [b"relay:0", b"relay:0", b"relay:2", b"relay:2"]
+        channel = dt.stepper.channel
+        dt.step(1)  # no second try
+        assert dt.stepper.channel is channel
+    finally:
+        dt.execute("stepping.open_group_relay = real_open", ranks=[0])

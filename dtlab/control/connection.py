@@ -12,6 +12,7 @@ hosts' relays send up to) when there are group relays.
 from __future__ import annotations
 
 import socket
+import warnings
 
 from dtlab.agent import api
 from dtlab.analysis.ranks import label_ranks
@@ -34,20 +35,40 @@ class Connection:
         self.plan: Plan = ({}, {})  # how the connected ranks reach the channel ({}: straight)
         self._planned: tuple[object, tuple[int, int], Plan] | None = None  # (infos, env, plan)
         self.relay_failed = False  # a relay said it failed: reconnect before the next run
+        self._no_groups: tuple[object, tuple[int, int]] | None = None  # (infos, env) they failed
 
     def connect(self) -> None:
         """Connect the ranks to a new Channel, unless connected already the way the job's
         size asks (a changed $DTLAB_RELAY_AT or $DTLAB_RELAY_FAN_IN takes effect at the next
-        run, and a relay that failed is replaced)."""
+        run, and a relay that failed is replaced). If group relays cannot be started or
+        reached, the ranks connect without them (a warning says why) until the ranks or
+        those settings change."""
         plan = self._plan()
         if self.channel is not None:
             if plan == self.plan and not self.relay_failed:
                 return
             self.close()
+        try:
+            self._connect(plan)
+        except _GroupRelaysFailed as e:
+            warnings.warn(
+                f"{e}. Connecting without group relays instead (each host's relay sends "
+                f"straight to the notebook) until the ranks or ${FAN_IN_ENV} change; set "
+                f"{FAN_IN_ENV}=1 to skip trying them",
+                stacklevel=3,
+            )
+            assert self._planned is not None  # (_plan made it)
+            self._no_groups = (self._planned[0], self._planned[1])
+            self._connect(self._plan())
+
+    def _connect(self, plan: Plan) -> None:
         relays, groups = plan
         channel = Channel(*channel_hosts(self.session))
         try:
-            upstream = self._open_group_relays(channel, groups)
+            try:
+                upstream = self._open_group_relays(channel, groups)
+            except DtlabError as e:
+                raise _GroupRelaysFailed(f"the group relays could not start: {e}") from e
             ranks = self.session.ranks
             self.session.run_each(
                 api.serve,
@@ -60,7 +81,10 @@ class Connection:
             )
             missing = channel.wait_connected(ranks, CONNECT_TIMEOUT_S)
             if missing:
-                raise DtlabError(_not_connected(missing, channel.address, relays, upstream))
+                said = _not_connected(missing, channel.address, relays, upstream)
+                if any(relays.get(r) in upstream for r in missing):
+                    raise _GroupRelaysFailed(said)
+                raise DtlabError(said)
         except BaseException:
             channel.close()
             raise
@@ -86,17 +110,22 @@ class Connection:
 
     def _plan(self) -> Plan:
         """(relay_plan, relay_groups) of the session's ranks, worked out again only when
-        they or the settings changed (a launch replaces ``session.infos``; 0.2 ms at 512)."""
+        they or the settings changed (a launch replaces ``session.infos``; 0.2 ms at 512);
+        no group relays while they failed for these ranks and settings."""
         infos, at, per_group = self.session.infos, relay_at(), fan_in()
         found = self._planned
         if found is None or found[0] is not infos or found[1] != (at, per_group):
             relays = relay_plan(infos, at)
-            found = self._planned = (
-                infos,
-                (at, per_group),
-                (relays, relay_groups(relays, per_group)),
-            )
+            plan = (relays, relay_groups(relays, per_group))
+            found = self._planned = (infos, (at, per_group), plan)
+        failed = self._no_groups
+        if failed is not None and failed[0] is infos and failed[1] == (at, per_group):
+            return (found[2][0], {})
         return found[2]
+
+
+class _GroupRelaysFailed(DtlabError):
+    """Group relays could not be started, or some ranks could not reach theirs."""
 
 
 def _not_connected(
@@ -113,9 +142,7 @@ def _not_connected(
     return (
         f"{label_ranks(missing)} did not connect to the notebook's stepping channel; "
         f"{label_ranks(behind)} send through the group relays at {', '.join(via)}, which "
-        "other hosts reach over TCP (a firewall between the hosts?). Set "
-        f"{FAN_IN_ENV}=1 to have each host's relay send straight to the notebook at "
-        f"{address}"
+        "other hosts reach over TCP (a firewall between the hosts?)"
     )
 
 
