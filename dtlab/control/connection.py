@@ -68,6 +68,8 @@ class Connection:
             try:
                 upstream = self._open_group_relays(channel, groups)
             except DtlabError as e:
+                if getattr(e, "dead_ranks", ()):  # a dead rank: not the group relays' doing
+                    raise
                 raise _GroupRelaysFailed(f"the group relays could not start: {e}") from e
             ranks = self.session.ranks
             self.session.run_each(
