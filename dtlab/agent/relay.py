@@ -75,6 +75,7 @@ HOLD_S = 0.05  # a finished run's replies wait this long at most for the host's 
 # host's ranks, and the wait costs a run nothing while a rank is still stepping (the run
 # ends with its last rank); only a rank that never replies (dead) holds the others back
 GROUP_HOLD_S = 0.5
+HEARTBEAT_MS = 2000  # TCP links between hosts: a silent peer is dropped after 5 of these
 POLL_MS = 50  # how often the thread looks at its stop flag
 
 
@@ -99,6 +100,8 @@ class Relay:
         self.up = context.socket(zmq.DEALER)
         self.up.setsockopt(zmq.IDENTITY, f"relay:{rank}".encode())
         self.up.setsockopt(zmq.LINGER, 0)
+        self.up.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)  # a peer gone without a word
+        self.up.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5 * HEARTBEAT_MS)  # (its host down): dropped
         self.down = context.socket(zmq.ROUTER)
         self.down.setsockopt(zmq.LINGER, 0)
         self.down.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a rank gone -> an error, not a drop
@@ -110,7 +113,9 @@ class Relay:
             self.down.bind(self.local)  # (libzmq replaces a stale file of a killed relay)
             if self.hosts is not None:  # on the interface this host reaches the notebook by
                 self.hosts.setsockopt(zmq.LINGER, 0)
-                self.hosts.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                self.hosts.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a relay gone: unreachable
+                self.hosts.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+                self.hosts.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5 * HEARTBEAT_MS)
                 ip = facing_ip(upstream)
                 self.remote = f"tcp://{ip}:{self.hosts.bind_to_random_port(f'tcp://{ip}')}"
             self.up.connect(upstream)
@@ -142,6 +147,9 @@ class Relay:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     # --- the thread --------------------------------------------------------------------
     def _serve(self) -> None:

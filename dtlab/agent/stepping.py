@@ -78,7 +78,13 @@ def open_group_relay(address: str, key: str, rank: int) -> str:
 
 def _opened_for(key: str, rank: int) -> bool:
     relay = RANK.relay
-    return relay is not None and relay.key == key and relay.rank == rank and bool(relay.remote)
+    return (
+        relay is not None
+        and relay.key == key
+        and relay.rank == rank
+        and bool(relay.remote)
+        and relay.alive()
+    )
 
 
 def stop_serving(keep_relay: bool = False) -> None:
