@@ -119,3 +119,20 @@ def test_the_channel_hands_each_reply_its_rows_and_drops_what_is_not_ours():
     finally:
         rank.close()
         channel.close()
+
+
+def test_done_groups_of_several_relays_merge_by_run_stop_and_attach_count():
+    from dtlab.records.wire import DoneGroup, merged_groups
+
+    merged = merged_groups(
+        [
+            DoneGroup(3, "steps", 1, (0, 1), (5, 5)),
+            DoneGroup(3, "steps", 1, (8, 9), (5, 5)),
+            DoneGroup(3, "pause", 1, (16,), (4,)),  # stopped otherwise: a group of its own
+            DoneGroup(3, "steps", 1, (1, 17), (6, 5)),  # rank 1 again: its first kept
+        ]
+    )
+    assert merged == [
+        DoneGroup(3, "steps", 1, (0, 1, 8, 9, 17), (5, 5, 5, 5, 5)),
+        DoneGroup(3, "pause", 1, (16,), (4,)),
+    ]
