@@ -34,16 +34,29 @@ def test_steps_go_through_the_hosts_relay_and_records_arrive_whole(dt):
     assert len(losses) == 4  # each rank's own record, not one copied
 
 
-def test_the_relay_rank_killed_mid_run_is_named_and_nothing_hangs(dt):
-    dt.step(1)
-    assert dt.stepper.channel.routes.get(3) == b"relay:0"
-    dt.execute(f"dtlab.inject.kill_at(step={dt.trace.last_step + 2})", ranks=[0])
+def killed_mid_run(dt, rank: int) -> RankError:
+    """The error of a run in which ``rank`` is killed; within 60 s, naming it dead."""
+    dt.execute(f"dtlab.inject.kill_at(step={dt.trace.last_step + 2})", ranks=[rank])
     t0 = time.monotonic()
     with pytest.raises(RankError) as failed:
         dt.step(5)
     assert time.monotonic() - t0 < 60
-    assert failed.value.dead_ranks == (0,), str(failed.value)
-    assert "rank 0 died" in str(failed.value)
+    assert failed.value.dead_ranks == (rank,), str(failed.value)
+    return failed.value
+
+
+def as_two_hosts(monkeypatch) -> None:
+    """Ranks 0-1 and 2-3 taken as two hosts, their relays joined by rank 0's group relay."""
+    from dtlab.control import connection
+
+    monkeypatch.setattr(connection, "relay_plan", lambda infos, at: {0: 0, 1: 0, 2: 2, 3: 2})
+    monkeypatch.setenv("DTLAB_RELAY_FAN_IN", "2")
+
+
+def test_the_relay_rank_killed_mid_run_is_named_and_nothing_hangs(dt):
+    dt.step(1)
+    assert dt.stepper.channel.routes.get(3) == b"relay:0"
+    assert "rank 0 died" in str(killed_mid_run(dt, 0))
     dt.restart(None)
     dt.step(2)  # new ranks, a new relay
     assert dt.stepper.channel.routes.get(3) == b"relay:0"
@@ -69,10 +82,7 @@ def test_a_relay_that_fails_ends_the_run_naming_it_and_the_next_run_has_a_new_on
 def test_two_hosts_relays_joined_by_a_group_relay_carry_steps_and_records(dt, monkeypatch):
     """The ranks' hosts as if ranks 0-1 and 2-3 were two machines: rank 2's host relay
     connects to rank 0's group relay over TCP; the notebook sees one relay for all."""
-    from dtlab.control import connection
-
-    monkeypatch.setattr(connection, "relay_plan", lambda infos, at: {0: 0, 1: 0, 2: 2, 3: 2})
-    monkeypatch.setenv("DTLAB_RELAY_FAN_IN", "2")
+    as_two_hosts(monkeypatch)
     dt.step(2)
     channel = dt.stepper.channel
     assert {r: channel.routes.get(r) for r in range(4)} == {r: b"relay:0" for r in range(4)}
@@ -97,18 +107,10 @@ def test_two_hosts_relays_joined_by_a_group_relay_carry_steps_and_records(dt, mo
 
 
 def test_a_host_relay_behind_the_group_relay_killed_mid_run_is_named(dt, monkeypatch):
-    from dtlab.control import connection
-
-    monkeypatch.setattr(connection, "relay_plan", lambda infos, at: {0: 0, 1: 0, 2: 2, 3: 2})
-    monkeypatch.setenv("DTLAB_RELAY_FAN_IN", "2")
+    as_two_hosts(monkeypatch)
     dt.step(1)
     assert dt.stepper.channel.routes.get(3) == b"relay:0"
-    dt.execute(f"dtlab.inject.kill_at(step={dt.trace.last_step + 2})", ranks=[2])
-    t0 = time.monotonic()
-    with pytest.raises(RankError) as failed:
-        dt.step(5)
-    assert time.monotonic() - t0 < 60
-    assert failed.value.dead_ranks == (2,), str(failed.value)
+    killed_mid_run(dt, 2)
     dt.restart(None)
     dt.step(2)  # new ranks, new relays
     assert dt.stepper.channel.routes.get(3) == b"relay:0"
@@ -120,8 +122,7 @@ def test_group_relays_no_host_can_reach_are_left_out_with_a_warning(dt, monkeypa
     group relays, the warning says why, and later runs do not try again."""
     from dtlab.control import connection
 
-    monkeypatch.setattr(connection, "relay_plan", lambda infos, at: {0: 0, 1: 0, 2: 2, 3: 2})
-    monkeypatch.setenv("DTLAB_RELAY_FAN_IN", "2")
+    as_two_hosts(monkeypatch)
     monkeypatch.setattr(connection, "CONNECT_TIMEOUT_S", 8.0)
     dt.execute(
         "import dtlab.agent.stepping as stepping\n"
