@@ -280,6 +280,8 @@ def measure(ranks: int, steps: int, per_host: int = 0, fan_in: int = 1) -> dict:
         walls, cpus, ingest = [], [], []
         gc.collect()
         rss_before = psutil.Process().memory_info().rss
+        groups = psutil.Process(session.helpers[0].pid) if session.leaders else None
+        relay_cpu = sum(groups.cpu_times()[:2]) if groups is not None else 0.0
         for _ in range(steps):
             took[0] = 0.0
             t0, c0 = time.perf_counter(), time.process_time()
@@ -287,6 +289,8 @@ def measure(ranks: int, steps: int, per_host: int = 0, fan_in: int = 1) -> dict:
             walls.append(time.perf_counter() - t0)
             cpus.append(time.process_time() - c0)
             ingest.append(took[0])
+        if groups is not None:  # what a group relay costs the rank it runs on, a step
+            relay_cpu = (sum(groups.cpu_times()[:2]) - relay_cpu) / steps / len(session.leaders)
         gc.collect()
         grown = psutil.Process().memory_info().rss - rss_before
         trace = session.stepper.trace
@@ -317,6 +321,7 @@ def measure(ranks: int, steps: int, per_host: int = 0, fan_in: int = 1) -> dict:
         "doctor_s": doctor,
         "named": named(findings, session.planted),
         "bytes_per_record": grown / (ranks * steps),
+        "group_relay_ms": relay_cpu * 1e3,
     }
 
 
@@ -360,7 +365,13 @@ def main() -> None:
                 f"parts), of which decode and store {m['ingest_us']:.1f} us per "
                 f"rank-record, notebook memory {m['bytes_per_record']:.0f} B per "
                 f"rank-record; doctor over the trace {m['doctor_s']:.2f} s, planted problems "
-                "named: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in m["named"].items()),
+                "named: "
+                + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in m["named"].items())
+                + (
+                    f"; each group relay's CPU (on its rank) {m['group_relay_ms']:.2f} ms a step"
+                    if fan_in > 1 and m["group_relay_ms"]
+                    else ""
+                ),
                 flush=True,
             )
 
