@@ -276,7 +276,7 @@ class Relay:
 
     def _from_relay(self, parts: list[bytes]) -> None:
         """Another host's relay's message: held to be joined, its hellos giving its ranks'
-        route; one this cannot join goes up as it came."""
+        route; one this cannot join goes up on its own (:meth:`_forward`)."""
         via = parts[0]
         if parts[1] == BATCH:  # (identity, BATCH, then each reply's JSON and rows)
             if len(parts) % 2:
