@@ -89,10 +89,11 @@ def test_pull_and_push(ip, launched, capsys):
         ip.run_line_magic("dt_pull", "undefined_name")
 
 
-def test_status_shows_each_rank(ip, launched, capsys):
+def test_status_shows_each_rank_and_how_they_reach_the_notebook(ip, launched, capsys):
+    launched.stepper.connect()  # (as the first step does)
     ip.run_line_magic("dt_status", "")
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "2 ranks, gloo"
+    assert lines[0] == "2 ranks, gloo; stepping: every rank straight to the notebook"
     assert lines[2].split()[:2] == ["0", "idle"] and lines[3].split()[:2] == ["1", "idle"]
 
 

@@ -237,3 +237,20 @@ def test_ranks_that_never_connect_through_a_group_relay_are_told_that_link():
     assert "firewall" in said
     plain = _not_connected({1}, "tcp://10.0.0.9:5000", relays, upstream)
     assert "group relay" not in plain and "at tcp://10.0.0.9:5000" in plain
+
+
+def test_how_the_ranks_reach_the_notebook_is_said_in_words():
+    from dtlab.control.connection import Connection
+
+    connection = Connection(session=None)
+    assert connection.describe() is None  # not connected
+    connection.channel = Channel()
+    try:
+        assert connection.describe() == "stepping: every rank straight to the notebook"
+        relays = {r: r - r % 8 for r in range(64)}
+        connection.plan = (relays, {})
+        assert connection.describe() == "stepping: through 8 host relays"
+        connection.plan = (relays, {r: 0 for r in range(0, 64, 8)})
+        assert connection.describe() == "stepping: through 8 host relays, joined by 1 group relay"
+    finally:
+        connection.close()

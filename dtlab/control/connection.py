@@ -92,6 +92,19 @@ class Connection:
             raise
         self.channel, self.plan, self.relay_failed = channel, plan, False
 
+    def describe(self) -> str | None:
+        """How the ranks reach the notebook now, in words (None: not connected)."""
+        if self.channel is None:
+            return None
+        relays, groups = self.plan
+        if not relays:
+            return "stepping: every rank straight to the notebook"
+        hosts, joined = len(set(relays.values())), len(set(groups.values()))
+        said = f"stepping: through {hosts} host relay{'s' * (hosts != 1)}"
+        if joined:
+            said += f", joined by {joined} group relay{'s' * (joined != 1)}"
+        return said
+
     def close(self) -> None:
         if self.channel is not None:
             self.channel.close()
