@@ -5,9 +5,10 @@
 :mod:`dtlab.records.run_folder`) adds a level-0 part, written to a temporary name and
 renamed, so a run killed mid-write leaves every part it finished and no half file. When
 ``MERGE_AT`` parts in a row share a level they are merged into one part of the next level
-(as a log-structured store does), unless that part would pass ``MAX_PART_ROWS``: each record is
-rewritten at most twice (65k-row parts, then 500k-row ones), and 512 ranks x 100k steps
-leave ~90 files of 20-40 MB.
+(as a log-structured store does), unless that part would pass ``MAX_PART_ROWS``: each
+record is rewritten at most twice (parts of 65k+ rows make ~0.5M-row ones, and those
+~4M-row ones while 8 fit under the cap), so 512 ranks x 100k steps leave tens of files,
+not thousands.
 A merge streams its parts batch by batch, so a long run's big merges need no more memory
 than a small one's; the row groups it writes carry step statistics, so reading a range of
 steps back (``Trace.read_steps``) skips the rest.

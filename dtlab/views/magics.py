@@ -111,7 +111,7 @@ class DtlabMagics(Magics):
 
     @line_magic
     def dt_status(self, line):
-        """Each rank: idle, busy or dead; and how the ranks reach the notebook."""
+        """Each rank: idle, busy or dead; once they stepped, how they reach the notebook."""
         session = current_session()
         title = f"{session.world_size} ranks, {session.backend}"
         jobs = session.engines.job_ids()
