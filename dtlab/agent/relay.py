@@ -55,7 +55,6 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import replace
 from urllib.parse import urlsplit
 
 from dtlab.records.packed import Frame, concat, read_frame
@@ -347,7 +346,8 @@ class Relay:
         if self._holding():
             self._send_up()
         replies = [d for d in replies if self._via.get(d["rank"]) == via]
-        done = [g for g in (_own_part(g, self._via, via) for g in done) if g.ranks]
+        theirs = {r for r, served_by in self._via.items() if served_by == via}
+        done = [g for g in (g.only(theirs) for g in done) if g.ranks]
         header = {
             "key": self.key,
             "replies": [{k: v for k, v in d.items() if k != "key"} for d in replies],
@@ -440,16 +440,14 @@ class Relay:
         return [JOINED, header, concat(frames) if frames else b""]
 
 
-def _own_part(group: DoneGroup, via: dict[int, bytes], relay: bytes) -> DoneGroup:
-    """The group's ranks (and steps) that ``relay`` serves."""
-    pairs = [(r, s) for r, s in zip(group.ranks, group.steps, strict=True) if via.get(r) == relay]
-    return replace(group, ranks=tuple(r for r, _ in pairs), steps=tuple(s for _, s in pairs))
-
-
 def facing_ip(address: str) -> str:
     """This host's IP on the interface that reaches ``address`` (``tcp://host:port``; no
     packet is sent): where a group relay listens for the other hosts' relays."""
-    host = urlsplit(address).hostname or "127.0.0.1"
+    return route_ip(urlsplit(address).hostname or "127.0.0.1")
+
+
+def route_ip(host: str) -> str:
+    """This machine's address on the interface that routes to ``host`` (no packet sent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((host, 9))
         return probe.getsockname()[0]

@@ -18,7 +18,6 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import replace
 from typing import NamedTuple
 
 import zmq
@@ -143,21 +142,11 @@ class Channel:
         ranks = {reply["rank"] for reply, _ in got.replies[kept:]}
         groups = header.get("done")
         for group in map(DoneGroup.from_dict, groups if isinstance(groups, list) else ()):
-            if group is not None and (group := self._own(group, route)).ranks:
+            if group is not None and (group := group.only(self.relayed.get(route, ()))).ranks:
                 got.done.append(group)
                 ranks.update(group.ranks)
         if rows:  # kept for the ranks whose replies were taken (and only those)
             got.rows.append(HostRows(frozenset(ranks), rows))
-
-    def _own(self, group: DoneGroup, route: bytes) -> DoneGroup:
-        """The group, without ranks that relay does not serve."""
-        routes = self.routes
-        if self.relayed.get(route, set()).issuperset(group.ranks):
-            return group
-        pairs = [
-            (r, s) for r, s in zip(group.ranks, group.steps, strict=True) if routes.get(r) == route
-        ]
-        return replace(group, ranks=tuple(r for r, _ in pairs), steps=tuple(s for _, s in pairs))
 
     def _take(
         self, reply: dict, rows: bytes, route: bytes | None, replies: list[tuple[dict, bytes]]

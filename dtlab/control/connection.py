@@ -15,10 +15,11 @@ import socket
 import warnings
 
 from dtlab.agent import api
+from dtlab.agent.relay import route_ip
 from dtlab.analysis.ranks import label_ranks
 from dtlab.control.channel import Channel
 from dtlab.control.errors import DtlabError
-from dtlab.control.network import EVERYWHERE, LOOPBACK, is_loopback, listen_address, route_ip
+from dtlab.control.network import EVERYWHERE, LOOPBACK, is_loopback, listen_address
 from dtlab.control.relays import FAN_IN_ENV, fan_in, relay_at, relay_groups, relay_plan
 
 CONNECT_TIMEOUT_S = 30.0

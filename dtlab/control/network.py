@@ -46,10 +46,3 @@ def listen_address(listen: str) -> str:
 
 def is_loopback(address: str) -> bool:
     return ipaddress.IPv4Address(address).is_loopback
-
-
-def route_ip(host: str) -> str:
-    """This machine's address on the interface that routes to ``host`` (no packet sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((host, 9))
-        return probe.getsockname()[0]

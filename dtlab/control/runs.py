@@ -127,11 +127,8 @@ class Run:
     def handle_done(self, group: DoneGroup) -> None:
         """A relayed host's plain done replies at once (as :meth:`handle` would each)."""
         pending = self.pending
-        if pending.issuperset(group.ranks):  # (nearly always)
-            ranks, steps = group.ranks, group.steps
-        else:
-            pairs = [(r, s) for r, s in zip(group.ranks, group.steps, strict=True) if r in pending]
-            ranks, steps = tuple(r for r, _ in pairs), tuple(s for _, s in pairs)
+        group = group.only(pending)
+        ranks, steps = group.ranks, group.steps
         if not ranks:
             return
         self.host.note_attach(ranks, group.attach)

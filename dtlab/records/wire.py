@@ -16,6 +16,7 @@ record. :func:`frames` and :func:`reply_from` are the two ends.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -62,6 +63,19 @@ class DoneGroup:
             RankReply("done", self.id, rank, step=step, attach=self.attach, stopped=self.stopped)
             for rank, step in zip(self.ranks, self.steps, strict=True)
         ]
+
+    def only(self, ranks: Collection[int]) -> DoneGroup:
+        """The group, without the ranks not in ``ranks`` (itself when it has none)."""
+        if all(rank in ranks for rank in self.ranks):
+            return self
+        pairs = [(r, s) for r, s in zip(self.ranks, self.steps, strict=True) if r in ranks]
+        return DoneGroup(
+            self.id,
+            self.stopped,
+            self.attach,
+            tuple(r for r, _ in pairs),
+            tuple(s for _, s in pairs),
+        )
 
     def to_dict(self) -> dict:
         return {
