@@ -89,11 +89,13 @@ def describe_job():
 
 
 def rank_now():
-    """(RankInfo as of now, InitialState of the attached job or None)."""
+    """(RankInfo as of now, InitialState of the attached job or None, its JobInfo as of
+    now: a script job's says which observations were switched off since it began)."""
     from dtlab.agent.job import current
     from dtlab.agent.rendezvous import describe_now
 
-    return describe_now(), current().initial
+    job = current()
+    return describe_now(), job.initial, job.info_now()
 
 
 # --- stepping and records ----------------------------------------------------------------

@@ -70,26 +70,37 @@ def _engine_step(original):
         observer = RANK.observer
         if observer is None:
             return original(self, *args, **kwargs)
-        boundary = _at_boundary(self)
-        if boundary:
-            _before_update(observer, self)
-        steps = self.global_steps
-        # the scale this step's backward passes used, as for a GradScaler: step() lowers it
-        # on overflow (DeepSpeed logs "Attempted loss scale: S, reducing to S/2")
-        scale = _loss_scale(self) if boundary else None
+        before = observer.observe("deepspeed", _before_step, observer, self)
         t0 = time.perf_counter()
         out = original(self, *args, **kwargs)
         observer = RANK.observer  # read again: it may have been uninstalled meanwhile
-        if observer is not None and self.global_steps != steps and observer.marker is self:
-            observer.last_scale = scale
-            if not observer.explicit:
-                observer.optimizer_s = time.perf_counter() - t0
-                observer.steps_marked += 1
-                observer.boundary("step" if self.was_step_applied() else "skipped", self)
+        if observer is not None and before is not None:
+            observer.observe("deepspeed", _after_step, observer, self, *before, t0)
         return out
 
     step.__wrapped__ = original
     return step
+
+
+def _before_step(observer, engine) -> tuple[int, float | None]:
+    """Before ``step()``: the update's own work if it is a boundary; (the engine's steps,
+    the scale this step's backward passes used: step() lowers it on overflow, as
+    DeepSpeed logs "Attempted loss scale: S, reducing to S/2")."""
+    boundary = _at_boundary(engine)
+    if boundary:
+        _before_update(observer, engine)
+    return engine.global_steps, (_loss_scale(engine) if boundary else None)
+
+
+def _after_step(observer, engine, steps: int, scale: float | None, t0: float) -> None:
+    """After ``step()``: a boundary when the engine's steps moved (an update, or a step the
+    fp16 loss scaler skipped)."""
+    if engine.global_steps != steps and observer.marker is engine:
+        observer.last_scale = scale
+        if not observer.explicit:
+            observer.optimizer_s = time.perf_counter() - t0
+            observer.steps_marked += 1
+            observer.boundary("step" if engine.was_step_applied() else "skipped", engine)
 
 
 def _before_update(observer, engine) -> None:
@@ -134,7 +145,7 @@ def _engine_backward(original):
             observer.in_engine_backward -= 1
         observer = RANK.observer
         if observer is not None and isinstance(out, torch.Tensor) and out.numel() == 1:
-            observer.draft.losses.append(out.detach().reshape(()))
+            observer.observe("backward", observer.add_loss, out.detach().reshape(()))
         return out
 
     backward.__wrapped__ = original

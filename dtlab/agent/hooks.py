@@ -7,11 +7,27 @@
   and its replay); ~10-20% of a step, so only while asked for;
 - :class:`CommCounter`: a DDP comm hook that counts the gradient all-reduces (calls,
   bytes) and then does what DDP does by default.
+
+A forward hook of dtlab's does nothing where :func:`hidden` says the forward is not the
+script's own to observe.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def hidden() -> bool:
+    """Is a forward running now none of dtlab's business? Inside ``backward()`` (the
+    recompute of activation checkpointing), under a TorchDispatchMode (selective
+    checkpointing caches the ops it sees and replays them in the recompute: one of
+    dtlab's would be replayed in place of the script's; FlopCounterMode; fake tensors)
+    or while dynamo traces (compiled code would run dtlab's ops every call)."""
+    return (
+        torch.compiler.is_compiling()
+        or torch._C._current_graph_task_id() != -1
+        or torch._C._len_torch_dispatch_stack() > 0
+    )
 
 
 class ModuleWatcher:
@@ -39,7 +55,7 @@ class ModuleWatcher:
 
     def _hook(self, name: str):
         def check(module, inputs, output):
-            if self.first_bad is None and not _all_finite(output):
+            if self.first_bad is None and not hidden() and not _all_finite(output):
                 self.first_bad = name
 
         return check
@@ -80,6 +96,8 @@ class OutputRecorder:
         from dtlab.agent.recorder import fingerprints
 
         def keep(module, inputs, output):
+            if hidden():
+                return
             tensors = output if isinstance(output, (tuple, list)) else (output,)
             prints = fingerprints([t for t in tensors if isinstance(t, torch.Tensor)])
             self.prints.append((name, hash(tuple(prints)) & ((1 << 63) - 1)))

@@ -112,6 +112,21 @@ def slow_data(seconds: float) -> None:
     job._next_batch = slower
 
 
+def fail_observation(name: str | None, step: int = 1) -> None:
+    """Make dtlab's own observation ``name`` of a script (a key of
+    ``dtlab.agent.step_observer.OBSERVATIONS``: "forward", "backward", "optimizer", "data
+    loader", "scaler", "gradients", ...) raise from ``step`` on, here, to see dtlab switch
+    it off and the script go on; call before ``%dt_script``. None: no observation fails."""
+    from dtlab.agent.step_observer import OBSERVATIONS
+
+    if name is None:
+        RANK.fault_observations.clear()
+        return
+    if name not in OBSERVATIONS:
+        raise ValueError(f"no observation {name!r}: one of {', '.join(OBSERVATIONS)}")
+    RANK.fault_observations[name] = int(step)
+
+
 def set_env(name: str, value: str) -> None:
     """Set an environment variable here only (a mismatched setting)."""
     os.environ[name] = value

@@ -19,7 +19,7 @@ import torch
 
 from dtlab.agent import fsdp1, nonfinite, recorder, rng
 from dtlab.agent.data_stream import DataStream, describe_data
-from dtlab.agent.hooks import CommCounter, ModuleWatcher, OutputRecorder, ReachedParams
+from dtlab.agent.hooks import CommCounter, ModuleWatcher, OutputRecorder, ReachedParams, hidden
 from dtlab.agent.state import RANK
 from dtlab.records import (
     InitialState,
@@ -150,6 +150,10 @@ class Job:
             data=self._data_kind(),
             find_unused_parameters=getattr(self.model, "find_unused_parameters", None),
         )
+
+    def info_now(self) -> JobInfo:
+        """``info``, with what changed since the job was attached (a script job's)."""
+        return self.info
 
     def _param_infos(self) -> tuple[ParamInfo, ...]:
         if self.flat is not None:  # the original parameters, whole
@@ -366,7 +370,7 @@ class Job:
     def _snapshot_buffers(self, module, inputs) -> None:
         """Buffers as this step's forward sees them: after DDP's buffer broadcast (which
         runs before the wrapped module), before the forward updates them on this rank."""
-        if self._recording and not self._buffer_prints:  # the first micro-batch only:
+        if self._recording and not self._buffer_prints and not hidden():  # the first only:
             # inside no_sync() DDP does not broadcast buffers before the last one
             buffers = [b for _, b in self.module.named_buffers()]
             self._buffer_prints = tuple(recorder.fingerprints(buffers))

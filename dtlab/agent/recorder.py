@@ -200,8 +200,11 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return total
 
 
-def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of this rank's optimizer state (ZeroRedundancyOptimizer: its shard's)."""
+def optimizer_bytes(optimizer) -> int:
+    """Bytes of this rank's optimizer state (ZeroRedundancyOptimizer: its shard's); of
+    each, given a list of optimizers (a container's)."""
+    if isinstance(optimizer, (list, tuple)):
+        return sum(optimizer_bytes(o) for o in optimizer)
     optimizer = getattr(optimizer, "optim", optimizer)
     return tensor_bytes(
         value

@@ -2,10 +2,18 @@
 ``ScriptEnded``, ``ScriptFailed``), and how its model, scheduler and scaler are found.
 
 :mod:`dtlab.agent.script` runs the script (``ScriptRun``); at the first optimizer step it
-makes a ``ScriptJob`` from what the script made by then: the module owning the
-optimizer's parameters (seen through DDP / FSDP / compile wrappers), the scheduler of that
-optimizer and a GradScaler, found among the objects the script's frames can reach. The
-stepping channel steps it like any job; a step runs the script to its next boundary.
+makes a ``ScriptJob`` from what the script made by then:
+
+- the optimizers that update the parameters: the one stepped, or, when it is a container
+  or a wrapper (an ``Optimizer`` holding others, as torchtitan's OptimizersContainer and
+  accelerate's AcceleratedOptimizer do), the ones inside it, which carry the LR;
+- the model: the modules owning those optimizers' parameters (seen through DDP / FSDP /
+  compile wrappers), among the modules that ran forward and the objects the script's
+  frames reach (inside lists, tuples and dicts: a trainer's ``model_parts``); a model
+  held in parts that no one module owns is one ``ModelParts`` for dtlab;
+- the scheduler of those optimizers and a GradScaler, found the same way.
+
+The stepping channel steps it like any job; a step runs the script to its next boundary.
 """
 
 from __future__ import annotations
@@ -15,13 +23,14 @@ import os
 import sys
 import time
 import types
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
 
 from dtlab.agent import deepspeed_observe, recorder, rng, script_observe
 from dtlab.agent import job as jobs
-from dtlab.records import StepRecord, StepTimes
+from dtlab.records import StepMemory, StepRecord, StepTimes
 
 
 class ScriptEnded(jobs.JobEnded):
@@ -71,13 +80,19 @@ class ScriptJob(jobs.Job):
     def __init__(self, run, optimizer):
         engine = optimizer if deepspeed_observe.is_engine(optimizer) else None
         self.engine = engine  # (read by the parameter hooks below, from Job.__init__ on)
+        # the optimizers that update the parameters (a container's inner ones), for the LR
+        # and the optimizer state; the observer tells, at each step, which ones stepped
+        self.updaters: list = []
         if engine is not None:  # the engine wraps the model; its optimizer holds partitions
             model, optimizer = engine, deepspeed_observe.inner_optimizer(engine)
             scheduler, scaler = engine.lr_scheduler, None
         else:
-            model = _find_model(run, optimizer)
-            scheduler = _find_scheduler(run, optimizer)
-            scaler = _find_instance(run, torch.amp.GradScaler)
+            self.updaters = inner_optimizers(optimizer) if optimizer is not None else []
+            stepped = [o for o in (optimizer, *self.updaters) if o is not None]
+            objects = _frames_objects(run)
+            model = _find_model(run, stepped, objects)
+            scheduler = _find_scheduler(objects, stepped)
+            scaler = next((o for o in objects if isinstance(o, torch.amp.GradScaler)), None)
         super().__init__(
             model,
             optimizer or _ParamsOnly.no_optimizer(model),
@@ -89,6 +104,17 @@ class ScriptJob(jobs.Job):
         )
         self.run = run
         self.info = replace(self.info, data=self._data_kind())
+        if self.updaters:
+            inner = [type(o).__name__ for o in self.updaters]
+            named = ", ".join(f"{n} x{inner.count(n)}" for n in dict.fromkeys(inner))
+            self.info = replace(self.info, optimizer=f"{type(optimizer).__name__} ({named})")
+        # which model part a module's forward runs (its wrappers' too): micro-batches
+        parts = model.parts if isinstance(model, ModelParts) else [model]
+        self._parts: dict[int, int] = {}
+        for i, part in enumerate(parts):
+            for m in (part, getattr(part, "module", None), getattr(part, "_orig_mod", None)):
+                if isinstance(m, torch.nn.Module):
+                    self._parts.setdefault(id(m), i)
         if engine is not None:
             self.info = replace(
                 self.info,
@@ -100,6 +126,11 @@ class ScriptJob(jobs.Job):
         self.output: list[str] = []
         self.initial = self._initial_state()
         self._rngs = rng.fingerprints() if run.record else ()
+
+    def info_now(self):
+        """Also the observations switched off since the script began."""
+        off = tuple((name, step) for name, step, _ in self.run.observer.switched_off)
+        return replace(self.info, unobserved=off) if off else self.info
 
     def _param_infos(self):
         if self.engine is None:
@@ -156,26 +187,60 @@ class ScriptJob(jobs.Job):
             missing.remove(i)
         return recorder.grad_fields(norms, bad, missing, prints)
 
+    def part_of(self, module) -> int | None:
+        """The model part ``module`` runs (0 for a model in one piece), else None."""
+        for m in (module, getattr(module, "_orig_mod", None), getattr(module, "module", None)):
+            part = self._parts.get(id(m)) if m is not None else None
+            if part is not None:
+                return part
+        return None
+
+    def _lr(self, draft) -> float | None:
+        """The LR the update used: DeepSpeed's, read before it, else that of the first
+        optimizer that updated parameters (inside a container: its own param groups may
+        carry none, or a stale one)."""
+        lr = draft.lr
+        updaters = self.run.observer.updaters or self.updaters or [self.optimizer]
+        for optimizer in updaters if lr is None else ():
+            if optimizer.param_groups and "lr" in optimizer.param_groups[0]:
+                lr = optimizer.param_groups[0]["lr"]
+                break
+        if isinstance(lr, torch.Tensor) and lr.numel() == 1:  # a tensor LR (capturable)
+            lr = float(lr)
+        return float(lr) if isinstance(lr, (int, float)) else None
+
+    def _memory(self):
+        if self.engine:
+            return deepspeed_observe.step_memory(self.engine, self.device, self._buffer_bytes())
+        held = self.updaters or self.optimizer
+        return recorder.memory(self.params, held, self.device, self._buffer_bytes())
+
     def finish_step(self, skipped: bool) -> StepRecord:
-        """Inside the script, at its step boundary: what this step did, kept and returned."""
+        """Inside the script, at its step boundary: what this step did, kept and returned.
+        Each measurement is one of the observer's observations: one that fails is left out
+        from then on (noted), and the step is still recorded."""
         observer = self.run.observer
         draft = observer.take_draft()
         record = observer.recording
         t0 = time.perf_counter()
-        lr = draft.lr
-        if lr is None and self.optimizer.param_groups:
-            lr = self.optimizer.param_groups[0].get("lr")
-        grads = self._grad_fields(draft.early_grads) if record else {}
+        lr = self._lr(draft)
+        grads = (
+            observer.observe("gradients", self._grad_fields, draft.early_grads) if record else {}
+        )
         unreached = self.reached.stop()  # watched from the last boundary (not step 1's)
         self.step_count += 1
-        params = self._param_fields() if record else {}
+        params = observer.observe("parameters", self._param_fields) if record else {}
+        memory = observer.observe("memory", self._memory) or StepMemory(
+            recorder.rss_bytes(), 0, 0, 0
+        )
+        loss, micro = observer.step_loss(draft, self.part_of)
         epoch = draft.passes[0][1] if draft.passes else getattr(self, "_epoch", 0)
         self._epoch = draft.passes[-1][1] if draft.passes else epoch
         rec = StepRecord(
             step=self.step_count,
             time=time.time(),
-            loss=observer.loss(draft),
-            lr=float(lr) if isinstance(lr, (int, float)) else None,
+            loss=loss,
+            lr=lr,
             scale=getattr(observer, "last_scale", None),
             skipped=skipped,
             times=StepTimes(
@@ -185,11 +250,7 @@ class ScriptJob(jobs.Job):
                 observer.optimizer_s,
                 time.perf_counter() - t0,
             ),
-            memory=(
-                deepspeed_observe.step_memory(self.engine, self.device, self._buffer_bytes())
-                if self.engine
-                else recorder.memory(self.params, self.optimizer, self.device, self._buffer_bytes())
-            ),
+            memory=memory,
             indices=tuple(draft.indices),
             epoch=epoch,
             epoch_starts=tuple(pos for pos, _ in draft.passes[1:]),
@@ -197,14 +258,14 @@ class ScriptJob(jobs.Job):
             nonfinite_found=(
                 "watched during the step" if self.watcher.first_bad else draft.nonfinite[1]
             ),
-            micro_batches=draft.backward_calls,
+            micro_batches=micro,
             synced_micro_batches=draft.synced_calls if draft.ddp_seen else None,
             input_fingerprints=tuple(draft.input_prints),
             unreached=unreached,
             rng=self._rngs,
             module_outputs=tuple(self.outputs.prints) if self.recording_outputs else (),
-            **grads,
-            **params,
+            **(grads or {}),
+            **(params or {}),
         )
         self.records.append(rec)
         if observer.recording:
@@ -214,19 +275,35 @@ class ScriptJob(jobs.Job):
 
 # --- finding what the script made ----------------------------------------------------------
 
+_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
+_SKIPPED = (type, types.ModuleType, types.FunctionType, *_PROXIES)
+MAX_ITEMS = 200  # of one list, dict or object's attributes looked into
 
-def _frames_objects(run):
+
+def _frames_objects(run) -> list:
     """Objects the script can reach from where it is now: the locals of every frame of
-    the script's greenlet, the script's globals, and one attribute level below them (a
-    Trainer's ``self.model``)."""
+    the script's greenlet and the script's globals, one attribute level below them (a
+    Trainer's ``self.model``), and inside the lists, tuples and dicts met on the way (a
+    trainer's ``self.model_parts``). Never a dead weak proxy (touching one raises)."""
     seen: dict[int, object] = {}
 
     def add(value, depth: int) -> None:
-        if id(value) in seen or isinstance(value, (type, types.ModuleType, types.FunctionType)):
+        kind = type(value)  # type() never dereferences a proxy; isinstance may
+        if id(value) in seen or issubclass(kind, _SKIPPED):
             return
         seen[id(value)] = value
-        if depth and not isinstance(value, torch.nn.Module) and hasattr(value, "__dict__"):
-            for inner in list(vars(value).values())[:200]:
+        if issubclass(kind, (list, tuple)):
+            for inner in value[:MAX_ITEMS]:
+                add(inner, depth)
+        elif issubclass(kind, dict):
+            for inner in list(value.values())[:MAX_ITEMS]:
+                add(inner, depth)
+        elif depth and not issubclass(kind, torch.nn.Module):
+            try:
+                attributes = list(vars(value).values())[:MAX_ITEMS]
+            except TypeError:  # no __dict__
+                return
+            for inner in attributes:
                 add(inner, depth - 1)
 
     frame = sys._getframe()
@@ -239,42 +316,97 @@ def _frames_objects(run):
     return list(seen.values())
 
 
+def inner_optimizers(optimizer) -> list:
+    """The optimizers an optimizer holds and steps (a container's list of them, a
+    wrapper's one), innermost first found; [] for a plain optimizer."""
+    found: list = []
+
+    def look(value, depth: int) -> None:
+        if depth > 3:
+            return
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        if isinstance(value, dict):
+            values = tuple(value.values())
+        for v in values[:MAX_ITEMS]:
+            if v is optimizer or not isinstance(v, torch.optim.Optimizer):
+                continue
+            inner = inner_optimizers(v) if depth < 3 else []
+            for o in inner or [v]:
+                if o not in found:
+                    found.append(o)
+
+    for name, value in vars(optimizer).items():
+        if name in ("state", "param_groups", "defaults") or type(value) in _PROXIES:
+            continue
+        look(value, 1)
+    return found
+
+
+class ModelParts(torch.nn.Module):
+    """A model the script holds in parts (a trainer's ``model_parts``, a pipeline's
+    stages on one rank), none of which owns all the trained parameters: one module for
+    dtlab, its parts named ``part0``, ``part1``... (the script's modules are not
+    changed: this only refers to them)."""
+
+    def __init__(self, parts):
+        super().__init__()
+        self.parts = list(parts)
+        for i, part in enumerate(self.parts):
+            self.add_module(f"part{i}", part)
+
+
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return getattr(module, "_orig_mod", module)  # torch.compile's wrapper
 
 
-def _find_model(run, optimizer) -> torch.nn.Module:
-    """The module owning most of the optimizer's parameters; the outermost such (DDP
-    around the model), so that the job sees the wrapper and names the inner model's."""
-    wanted = {id(p) for g in (optimizer.param_groups if optimizer else []) for p in g["params"]}
-    found = [o for o in _frames_objects(run) if isinstance(o, torch.nn.Module)]
-    if wanted and not any(id(p) in wanted for m in found for p in m.parameters()):
-        found = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]  # slow, once
+def _modules_in(objects) -> list[torch.nn.Module]:
+    return [o for o in objects if issubclass(type(o), torch.nn.Module)]
 
-    def score(m):
-        params = list(m.parameters())
-        return (sum(id(p) in wanted for p in params) if wanted else len(params), len(params))
 
-    best = max(found, key=score, default=None)
-    if best is None or (wanted and score(best)[0] == 0):
-        return _ParamsOnly(optimizer)
-    for m in found:  # a wrapper holding exactly it (DDP's .module, compile's _orig_mod)
-        if getattr(m, "module", None) is best or getattr(m, "_orig_mod", None) is best:
-            return _unwrap(m) if getattr(m, "_orig_mod", None) is best else m
+def _find_model(run, optimizers, objects) -> torch.nn.Module:
+    """The modules owning the optimizers' parameters, the fewest that cover them (one,
+    unless the model is held in parts), each the outermost such (DDP around the model),
+    so that the job sees the wrapper and names the inner model's. Looked for among the
+    modules that ran forward and those the script's frames reach, else, once, among every
+    module the garbage collector knows."""
+    wanted = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
+    ran = [m for m, *_ in run.observer.draft.forwards]
+    found = list({id(m): m for m in [*ran, *_modules_in(objects)]}.values())
+    owned = {id(m): {id(p) for p in m.parameters()} for m in found}
+    if wanted and not any(owned[id(m)] & wanted for m in found):
+        found = _modules_in(gc.get_objects())  # slow, once; type() is safe on anything
+        owned = {id(m): {id(p) for p in m.parameters()} for m in found}
+    if not wanted:  # no optimizer: the module with the most parameters
+        best = max(found, key=lambda m: len(owned[id(m)]), default=None)
+        return _outermost(best, found) if best is not None else _ParamsOnly(optimizers[0])
+    parts, left = [], set(wanted)
+    while left:
+        best = max(found, key=lambda m: (len(owned[id(m)] & left), len(owned[id(m)])), default=None)
+        if best is None or not owned[id(best)] & left:
+            break
+        parts.append(_outermost(best, found))
+        left -= owned[id(best)]
+    if not parts:
+        return _ParamsOnly(optimizers[0])
+    return parts[0] if len(parts) == 1 else ModelParts(parts)
+
+
+def _outermost(best: torch.nn.Module, found) -> torch.nn.Module:
+    """A wrapper holding exactly ``best`` (DDP's .module), else ``best`` itself, seen
+    through torch.compile's wrapper."""
+    for m in found:
+        if getattr(m, "module", None) is best:
+            return m
     return _unwrap(best)
 
 
-def _find_scheduler(run, optimizer):
+def _find_scheduler(objects, optimizers):
     from torch.optim.lr_scheduler import LRScheduler
 
-    for o in _frames_objects(run):
-        if isinstance(o, LRScheduler) and getattr(o, "optimizer", None) is optimizer:
+    for o in objects:
+        if isinstance(o, LRScheduler) and any(o.optimizer is x for x in optimizers):
             return o
     return None
-
-
-def _find_instance(run, cls):
-    return next((o for o in _frames_objects(run) if isinstance(o, cls)), None)
 
 
 class _ParamsOnly(torch.nn.Module):
@@ -283,7 +415,7 @@ class _ParamsOnly(torch.nn.Module):
 
     def __init__(self, optimizer):
         super().__init__()
-        for g, group in enumerate(optimizer.param_groups):
+        for g, group in enumerate(optimizer.param_groups if optimizer is not None else ()):
             for i, p in enumerate(group["params"]):
                 self.register_parameter(f"group{g}_param{i}", p)
 

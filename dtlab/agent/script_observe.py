@@ -26,6 +26,20 @@ while a script runs on this rank (``install(observer)``; ``uninstall()`` at its 
 Each wrapper does nothing but call the original when no observer is installed, so a
 module that bound one while a script ran stays correct after it ended. The events go to
 the installed :class:`dtlab.agent.step_observer.Observer` (``RANK.observer``).
+
+dtlab never breaks the script it watches:
+
+- every observation runs guarded (``Observer.observe``): an exception of dtlab's own inside
+  one switches that observation off for the rest of the run (``Observer.switch_off``: one
+  note naming it, the step and the error; the doctor says "not checked" for what it fed)
+  and the script goes on as under torchrun. The script's own calls (the original
+  ``backward``, ``step``, ``__next__``) are never inside the guard: their exceptions are
+  the script's;
+- a forward dtlab sees only where it is the script's own (``hooks.hidden``): a forward
+  run inside ``backward()`` (activation checkpointing's recompute), under a
+  ``TorchDispatchMode`` (selective checkpointing's caching mode, FlopCounterMode, fake
+  tensors) or while ``torch.compile`` traces is left alone, so no op of dtlab's is
+  recorded, replayed or compiled.
 """
 
 from __future__ import annotations
@@ -37,6 +51,7 @@ import time
 import torch
 
 from dtlab.agent import deepspeed_observe
+from dtlab.agent.hooks import hidden
 from dtlab.agent.state import RANK
 from dtlab.agent.step_observer import Observer
 
@@ -110,27 +125,37 @@ def _patch(owner, name: str, wrapper_factory) -> None:
 def _pre_hook(optimizer, args, kwargs):
     observer = RANK.observer
     if observer is not None:
-        observer.on_pre_step(optimizer)
+        observer.observe("optimizer", observer.on_pre_step, optimizer)
     return None  # never replace the step's arguments
 
 
 def _post_hook(optimizer, args, kwargs) -> None:
     observer = RANK.observer
     if observer is not None:
-        observer.on_post_step(optimizer)
+        observer.observe("optimizer", observer.on_post_step, optimizer)
 
 
 def _forward_pre(module, inputs) -> None:
+    if torch.compiler.is_compiling():
+        return  # first: dynamo traces this hook into a compiled region, and drops it here
     observer = RANK.observer
-    if observer is not None:
-        _watch_deepspeed(observer)
-        observer.on_forward_pre(module, inputs)
+    if observer is None or "forward" in observer.off:
+        return
+    seen = not hidden()
+    observer.forward_seen.append(seen)
+    if seen:
+        observer.observe("deepspeed", _watch_deepspeed, observer)
+        observer.observe("forward", observer.on_forward_pre, module, inputs)
 
 
 def _forward_post(module, inputs, output) -> None:
+    if torch.compiler.is_compiling():
+        return
     observer = RANK.observer
-    if observer is not None:
-        observer.on_forward_post()
+    if observer is None or "forward" in observer.off or not observer.forward_seen:
+        return
+    if observer.forward_seen.pop():
+        observer.observe("forward", observer.on_forward_post)
 
 
 def _backward(original):
@@ -138,15 +163,15 @@ def _backward(original):
         observer = RANK.observer
         if observer is None:
             return original(tensors, *args, **kwargs)
-        _watch_deepspeed(observer)
+        observer.observe("deepspeed", _watch_deepspeed, observer)
         t0 = time.perf_counter()
         observer.enter_backward()
         try:
             out = original(tensors, *args, **kwargs)
         finally:
             observer.leave_backward()
-        observer.on_backward(tensors, time.perf_counter() - t0)
-        observer.flush_deferred()
+        observer.observe("backward", observer.on_backward, tensors, time.perf_counter() - t0)
+        observer.observe("optimizer", observer.flush_deferred)
         return out
 
     backward.__wrapped__ = original
@@ -167,8 +192,8 @@ def _scaler_step(original):
         out = original(self, optimizer, *args, **kwargs)
         observer = RANK.observer  # read again: it may have been uninstalled meanwhile
         if observer is not None:
-            observer.last_scale = _scale_of(self)
-            observer.on_scaler_step_done(optimizer, before)
+            observer.observe("scaler", _note_scale, observer, self)
+            observer.observe("optimizer", observer.on_scaler_step_done, optimizer, before)
         return out
 
     return step
@@ -179,13 +204,22 @@ def _scaler_scale(original):
         out = original(self, outputs)
         observer = RANK.observer
         if observer is not None and isinstance(out, torch.Tensor) and out.numel() == 1:
-            value = _scale_of(self)
-            if value:
-                observer._scaled[id(out)] = value
-                observer.last_scale = value
+            observer.observe("scaler", _note_scaled, observer, self, out)
         return out
 
     return scale
+
+
+def _note_scale(observer: Observer, scaler) -> None:
+    observer.last_scale = _scale_of(scaler)
+
+
+def _note_scaled(observer: Observer, scaler, loss) -> None:
+    """A loss the scaler scaled: backward() divides its value back."""
+    value = _scale_of(scaler)
+    if value:
+        observer._scaled[id(loss)] = value
+        observer.last_scale = value
 
 
 def _scale_of(scaler) -> float | None:
@@ -208,9 +242,8 @@ def _loader_init(original):
     def __init__(self, loader, *args, **kwargs):
         observer = RANK.observer
         if observer is not None:  # before the original: worker prefetch draws indices
-            self._dtlab_pass = observer.on_new_pass(loader)
-            self._dtlab_indices = collections.deque()
-            observer.iterators.add(self)
+            observer.observe("data loader", _begin_pass, observer, self, loader)
+            observer.iterators.add(self)  # (not an observation: its workers end with it)
         original(self, loader, *args, **kwargs)
 
     return __init__
@@ -220,19 +253,24 @@ def _loader_reset(original):
     def _reset(self, loader, first_iter=False):
         observer = RANK.observer
         if observer is not None and not first_iter:  # persistent workers: a new pass
-            self._dtlab_pass = observer.on_new_pass(loader)
-            self._dtlab_indices = collections.deque()
+            observer.observe("data loader", _begin_pass, observer, self, loader)
         return original(self, loader, first_iter)
 
     return _reset
+
+
+def _begin_pass(observer: Observer, iterator, loader) -> None:
+    iterator._dtlab_pass = observer.on_new_pass(loader)
+    iterator._dtlab_indices = collections.deque()
 
 
 def _loader_next_index(original):
     def _next_index(self):
         index = original(self)
         queue = getattr(self, "_dtlab_indices", None)
-        if queue is not None:  # prefetching workers draw ahead: batches come in order
-            queue.append(index)
+        observer = RANK.observer
+        if queue is not None and observer is not None and "data loader" not in observer.off:
+            queue.append(index)  # prefetching workers draw ahead: batches come in order
         return index
 
     return _next_index
@@ -245,11 +283,15 @@ def _loader_next(original):
         t0 = time.perf_counter()
         data = original(self)
         spent = time.perf_counter() - t0
-        queue = getattr(self, "_dtlab_indices", None)
-        index = queue.popleft() if queue else None
         observer = RANK.observer  # read again: it may have been uninstalled meanwhile
         if observer is not None:
-            observer.on_batch(index, getattr(self, "_dtlab_pass", 0), spent)
+            observer.observe("data loader", _took_batch, observer, self, spent)
         return data
 
     return __next__
+
+
+def _took_batch(observer: Observer, iterator, seconds: float) -> None:
+    queue = getattr(iterator, "_dtlab_indices", None)
+    index = queue.popleft() if queue else None
+    observer.on_batch(index, getattr(iterator, "_dtlab_pass", 0), seconds)

@@ -119,6 +119,10 @@ class RankState:
     # this rank is killed mid-exchange in the next re-partition (inject.die_in_repartition);
     # cleared by the re-partition that meets it
     fault_repartition_die: bool = False
+    # dtlab's observations of a script (step_observer.OBSERVATIONS) that raise on purpose,
+    # name -> the step (from 1) from which they do (inject.fail_observation); read by
+    # Observer.observe, kept until changed
+    fault_observations: dict[str, int] = field(default_factory=dict)
 
     def clear_rendezvous(self) -> None:
         """The rank left its group (rendezvous.leave): no store, plan or device."""

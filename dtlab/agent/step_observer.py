@@ -5,6 +5,10 @@
 their events here: optimizer steps (the step boundaries), ``backward()`` calls and their
 losses, forwards while recording, DataLoader batches. The Observer adds them up in a
 ``StepDraft`` until the boundary's owner takes it.
+
+Each event is one of dtlab's *observations* (``OBSERVATIONS``), run through
+:meth:`Observer.observe`: one that raises is switched off for the rest of the run, with a
+note, instead of breaking the script.
 """
 
 from __future__ import annotations
@@ -18,6 +22,22 @@ import torch
 
 from dtlab.agent.data_stream import describe_data
 from dtlab.agent.nonfinite import rng_state as nonfinite_rng
+from dtlab.agent.state import RANK
+
+# dtlab's observations of a step it does not own, and what each one records
+OBSERVATIONS = {
+    "optimizer": "the step boundaries (the script runs on without pausing)",
+    "backward": "the loss, micro-batches and backward time",
+    "forward": "forward time, the model's input fingerprints, where an inf/nan came from",
+    "data loader": "sample indices, epochs and the time spent waiting for data",
+    "scaler": "the loss scale and the steps a GradScaler skipped",
+    "deepspeed": "DeepSpeed's engine steps",
+    "gradients": "gradient norms and fingerprints",
+    "parameters": "parameter fingerprints",
+    "memory": "memory",
+    "update size": "the size of each rank's update",
+    "output": "the script's output",
+}
 
 
 @dataclass
@@ -25,6 +45,7 @@ class StepDraft:
     """What one step did so far (reset at each boundary)."""
 
     losses: list = field(default_factory=list)  # detached loss tensors, already unscaled
+    loss_at: list = field(default_factory=list)  # per loss: how many forwards came before
     backward_calls: int = 0
     synced_calls: int = 0  # backward calls after a DDP forward that synchronises
     ddp_seen: bool = False
@@ -77,6 +98,62 @@ class Observer:
         self._kwarg_hooks: dict[int, object] = {}  # id(outermost module) -> kwargs hook
         self.deepspeed = False  # DeepSpeedEngine's step and backward are wrapped
         self.in_engine_backward = 0  # inside DeepSpeedEngine.backward: it records the loss
+        self.steps_done = 0  # boundaries made after a step (the step running is this + 1)
+        self.off: set[str] = set()  # observations switched off after they failed
+        self.switched_off: list[tuple[str, int, str]] = []  # (name, step, error), in order
+        # per forward call in progress, outermost first: whether dtlab observes it (one
+        # inside backward, a dispatch mode or compilation is not)
+        self.forward_seen: list[bool] = []
+        # optimizers stepped inside the marking one's step (a container's, a wrapper's
+        # inner optimizers): those that update the parameters; set at each marking step
+        self.updaters: list = []
+        self._marker_open = False
+        # the last step whose model forwards were seen: its micro-batches, and whether it
+        # called backward() more often than that (a chunked loss)
+        self._micro, self._chunked = 0, False
+
+    def observe(self, name: str, fn, *args):
+        """``fn(*args)``, part of the observation ``name`` (a key of OBSERVATIONS); an
+        exception inside it switches that observation off for the run instead of reaching
+        the script. Nothing is done (None) once it is off."""
+        if name in self.off:
+            return None
+        try:
+            if RANK.fault_observations:
+                self._planted_fault(name)
+            return fn(*args)
+        except Exception as error:  # noqa: BLE001 - dtlab's own failure, never the script's
+            self.switch_off(name, error)
+            return None
+
+    def _planted_fault(self, name: str) -> None:
+        """A failure made on purpose (``dtlab.inject.fail_observation``)."""
+        at = RANK.fault_observations.get(name)
+        if at is not None and self.steps_done + 1 >= at:
+            raise RuntimeError(f"planted fault in dtlab's {name} observation")
+
+    def switch_off(self, name: str, error: BaseException) -> None:
+        """Observation ``name`` failed: off for the rest of the run, said once."""
+        import os
+        import traceback
+
+        if name in self.off:
+            return
+        self.off.add(name)
+        step = self.steps_done + 1
+        frames = traceback.extract_tb(error.__traceback__)
+        where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+        what = f"{type(error).__name__}: {error}"
+        self.switched_off.append((name, step, what))
+        if name == "forward":
+            self.forward_seen.clear()
+            self._depth = 0
+        self.note(
+            f"dtlab's {name} observation failed at step {step} ({what}{where}); it is off "
+            f"for the rest of this run and the script goes on unchanged. Not recorded from "
+            f"then on: {OBSERVATIONS.get(name, name)}; the doctor says 'not checked' where "
+            "it needed them"
+        )
 
     def boundary(self, kind: str, optimizer) -> None:
         """A step boundary. One reached inside ``backward()`` (an optimizer stepped from a
@@ -94,6 +171,11 @@ class Observer:
                 )
             self._deferred.append((kind, optimizer))
             return
+        self._boundary_now(kind, optimizer)
+
+    def _boundary_now(self, kind: str, optimizer) -> None:
+        if kind != "pre":
+            self.steps_done += 1
         self._make_boundary(kind, optimizer)
 
     def enter_backward(self) -> None:
@@ -106,7 +188,7 @@ class Observer:
         """After the outermost backward() returned: the boundaries reached inside it."""
         while self._deferred and not self._backward_depth:
             kind, optimizer = self._deferred.pop(0)
-            self._make_boundary(kind, optimizer)
+            self._boundary_now(kind, optimizer)
 
     # --- optimizer ----------------------------------------------------------------------
     def stepping(self, optimizer) -> None:
@@ -121,6 +203,10 @@ class Observer:
             self.boundary("pre", optimizer)
 
     def on_pre_step(self, optimizer) -> None:
+        if optimizer is self.marker:
+            self._marker_open, self.updaters = True, []
+        elif self._marker_open and optimizer not in self.updaters:
+            self.updaters.append(optimizer)  # stepped by the marking one: it updates
         self.stepping(optimizer)
         if optimizer is self.marker and self.recording and not self.draft.nonfinite[1]:
             self._locate_nonfinite()  # before the update: the parameters are the forward's
@@ -131,6 +217,8 @@ class Observer:
 
     def on_post_step(self, optimizer) -> None:
         self._post_seen += 1
+        if optimizer is self.marker:
+            self._marker_open = False
         if optimizer is self.marker and not self.explicit:
             self.optimizer_s = time.perf_counter() - self._opt_t0
             self.steps_marked += 1
@@ -193,6 +281,11 @@ class Observer:
         self._depth = 0  # a forward that raised never closed
         return draft
 
+    def add_loss(self, value: torch.Tensor) -> None:
+        """A micro-batch's loss (a detached 0-d tensor), after the forwards so far."""
+        self.draft.losses.append(value)
+        self.draft.loss_at.append(len(self.draft.forwards))
+
     # --- backward -----------------------------------------------------------------------
     def on_backward(self, tensors, seconds: float) -> None:
         d = self.draft
@@ -207,7 +300,7 @@ class Observer:
         if isinstance(first, torch.Tensor) and first.numel() == 1:
             scale = self._scaled.pop(id(first), None)
             value = first.detach().reshape(())
-            d.losses.append(value / scale if scale else value)
+            self.add_loss(value / scale if scale else value)
 
     def loss(self, draft: StepDraft) -> float:
         """The step's loss: the sum of what backward() was called on (nan: none)."""
@@ -215,8 +308,48 @@ class Observer:
             return math.nan
         return sum(float(v) for v in draft.losses)  # left to right, as `total += loss.item()`
 
+    def step_loss(self, draft: StepDraft, part_of) -> tuple[float, int]:
+        """(the step's loss, its micro-batches), the model's forwards telling them apart
+        (``part_of(module)``: the index of the model part it runs, else None).
+
+        A micro-batch is a forward of the model (of each of its parts, when it is held
+        in parts run one after another): the step's count is the most forwards any part
+        ran. Where backward() ran more often than that (a chunked loss calls it per chunk
+        inside its loss function, then the script once on the total), a micro-batch's
+        loss is the last backward() before the model's next forward; otherwise each
+        backward() is one micro-batch's (a pipeline schedule runs every forward first).
+        With no forward of the model seen (forward hooks off: not recording), each
+        backward() is a micro-batch, as before."""
+        counts: dict[int, int] = {}
+        lead_before: list[int] = []  # forwards of the first part before forward i
+        lead = None
+        for module, *_ in draft.forwards:
+            lead_before.append(counts.get(lead, 0) if lead is not None else 0)
+            part = part_of(module)
+            if part is None:
+                continue
+            lead = part if lead is None else lead
+            counts[part] = counts.get(part, 0) + 1
+        lead_before.append(counts.get(lead, 0) if lead is not None else 0)
+        micro = max(counts.values(), default=0)
+        losses = draft.losses
+        if not micro:
+            if "forward" in self.off and self._chunked:  # unknown now: as the last seen
+                return math.nan, self._micro
+            return self.loss(draft), draft.backward_calls
+        self._micro, self._chunked = micro, len(losses) > micro
+        if len(losses) > micro:
+            last: dict[int, torch.Tensor] = {}
+            for value, at in zip(losses, draft.loss_at, strict=True):
+                last[lead_before[at]] = value  # later ones of a micro-batch replace it
+            losses = list(last.values())
+        loss = sum(float(v) for v in losses) if losses else math.nan
+        return loss, micro
+
     # --- forward (only while recording) -------------------------------------------------
     def on_forward_pre(self, module, inputs) -> None:
+        """A forward the script runs (never one inside backward, a dispatch mode or
+        compilation: script_observe sees to it)."""
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             self._last_sync = bool(module.require_backward_grad_sync and torch.is_grad_enabled())
         if self._depth == 0:

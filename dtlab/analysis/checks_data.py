@@ -38,7 +38,7 @@ SET_EPOCH_FIX = (
 # --- data order ---------------------------------------------------------------------------
 
 
-@check("data_order", order=80, compares="replicas")
+@check("data_order", order=80, compares="replicas", observes=("data loader", "forward"))
 def check_data_order(evidence: Evidence) -> CheckResult:
     """Shards that overlap within an epoch, epochs in the same order, ranks that wait for data.
 

@@ -209,7 +209,7 @@ def _advice_findings(infos: dict[int, DeepSpeedInfo]) -> list[Finding]:
     ]
 
 
-@check("deepspeed", order=65)
+@check("deepspeed", order=65, observes=("deepspeed",))
 def check_deepspeed(evidence: Evidence) -> CheckResult:
     infos = {r: j.deepspeed for r, j in evidence.jobs.items() if j.deepspeed is not None}
     if not infos:

@@ -44,7 +44,7 @@ CONSTANT_LOSS_FIX = (
 )
 
 
-@check("learning", order=20)
+@check("learning", order=20, observes=("backward", "gradients", "parameters"))
 def check_learning(evidence: Evidence) -> CheckResult:
     empty = np.zeros(0, dtype=ROW)
     records = {r: evidence.per_rank.get(r, empty) for r in evidence.records}

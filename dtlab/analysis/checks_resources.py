@@ -20,7 +20,7 @@ IMBALANCE_SHARE = 0.25  # memory beyond the model state over the median by this 
 IMBALANCE_MIN_BYTES = 256 * 2**20  # ... and at least this many bytes
 
 
-@check("memory", order=100)
+@check("memory", order=100, observes=("memory",))
 def check_memory(evidence: Evidence) -> CheckResult:
     cuda = not np.isnan(evidence.step_columns.rows()["cuda_allocated"]).all()
     leaks = find_leaks(
@@ -98,7 +98,9 @@ def _imbalance(evidence: Evidence) -> list[Finding]:
     ]
 
 
-@check("stragglers", order=110, compares="replicas")
+@check(
+    "stragglers", order=110, compares="replicas", observes=("forward", "backward", "data loader")
+)
 def check_stragglers(evidence: Evidence) -> CheckResult:
     doubtful: list[int] = []
     findings = tuple(find_stragglers(evidence.records, doubtful=doubtful, table=evidence.table))

@@ -96,7 +96,7 @@ def _buffers_agree_at_step_1(evidence: Evidence) -> bool:
     return len(first) == len(evidence.records) and len(prints) == 1 and 0 not in prints
 
 
-@check("buffers", order=50, compares="replicas")
+@check("buffers", order=50, compares="replicas", observes=("parameters",))
 def check_buffers(evidence: Evidence) -> CheckResult:
     """Buffers (BatchNorm running statistics...) must stay equal on data-parallel ranks:
     without SyncBatchNorm or DDP's buffer broadcast each rank's statistics follow its own

@@ -22,7 +22,7 @@ ACCUMULATION_RATIO = 1.5  # bytes all-reduced per gradient byte above which sync
 UNUSED_MIN_STEPS = 5  # steps all parameters must be used in before find_unused is needless
 
 
-@check("gradient_sync", order=40, compares="replicas")
+@check("gradient_sync", order=40, compares="replicas", observes=("gradients",))
 def check_gradient_sync(evidence: Evidence) -> CheckResult:
     """Gradients after the all-reduce and parameters after the step must be bitwise equal
     on data-parallel ranks; a parameter must not lack a gradient on some ranks only."""
@@ -186,7 +186,7 @@ def _missing_finding(evidence, index, ranks, num_steps, step, watched) -> Findin
     )
 
 
-@check("accumulation", order=60)
+@check("accumulation", order=60, observes=("backward", "forward"))
 def check_accumulation(evidence: Evidence) -> CheckResult:
     """With gradient accumulation, DDP should all-reduce once per step (the last
     micro-batch), not once per micro-batch: compare the bytes sent with the gradients'."""

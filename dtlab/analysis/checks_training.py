@@ -79,7 +79,7 @@ LR_FIX = (
 # --- numerics -----------------------------------------------------------------------------
 
 
-@check("numerics", order=70)
+@check("numerics", order=70, observes=("backward", "gradients", "scaler"))
 def check_numerics(evidence: Evidence) -> CheckResult:
     """The first non-finite loss or applied inf/nan gradient, and a loss scaler (GradScaler
     or DeepSpeed's fp16 one) in trouble.

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dtlab.analysis.evidence import ranked
+from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.registry import RegisteredCheck, registered
 from dtlab.records import CheckResult, Evidence, Finding
 
@@ -38,6 +39,19 @@ def run_checks(
                 CheckResult(name, name, (), "", f"not checked: {PIPELINE_WHY}", checked=False)
             )
             continue
+        if unobserved := _unobserved(evidence, entry.observes):
+            results.append(
+                CheckResult(
+                    name,
+                    name,
+                    (),
+                    "",
+                    f"not checked: {unobserved}",
+                    checked=False,
+                    needs="dtlab's observations on, which the script's notes say failed",
+                )
+            )
+            continue
         if len(evidence.records) < 2 and entry.compares != "nothing":
             results.append(
                 CheckResult(
@@ -60,6 +74,21 @@ def run_checks(
                 )
             )
     return results
+
+
+def _unobserved(evidence: Evidence, observes: Sequence[str]) -> str:
+    """Why a check cannot look: what it reads was not observed on some rank (an
+    observation of dtlab's switched off after it failed), else ""."""
+    off: dict[tuple[str, int], list[int]] = {}
+    for rank, job in sorted(evidence.jobs.items()):
+        for name, step in job.unobserved:
+            if name in observes:
+                off.setdefault((name, step), []).append(rank)
+    return "; ".join(
+        f"dtlab's {name} observation was switched off on {label_ranks(ranks)} from step "
+        f"{step}, after it failed (the script's notes say how)"
+        for (name, step), ranks in off.items()
+    )
 
 
 def all_findings(results: Sequence[CheckResult]) -> list[Finding]:

@@ -10,7 +10,10 @@ compares::
 ``compares`` tells the doctor when a check cannot look, so that it says "not checked"
 with the reason instead of calling it: ``"ranks"`` needs two ranks or more; ``"replicas"``
 compares data-parallel replicas (same parameters, different samples), which neither one
-rank nor a pipeline (one stage per rank) has. :func:`registered` imports every
+rank nor a pipeline (one stage per rank) has. ``observes`` names what a script job's
+rank must have observed for the check to look (``dtlab.agent.step_observer.OBSERVATIONS``:
+"backward" for losses, "gradients", "data loader"...): where one was switched off after
+it failed, the doctor says "not checked". :func:`registered` imports every
 ``checks_*`` module of this package, so a new check is one new file here (plus, if it
 needs a new measurement, one collector on the rank: docs/design.md).
 """
@@ -37,6 +40,7 @@ class RegisteredCheck:
     # None: always; else the check is left out of the report when it returns False (a
     # check of something most jobs do not have, e.g. steps the trace's window left)
     applies: Callable[[Evidence], bool] | None = None
+    observes: tuple[str, ...] = ()  # a script job's observations it reads
 
 
 _REGISTRY: dict[str, RegisteredCheck] = {}
@@ -48,6 +52,7 @@ def check(
     order: int,
     compares: str = "nothing",
     applies: Callable[[Evidence], bool] | None = None,
+    observes: tuple[str, ...] = (),
 ) -> Callable[[Check], Check]:
     """Register the decorated function as the doctor's check ``name`` (``applies``: when
     it is in the report at all)."""
@@ -58,7 +63,7 @@ def check(
         known = _REGISTRY.get(name)
         if known is not None and known.run.__qualname__ != fn.__qualname__:
             raise ValueError(f"two doctor checks are named {name!r}: {known.run} and {fn}")
-        _REGISTRY[name] = RegisteredCheck(name, fn, order, compares, applies)
+        _REGISTRY[name] = RegisteredCheck(name, fn, order, compares, applies, tuple(observes))
         return fn
 
     return register

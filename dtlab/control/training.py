@@ -182,11 +182,11 @@ class Training:
             columns=trace.columns,
             history=trace.history.rows(),
             names=trace.param_names,
-            jobs=trace.jobs,
-            ranks={rank: info for rank, (info, _) in now.items()},
+            jobs={**trace.jobs, **{rank: job for rank, (_, _, job) in now.items()}},
+            ranks={rank: info for rank, (info, _, _) in now.items()},
             cores_by_host=cores,
             details=details,
-            initial={rank: start for rank, (_, start) in now.items() if start is not None},
+            initial={rank: start for rank, (_, start, _) in now.items() if start is not None},
         )
 
     def checks(self) -> list[CheckResult]:

@@ -55,6 +55,9 @@ class JobInfo:
     # DDP's find_unused_parameters (None: not DDP), judged against what backward reached
     find_unused_parameters: bool | None = None
     deepspeed: DeepSpeedInfo | None = None  # the job runs inside a DeepSpeed engine
+    # a script job: dtlab's observations switched off after they failed, as
+    # ((name, the step from which), ...): the checks they fed say "not checked"
+    unobserved: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
