@@ -115,6 +115,7 @@ class ScriptJob(jobs.Job):
             for m in (part, getattr(part, "module", None), getattr(part, "_orig_mod", None)):
                 if isinstance(m, torch.nn.Module):
                     self._parts.setdefault(id(m), i)
+        run.observer.part_of = self.part_of
         if engine is not None:
             self.info = replace(
                 self.info,

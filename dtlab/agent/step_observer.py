@@ -111,6 +111,9 @@ class Observer:
         # the last step whose model forwards were seen: its micro-batches, and whether it
         # called backward() more often than that (a chunked loss)
         self._micro, self._chunked = 0, False
+        # the job's ``part_of(module)``: the model part a forward runs, else None (set by
+        # a script job once it knows its model)
+        self.part_of = None
 
     def observe(self, name: str, fn, *args):
         """``fn(*args)``, part of the observation ``name`` (a key of OBSERVATIONS); an
@@ -379,12 +382,19 @@ class Observer:
         bad = [i for i, v in enumerate(d.losses) if not math.isfinite(float(v))]
         if not bad or not d.forwards:
             return
-        index = bad[0] if len(d.forwards) == len(d.losses) else len(d.forwards) - 1
+        index = micro = bad[0] if len(d.forwards) == len(d.losses) else len(d.forwards) - 1
+        if self.part_of is not None:  # the model's last forward before that loss (its
+            # first part's: a loss module or a chunked loss's head runs outermost too)
+            parts = [self.part_of(f[0]) for f in d.forwards[: d.loss_at[bad[0]]]]
+            lead = next((p for p in parts if p is not None), None)
+            ran = [i for i, p in enumerate(parts) if p is not None and p == lead]
+            if ran:
+                index, micro = ran[-1], len(ran) - 1
         module, args, kwargs, rng = d.forwards[index]
         inner = nonfinite.unwrapped(module)
         device = next((p.device for p in inner.parameters()), torch.device("cpu"))
         d.nonfinite = nonfinite.rerun(
-            inner, lambda m: m(*args, **(kwargs or {})), rng, device, index, "output"
+            inner, lambda m: m(*args, **(kwargs or {})), rng, device, micro, "output"
         )
 
     def on_forward_post(self) -> None:
