@@ -18,6 +18,17 @@ process-wide and the script may change (``sys.argv``, the working directory,
 and out with it. A pause is always at an optimizer step boundary, where no collective of
 the script is pending, so nothing of it can time out while paused.
 
+What it prints: for its whole run the script's ``sys.stdout`` and ``sys.stderr`` are two
+stream objects of dtlab's own (``_Route``), so whatever holds them (a
+``logging.StreamHandler(sys.stdout)`` made at set-up, ``print(file=sys.stderr)``, a
+logger's tee that wrapped them) writes through them, at any later moment. Each write goes
+where that moment's output belongs: during an ipyparallel request (set-up, the end run
+by ``stop``) to the request's stdout, both streams there so that their order holds;
+while stepped to the step's capture (``ScriptJob.output``, sent with the stepping
+channel's reply); outside the script (a ``%%dt`` cell calling its logger, a thread of it
+while paused, a handler it left after its end) to the engine's streams of that moment.
+Writes to file descriptors 1 and 2 from C code are not routed: see ``_Route``.
+
 Stages on each rank:
 1. ``start``: read and compile the script (a clear error if it is missing or not Python),
    bind its module as ``script`` in the rank's namespace, run it until the first
@@ -27,19 +38,25 @@ Stages on each rank:
    with how the script's model is found): run to the next boundary and return its
    StepRecord; ScriptEnded when the script is over;
 3. at its end: the hooks and patches come off, DataLoader workers are shut down, the
-   modules it imported from its own folder are forgotten (an edit takes effect next run).
+   modules it imported from its own folder are forgotten (an edit takes effect next run),
+   and process-wide state it may have changed is as it was before it: the root logger
+   (handlers, level: what ``logging.basicConfig`` sets; ``logging.disable``), the
+   warning filters, and the garbage collector (``gc.disable()``, thresholds).
 """
 
 from __future__ import annotations
 
 import builtins
+import gc
 import io
+import logging
 import os
 import signal
 import sys
 import time
 import traceback
 import types
+import warnings
 from contextlib import contextmanager
 from dataclasses import asdict
 
@@ -113,14 +130,21 @@ class ScriptRun:
         self.grad_enabled = True
         self.handlers: dict[int, object] = {}  # signals the script handles, while it runs
         self._slice_saved: dict[int, object] | None = None
+        # its sys.stdout and sys.stderr for its whole run (see the module's docstring);
+        # ``streams`` are those it put in their place, if it did (a logger's tee)
+        self.routes = (_Route(self, "stdout"), _Route(self, "stderr"))
         self.streams: tuple | None = None
         self.capture: list[str] | None = None  # while stepped: what it prints goes here
+        self.inside = 0  # > 0 while the script runs (``_inside``)
+        self.request_out = None  # the engine's stdout as the script was last entered
         self.started_at = time.time()
         self.setup_s: float | None = None
         self.folder = os.path.dirname(self.path)
         # the rank's interactive namespace (%%dt cells): the engine's __main__ module
         self.engine_ns = getattr(sys.modules.get("__main__"), "__dict__", {})
         self._modules_before = set(sys.modules)
+        self._not_own = _not_own_prefixes(self.folder)
+        self._process_before = _process_state()
         self.observer = step_observer.Observer(self._on_boundary, note=self.notes.append)
         self.observer.recording = record
         self.glet = greenlet.greenlet(self._main)
@@ -184,12 +208,31 @@ class ScriptRun:
         return self.glet.parent.switch(event)
 
     def _locals_here(self) -> dict:
-        """The locals of the script's frame that made this optimizer step (its training
-        loop, inside ``main()`` for most scripts): read, and mutate objects, from ``%%dt``."""
-        frame = sys._getframe()
-        while frame is not None and os.path.abspath(frame.f_code.co_filename) != self.path:
+        """The locals of the frame of the script's own code that made this optimizer step:
+        the innermost frame in a file of the script's folder (its training loop in
+        ``main()``, or a ``Trainer.train_step`` in a module next to it), else the script's
+        own innermost frame (a framework's loop, such as HF Trainer's, is not its code),
+        else its globals: read, and mutate objects, from ``%%dt``."""
+        frame, fallback = sys._getframe(), None
+        while frame is not None:
+            file = frame.f_code.co_filename
+            if self.is_own(file):
+                return frame.f_locals
+            if fallback is None and os.path.abspath(file) == self.path:
+                fallback = frame
             frame = frame.f_back
-        return frame.f_locals if frame is not None else self.module.__dict__
+        return fallback.f_locals if fallback is not None else self.module.__dict__
+
+    def is_own(self, file: str) -> bool:
+        """Is ``file`` the script's own code: in its folder or below, and neither an
+        installed library (a virtual environment kept in the project's folder) nor dtlab."""
+        if not file or file.startswith("<"):  # <string>, <frozen ...>
+            return False
+        path = os.path.abspath(file)
+        if not path.startswith(self.folder + os.sep) or path.startswith(self._not_own):
+            return False
+        parts = path[len(self.folder) + 1 :].split(os.sep)
+        return "site-packages" not in parts and "dist-packages" not in parts
 
     def _on_boundary(self, kind: str, optimizer) -> None:
         """Called inside the script's greenlet, from the optimizer hooks."""
@@ -217,19 +260,20 @@ class ScriptRun:
             sys.stderr,
         )
         sys.argv, sys.modules["__main__"] = self.argv, self.module
-        if self.streams is not None:  # the script replaced them (a logger's tee, say)
-            sys.stdout, sys.stderr = self.streams
-        elif self.capture is not None:
-            sys.stdout = sys.stderr = _Capture(self.capture)
+        self.request_out = engine[4]  # where its output goes when no step captures it
+        sys.stdout, sys.stderr = self.streams if self.streams is not None else self.routes
         os.chdir(self.cwd)
         torch.set_grad_enabled(self.grad_enabled)
         self._slice_saved = {sig: _real_signal(sig, h) for sig, h in self.handlers.items()}
+        self.inside += 1
         try:
             yield
         finally:
+            self.inside -= 1
             self.argv, self.cwd, self.grad_enabled = sys.argv, os.getcwd(), torch.is_grad_enabled()
-            if not isinstance(sys.stdout, _Capture) and (sys.stdout, sys.stderr) != engine[4:]:
-                self.streams = (sys.stdout, sys.stderr)
+            now = (sys.stdout, sys.stderr)
+            replaced = now[0] is not self.routes[0] or now[1] is not self.routes[1]
+            self.streams = now if replaced else None  # a tee it made stays its own
             for sig, handler in self._slice_saved.items():
                 _real_signal(sig, handler)
             self._slice_saved = None
@@ -255,6 +299,10 @@ class ScriptRun:
     def _finish(self) -> None:
         with self._inside():  # as at its process's end: its cwd, argv, __main__
             self.notes.extend(script_env.run_exit_handlers())
+            try:  # (after them: what they log still goes where the script sent it)
+                _restore_process_state(self._process_before)
+            except Exception as e:  # noqa: BLE001 - the rest of the clean-up must happen
+                self.notes.append(f"dtlab could not restore the logging or gc state: {e!r}")
         script_observe.uninstall()
         script_env.uninstall()
         if self.job is not None:
@@ -268,8 +316,7 @@ class ScriptRun:
         if self.folder in sys.path:
             sys.path.remove(self.folder)
         for name in set(sys.modules) - self._modules_before:
-            file = getattr(sys.modules[name], "__file__", None) or ""
-            if os.path.abspath(file).startswith(self.folder + os.sep):
+            if self.is_own(getattr(sys.modules[name], "__file__", None) or ""):
                 del sys.modules[name]  # an edit of the script's own modules counts next run
 
     # --- what it says ------------------------------------------------------------------
@@ -278,6 +325,8 @@ class ScriptRun:
         step = self.job.step_count if self.job is not None else 0
         if o is None:
             return f"the script is paused at step {step}"
+        if "optimizer" in self.observer.off:  # it ran on unpaused from there
+            step = f"{step} (dtlab's step boundaries were off from there: see the notes)"
         if o.kind == "failed":
             return f"the script failed at step {step}: {o.ename}: {o.evalue}"
         if o.kind == "exited":
@@ -302,18 +351,132 @@ class ScriptRun:
         }
 
 
-class _Capture(io.TextIOBase):
-    """A text stream that keeps what is written (the script's prints while stepped)."""
+class _Route(io.TextIOBase):
+    """``sys.stdout`` or ``sys.stderr`` as the script sees it for its whole run: each
+    write goes where the output of that moment belongs (the module's docstring says
+    where), so a handler or an object that took the stream at set-up reaches the notebook
+    at every later step. Writes are passed on whole and at once, nothing is kept: the
+    order of a rank's output is the order of its writes.
 
-    def __init__(self, parts: list[str]):
-        self.parts = parts
+    Not routed: what C code writes to file descriptors 1 and 2 (a C++ library's
+    ``std::cout``, NCCL's or gloo's logs, a child process that inherited them), as under
+    any ipyparallel engine: those descriptors belong to the whole process (the engine's
+    threads, the sidecar's, other libraries') and stay the engine's. Catching them would
+    mean pointing them at a pipe while the script runs, read by a thread: C's stdio buffers
+    and that thread's delay would put them out of order with the Python writes, and a
+    script that writes more than the pipe holds without the thread would block."""
 
-    def write(self, text: str) -> int:
-        self.parts.append(text)
+    encoding = "utf-8"
+    errors = "strict"
+
+    def __init__(self, run: ScriptRun, name: str):
+        self.run, self.name = run, name
+
+    def _next(self):
+        """Where a write goes now: the step's capture (a list), a stream, or None."""
+        run = self.run
+        if run.inside:
+            return run.capture if run.capture is not None else run.request_out
+        return getattr(sys, self.name)  # outside the script: the engine's of this moment
+
+    def _target(self):
+        route = self
+        for _ in range(4):  # a route may lead to another run's route, never round in a loop
+            target = route._next()
+            if not isinstance(target, _Route):
+                return target
+            route = target
+        return getattr(sys, f"__{self.name}__")
+
+    def write(self, text) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        target = self._target()
+        if isinstance(target, list):
+            target.append(text)
+        elif target is not None:
+            target.write(text)
         return len(text)
+
+    def flush(self) -> None:
+        target = self._target()
+        if target is not None and not isinstance(target, list):
+            target.flush()
+
+    def fileno(self) -> int:  # faulthandler, subprocess: the engine's descriptor, if any
+        stream = getattr(sys, f"__{self.name}__")
+        if stream is None:
+            raise io.UnsupportedOperation("fileno")
+        return stream.fileno()
 
     def writable(self) -> bool:
         return True
+
+    def isatty(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        """Not closed by anyone (a handler or a ``with`` of the script): it serves on."""
+
+    def reconfigure(self, **options) -> None:
+        """``sys.stdout.reconfigure(line_buffering=True)``: every write goes out at once."""
+
+
+# --- process-wide state restored at the script's end --------------------------------------
+
+
+def _process_state() -> dict:
+    """What of the process a script may change for good, and dtlab puts back at its end."""
+    root = logging.getLogger()
+    return {
+        "root_handlers": list(root.handlers),
+        "root_level": root.level,
+        "root_disabled": root.disabled,
+        "logging_disable": logging.root.manager.disable,
+        "warnings_captured": getattr(logging, "_warnings_showwarning", None) is not None,
+        "showwarning": warnings.showwarning,
+        "warning_filters": list(warnings.filters),
+        "gc_enabled": gc.isenabled(),
+        "gc_threshold": gc.get_threshold(),
+    }
+
+
+def _restore_process_state(before: dict) -> None:
+    root = logging.getLogger()
+    added = [h for h in root.handlers if h not in before["root_handlers"]]
+    root.handlers[:] = before["root_handlers"]
+    for handler in added:  # as logging.shutdown() would at the script's process's end
+        try:
+            handler.flush()
+            handler.close()
+        except Exception:  # noqa: BLE001 - a handler of the script's that fails to close
+            pass
+    root.setLevel(before["root_level"])
+    root.disabled = before["root_disabled"]
+    logging.disable(before["logging_disable"])
+    if not before["warnings_captured"]:
+        logging.captureWarnings(False)
+    warnings.showwarning = before["showwarning"]
+    warnings.filters[:] = before["warning_filters"]
+    for name in ("_filters_mutated", "_filters_mutated_lock_held"):  # as catch_warnings does
+        mutated = getattr(warnings, name, None)
+        if mutated is not None:
+            mutated()
+            break
+    gc.set_threshold(*before["gc_threshold"])
+    (gc.enable if before["gc_enabled"] else gc.disable)()
+
+
+def _not_own_prefixes(folder: str) -> tuple[str, ...]:
+    """Folders whose files are not a script's own code though they may lie in its folder
+    (a virtual environment there, dtlab's own checkout): those not holding the folder."""
+    dtlab_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = []
+    for place in (dtlab_dir, sys.prefix, sys.base_prefix, sys.exec_prefix):
+        prefix = os.path.abspath(place) + os.sep
+        if not (folder + os.sep).startswith(prefix):
+            found.append(prefix)
+    return tuple(found)
 
 
 # --- reading the script ---------------------------------------------------------------------
