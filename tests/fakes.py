@@ -79,6 +79,9 @@ def step_record(step: int, rank: int = 0, num_params: int = len(PARAMS), **chang
         missing_grads=(),
     )
     rec = replace(base, **changes)
+    if "update_rms" not in changes:  # Adam-like: each element moves by about the LR
+        lr = rec.lr if rec.lr is not None and math.isfinite(rec.lr) else 1e-3
+        rec = replace(rec, update_rms=0.8 * lr)
     return with_totals(rec, **changes)
 
 

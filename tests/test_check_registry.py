@@ -25,6 +25,7 @@ def test_every_check_module_registers_its_checks_in_report_order():
         "numerics",
         "data_order",
         "learning_rate",
+        "update_size",
         "memory",
         "stragglers",
     ]

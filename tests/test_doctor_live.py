@@ -43,6 +43,7 @@ def test_the_healthy_demo_job_comes_out_clean_and_the_results_stay_with_the_trac
         "numerics",
         "data_order",
         "learning_rate",
+        "update_size",
         "memory",
         "stragglers",
     ]
@@ -107,7 +108,7 @@ def test_dt_doctor_prints_ranked_findings_and_explains_its_checks(ip, live4, cap
     ip.run_line_magic("dt_doctor", "--explain")
     out = capsys.readouterr().out
     # 5 steps are too few to judge stragglers and leaks: so said, never "every check passed"
-    assert out.startswith("no problem found in what could be checked: 10 passed, 2 not checked")
+    assert out.startswith("no problem found in what could be checked: 11 passed, 2 not checked")
     assert "not checked: stragglers: needs two ranks and 7 steps" in out
     verdicts = dict(re.findall(r"^(\w+) +(passed|not checked)", out, re.M))
     assert verdicts["environment"] == verdicts["initial_state"] == "passed"

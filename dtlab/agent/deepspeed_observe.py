@@ -115,6 +115,8 @@ def _before_update(observer, engine) -> None:
     _GRADS_AT_UPDATE[engine] = (engine.global_steps, model_state(engine, True).grads.nbytes())
     if observer.recording:
         observer.draft.early_grads.update(full_grads(engine.module.parameters()))
+        if observer.before_update is not None:
+            observer.observe("update size", observer.before_update)
 
 
 def full_grads(params) -> dict[int, tuple[float, int, int]]:

@@ -17,10 +17,11 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from dtlab.agent import fsdp1, nonfinite, recorder, rng
+from dtlab.agent import fsdp1, mesh, nonfinite, recorder, rng
 from dtlab.agent.data_stream import DataStream, describe_data
 from dtlab.agent.hooks import CommCounter, ModuleWatcher, OutputRecorder, ReachedParams, hidden
 from dtlab.agent.state import RANK
+from dtlab.agent.update_size import UpdateSample
 from dtlab.records import (
     InitialState,
     JobInfo,
@@ -132,6 +133,8 @@ class Job:
         if any(True for _ in self.module.buffers()):
             self.module.register_forward_pre_hook(self._snapshot_buffers)
         self.initial: InitialState | None = None
+        # how far each step moves this rank's own elements (its shard, when sharded)
+        self.update_sample = UpdateSample.of_optimizers([optimizer])
         self.info = self._describe(capacity)
 
     def _describe(self, capacity: int) -> JobInfo:
@@ -149,6 +152,7 @@ class Job:
             buffers=tuple(name for name, _ in self.module.named_buffers()),
             data=self._data_kind(),
             find_unused_parameters=getattr(self.model, "find_unused_parameters", None),
+            mesh=mesh.describe(self.model),
         )
 
     def info_now(self) -> JobInfo:
@@ -206,7 +210,10 @@ class Job:
         if self.before_step is not None:
             self.before_step(self.model, self.optimizer)
         t4 = self._now()
+        if record:
+            self.update_sample.before()
         skipped, grads, grads_s = self._step_recording_grads(record)
+        update_rms = self.update_sample.after() if record else math.nan
         self.step_count += 1  # at once: the parameters have moved, whatever comes next
         t5 = self._now()
         params = self._param_fields() if record else {}
@@ -231,6 +238,7 @@ class Job:
             micro_batches=self.accumulate,
             input_fingerprints=self._input_prints,
             unreached=unreached,
+            update_rms=update_rms,
             comm_calls=self.comm.calls if counted else None,
             comm_bytes=self.comm.bytes if counted else None,
             rng=rngs,

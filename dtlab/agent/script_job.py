@@ -19,6 +19,7 @@ The stepping channel steps it like any job; a step runs the script to its next b
 from __future__ import annotations
 
 import gc
+import math
 import os
 import sys
 import time
@@ -30,6 +31,7 @@ import torch
 
 from dtlab.agent import deepspeed_observe, recorder, rng, script_observe
 from dtlab.agent import job as jobs
+from dtlab.agent.update_size import UpdateSample
 from dtlab.records import StepMemory, StepRecord, StepTimes
 
 
@@ -103,7 +105,10 @@ class ScriptJob(jobs.Job):
             record=run.record,
         )
         self.run = run
-        self.info = replace(self.info, data=self._data_kind())
+        draft = run.observer.draft  # the first step's, so far: backward() on no loss means
+        # a rank that has none (a pipeline stage before the last)
+        lossless = draft.backward_calls > 0 and not draft.losses
+        self.info = replace(self.info, data=self._data_kind(), computes_loss=not lossless)
         if self.updaters:
             inner = [type(o).__name__ for o in self.updaters]
             named = ", ".join(f"{n} x{inner.count(n)}" for n in dict.fromkeys(inner))
@@ -116,6 +121,9 @@ class ScriptJob(jobs.Job):
                 if isinstance(m, torch.nn.Module):
                     self._parts.setdefault(id(m), i)
         run.observer.part_of = self.part_of
+        if self.updaters:  # the container's own param groups may hold nothing
+            self.update_sample = UpdateSample.of_optimizers(self.updaters)
+        run.observer.before_update = self.update_sample.before
         if engine is not None:
             self.info = replace(
                 self.info,
@@ -231,6 +239,7 @@ class ScriptJob(jobs.Job):
         unreached = self.reached.stop()  # watched from the last boundary (not step 1's)
         self.step_count += 1
         params = observer.observe("parameters", self._param_fields) if record else {}
+        update_rms = observer.observe("update size", self.update_sample.after) if record else None
         memory = observer.observe("memory", self._memory) or StepMemory(
             recorder.rss_bytes(), 0, 0, 0
         )
@@ -260,6 +269,7 @@ class ScriptJob(jobs.Job):
                 "watched during the step" if self.watcher.first_bad else draft.nonfinite[1]
             ),
             micro_batches=micro,
+            update_rms=math.nan if update_rms is None else update_rms,
             synced_micro_batches=draft.synced_calls if draft.ddp_seen else None,
             input_fingerprints=tuple(draft.input_prints),
             unreached=unreached,

@@ -14,6 +14,7 @@ note, instead of breaking the script.
 from __future__ import annotations
 
 import math
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -114,6 +115,8 @@ class Observer:
         # the job's ``part_of(module)``: the model part a forward runs, else None (set by
         # a script job once it knows its model)
         self.part_of = None
+        # the job's call just before the marking optimizer updates (while recording)
+        self.before_update = None
 
     def observe(self, name: str, fn, *args):
         """``fn(*args)``, part of the observation ``name`` (a key of OBSERVATIONS); an
@@ -211,6 +214,8 @@ class Observer:
         elif self._marker_open and optimizer not in self.updaters:
             self.updaters.append(optimizer)  # stepped by the marking one: it updates
         self.stepping(optimizer)
+        if optimizer is self.marker and self.recording and self.before_update is not None:
+            self.observe("update size", self.before_update)
         if optimizer is self.marker and self.recording and not self.draft.nonfinite[1]:
             self._locate_nonfinite()  # before the update: the parameters are the forward's
         if self._backward_depth and self.recording:
@@ -301,9 +306,10 @@ class Observer:
         if self.in_engine_backward:
             return  # DeepSpeed scaled it: its engine's backward() gives the loss
         if isinstance(first, torch.Tensor) and first.numel() == 1:
-            scale = self._scaled.pop(id(first), None)
+            scale = self._scaled.pop(id(first), None) or 1.0
             value = first.detach().reshape(())
-            self.add_loss(value / scale if scale else value)
+            divisor = scale * loss_divisor()  # a pipeline schedule's micro-batches: a mean
+            self.add_loss(value / divisor if divisor != 1 else value)
 
     def loss(self, draft: StepDraft) -> float:
         """The step's loss: the sum of what backward() was called on (nan: none)."""
@@ -357,7 +363,8 @@ class Observer:
             self._last_sync = bool(module.require_backward_grad_sync and torch.is_grad_enabled())
         if self._depth == 0:
             self._forward_t0 = time.perf_counter()
-            if torch.is_grad_enabled():  # training inputs, not an evaluation's
+            # training inputs, not an evaluation's, nor a pipeline stage's shape inference
+            if torch.is_grad_enabled() and _schedule_frame(*SHAPE_INFERENCE) is None:
                 self.draft.input_prints.extend(_input_prints(inputs))
                 device = next((p.device for p in module.parameters()), torch.device("cpu"))
                 rng = nonfinite_rng(device)
@@ -417,6 +424,47 @@ class Observer:
         if not d.passes or d.passes[-1][1] != pass_number:
             d.passes.append((len(d.indices), pass_number))
         d.indices.extend(_flat_indices(index))
+
+
+SCHEDULES = "torch.distributed.pipelining.schedules"
+# a pipeline stage's first forward, on placeholder inputs, to learn its outputs' shapes
+# (torch < 2.10 named it _shape_inference): not a micro-batch
+SHAPE_INFERENCE = ("_shape_inference", "_forward_metadata_inference")
+
+
+def loss_divisor() -> int:
+    """Inside a pipeline schedule's step (torch.distributed.pipelining): its micro-batches
+    when it scales the gradients by them (``scale_grads``, its default), else 1. Such a
+    schedule calls backward() on each micro-batch's loss and then divides the gradients,
+    which makes the step's loss their mean (torch's docs: scale_grads=True matches a loss
+    function that averages)."""
+    schedule = _schedule_frame("step", "_step_microbatches")
+    if schedule is None or not getattr(schedule, "scale_grads", False):
+        return 1
+    return int(schedule._n_microbatches)
+
+
+def _schedule_frame(*names: str):
+    """The ``self`` of the innermost frame named one of ``names`` that is a pipeline
+    schedule's or stage's (torch.distributed.pipelining), else None. Read off the stack
+    rather than by wrapping them: a schedule may have begun its step before dtlab could
+    wrap it, and importing the module first costs ~1 s. Nothing is looked at unless the
+    script imported it."""
+    if SCHEDULES not in sys.modules:
+        return None
+    from torch.distributed.pipelining import schedules, stage
+
+    kinds = (schedules._PipelineSchedule, stage._PipelineStageBase)
+    frame = sys._getframe(1)
+    for _ in range(64):
+        if frame is None:
+            break
+        if frame.f_code.co_name in names:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, kinds):
+                return owner
+        frame = frame.f_back
+    return None
 
 
 def _input_prints(inputs) -> list[int]:

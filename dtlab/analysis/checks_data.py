@@ -1,6 +1,12 @@
 """``%dt_doctor`` check of the data: shards that overlap, epochs in the same order, ranks
 that wait for their next batch.
 
+Which ranks should read different data comes from the device mesh when the jobs have one
+(``JobInfo.mesh``, :mod:`dtlab.analysis.mesh_groups`): ranks with the same data-parallel
+coordinate (tensor- or context-parallel peers) share their batches by design, so they are
+compared as one data-parallel rank, and must read the same samples; without a mesh every
+rank is its own replica.
+
 1. collect (each rank, agent/): the sample indices, epoch and data time of every step;
 2. combine (notebook, here): ``check_data_order(evidence) -> CheckResult``;
 3. present (views/): ``%dt_doctor``.
@@ -9,15 +15,22 @@ that wait for their next batch.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from dtlab.analysis.data_wait import data_wait_findings
 from dtlab.analysis.evidence import shape_of
+from dtlab.analysis.mesh_groups import (
+    data_coordinates,
+    describe_coordinates,
+    peer_groups,
+    shared_mesh,
+)
 from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.registry import check
 from dtlab.analysis.trends import aligned_steps
-from dtlab.records import CheckResult, Evidence, Finding, JobInfo, StepRecord
+from dtlab.records import CheckResult, Evidence, Finding, JobInfo, MeshInfo, StepRecord
 from dtlab.records.columns import StepColumns
 
 Records = Mapping[int, Sequence[StepRecord]]
@@ -51,12 +64,23 @@ def check_data_order(evidence: Evidence) -> CheckResult:
     has_inputs = not has_indices and any(
         rec.input_fingerprints for recs in records.values() for rec in recs
     )
+    coordinates = data_coordinates(evidence.jobs, records)
+    groups = peer_groups(coordinates) if coordinates is not None else []
+    peers = [g for g in groups if len(g) > 1]  # ranks that share their data by design
     findings = []
     if has_indices:
-        findings += _overlap_findings(records, evidence.jobs, evidence.step_columns)
+        if peers:  # one rank of each data-parallel coordinate stands for its peers
+            stand_ins = [g[0] for g in groups]
+            columns = _only_ranks(evidence.step_columns, stand_ins)
+            shards = {r: records[r] for r in stand_ins}
+            overlaps = _overlap_findings(shards, evidence.jobs, columns)
+            findings += [_with_peers(f, groups) for f in overlaps]
+            findings += _peer_findings(records, peers, evidence.jobs)
+        else:
+            findings += _overlap_findings(records, evidence.jobs, evidence.step_columns)
         findings += _same_order_findings(evidence.step_columns)
     elif has_inputs:
-        findings += _same_inputs_findings(records, evidence.jobs)
+        findings += _same_inputs_findings(records, evidence.jobs, coordinates)
     findings += data_wait_findings(records, evidence.table)
     what = (
         "sample indices by epoch and"
@@ -74,6 +98,16 @@ def check_data_order(evidence: Evidence) -> CheckResult:
         else " (shard overlap and set_epoch not checked: sample indices were not recorded)"
     )
     looked = f"{shape_of(records)} of {what} data time per step"
+    if peers:
+        mesh = shared_mesh(evidence.jobs, records)
+        assert mesh is not None
+        looked += (
+            f"; on the {mesh.describe()}, ranks with the same data-parallel coordinate "
+            f"({', '.join(label_ranks(g) for g in peers[:4])}{', ...' if len(peers) > 4 else ''})"
+            " share their data by design"
+        )
+        if has_indices:
+            why += "; ranks that share a data-parallel coordinate read the same samples"
     if not (has_indices or has_inputs or findings):
         return CheckResult(
             "data_order",
@@ -117,26 +151,112 @@ SEEDED_FIX = (
 )
 
 
+# a mesh whose ranks are not all data-parallel (tensor-parallel peers share batches): a
+# rank's shard must follow its data-parallel rank and degree, never the global rank
+ITERABLE_FIX = (
+    "the DataLoader reads an IterableDataset, which every rank iterates whole unless it "
+    "shards itself (a DistributedSampler cannot): give each rank its own shard in its "
+    "__iter__, by {dp} (shard r of n takes items r, r + n, ...); if it draws at random, "
+    "seeding it with {seed} parts the ranks too"
+)
+MESH_SEEDED_FIX = (
+    "batches come from {kind}, not a DataLoader, and are the same on ranks of different "
+    "data-parallel coordinates: give each rank its own shard of the data by {dp} (shard r "
+    "of n takes items r, r + n, ...), so that tensor-parallel peers keep reading the same "
+    "batches; or, if batches are drawn at random, seed the drawing with {seed}, not the "
+    "global rank"
+)
+SHARD_FIRST_FIX = (
+    "batches come from {kind}, not a DataLoader, and are the same on every rank: give each "
+    "rank its own shard of the data by {dp} (shard r of n takes items r, r + n, ...); or, "
+    "if batches are drawn at random, seed the drawing with {seed}"
+)
+MESH_SHARD_FIX = (
+    "every data-parallel rank's DistributedSampler hands out the same shard: build it with "
+    "num_replicas=dp_degree and rank=dp_rank, from {dp} (not a constant, not the global "
+    "rank: tensor-parallel peers share a shard)"
+)
+MESH_NO_SAMPLER_FIX = (
+    "the DataLoader ({kind}) is the same on every rank: shard it by data-parallel rank, "
+    "DataLoader(dataset, sampler=DistributedSampler(dataset, num_replicas=dp_degree, "
+    "rank=dp_rank)) with {dp}, and call sampler.set_epoch(epoch) each epoch"
+)
+MESH_GENERAL_FIX = (
+    "give each data-parallel rank its own shard, by {dp}: DistributedSampler(dataset, "
+    "num_replicas=dp_degree, rank=dp_rank), or the dataset's own split; if batches are "
+    "drawn at random, seed the drawing with {seed}. Tensor-parallel peers share their "
+    "data-parallel rank and must read the same batches"
+)
+ITERABLE_SAMPLER = "_InfiniteConstantSampler"  # what a DataLoader over an IterableDataset uses
+
+
+def dp_words(mesh: MeshInfo | None) -> tuple[str, str]:
+    """How a script gets its data-parallel rank and degree (and what to seed with):
+    from the mesh's data dimensions, or the world where there is no mesh or every rank is
+    data-parallel."""
+    if mesh is None or len(mesh.data_dims) == len(mesh.dim_names) or not mesh.data_dims:
+        return (
+            "its rank and the world size (dist.get_rank(), dist.get_world_size())",
+            "the rank (torch.manual_seed(seed + rank))",
+        )
+    seed = "dp_rank (torch.manual_seed(seed + dp_rank))"
+    if len(mesh.data_dims) == 1:
+        d = mesh.data_dims[0]
+        return (
+            f'its data-parallel rank and degree (dp_rank = mesh["{d}"].get_local_rank(), '
+            f'dp_degree = mesh["{d}"].size())',
+            seed,
+        )
+    dims = ", ".join(f'"{d}"' for d in mesh.data_dims)
+    return (
+        f"its data-parallel rank and degree over the mesh's data dimensions ({dims}) "
+        f"together (dp_mesh = mesh[({dims})]._flatten(); dp_rank = "
+        "dp_mesh.get_local_rank(), dp_degree = dp_mesh.size())",
+        seed,
+    )
+
+
 def data_fix(jobs: Mapping[int, JobInfo], general: str) -> str:
     """The fix for ranks that read the same data, chosen from how they draw batches (a
-    DistributedSampler, another sampler, no DataLoader), else ``general``."""
+    DistributedSampler, another sampler, an IterableDataset, no DataLoader) and whether
+    they train on a device mesh (then by data-parallel rank and degree), else
+    ``general``."""
     kinds = sorted({job.data for job in jobs.values() if job.data})
-    if len(kinds) != 1:
-        return general  # not known, or ranks differ: both ways stay open
+    mesh = shared_mesh(jobs, jobs) if jobs else None
+    dp, seed = dp_words(mesh)
+    peers = mesh is not None and 0 < len(mesh.data_dims) < len(mesh.dim_names)
+    if len(kinds) != 1:  # not known, or ranks differ: both ways stay open
+        return MESH_GENERAL_FIX.format(dp=dp, seed=seed) if peers else general
     kind = kinds[0]
+    if kind == f"DataLoader, {ITERABLE_SAMPLER}":
+        return ITERABLE_FIX.format(dp=dp, seed=seed)
     if "DistributedSampler" in kind:
-        return SAME_SHARD_FIX
+        return MESH_SHARD_FIX.format(dp=dp) if peers else SAME_SHARD_FIX
     if kind.startswith("DataLoader"):
-        return NO_SAMPLER_FIX.format(kind=kind.removeprefix("DataLoader, ") + " sampler")
+        sampler = kind.removeprefix("DataLoader, ") + " sampler"
+        if peers:
+            return MESH_NO_SAMPLER_FIX.format(kind=sampler, dp=dp)
+        return NO_SAMPLER_FIX.format(kind=sampler)
     if kind.startswith("no DataLoader"):
-        return SEEDED_FIX.format(kind=kind.removeprefix("no DataLoader: ").strip() or "code")
-    return general
+        source = kind.removeprefix("no DataLoader: ").strip() or "code"
+        if peers:  # the script shards by a data-parallel index: that first
+            return MESH_SEEDED_FIX.format(kind=source, dp=dp, seed=seed)
+        if mesh is not None:
+            return SHARD_FIRST_FIX.format(kind=source, dp=dp, seed=seed)
+        return SEEDED_FIX.format(kind=source)
+    return MESH_GENERAL_FIX.format(dp=dp, seed=seed) if peers else general
 
 
-def _same_inputs_findings(records: Records, jobs: Mapping[int, JobInfo]) -> list[Finding]:
+def _same_inputs_findings(
+    records: Records,
+    jobs: Mapping[int, JobInfo],
+    coordinates: Mapping[int, tuple[int, ...]] | None = None,
+) -> list[Finding]:
     """Ranks whose model got bit-identical inputs at the same step, in at least half of the
     steps (and two): without sample indices, the fingerprints of the model's input tensors
-    tell that the ranks train on the same data."""
+    tell that the ranks train on the same data. On a mesh (``coordinates``: each rank's
+    data-parallel coordinate), ranks of one coordinate sharing inputs is by design: a group
+    counts only when it spans two coordinates or more."""
     steps = [
         (s, at)
         for s, at in aligned_steps(records)
@@ -148,18 +268,30 @@ def _same_inputs_findings(records: Records, jobs: Mapping[int, JobInfo]) -> list
         for rank, rec in sorted(at.items()):
             groups.setdefault(rec.input_fingerprints, []).append(rank)
         for group in groups.values():
-            if len(group) > 1:
+            if len(group) > 1 and (coordinates is None or len({coordinates[r] for r in group}) > 1):
                 shared.setdefault(tuple(group), []).append(step)
+    mesh = shared_mesh(jobs, records) if coordinates is not None else None
     found = []
     for ranks, at_steps in sorted(shared.items()):
         if len(at_steps) >= max(2, len(steps) / 2):
+            if mesh is not None and coordinates is not None:
+                shards = len({coordinates[r] for r in ranks})
+                who = (
+                    f"{label_ranks(ranks)} ({describe_coordinates(mesh, coordinates, ranks)} "
+                    f"on the {mesh.describe()})"
+                )
+                waste = f"{shards} data-parallel ranks do the work of one"
+            else:
+                who, waste = label_ranks(ranks), f"{len(ranks)} ranks do the work of one"
             summary = (
-                f"{label_ranks(ranks)} fed their model the same inputs in {len(at_steps)} of "
+                f"{who} fed their model the same inputs in {len(at_steps)} of "
                 f"{len(steps)} steps, from step {at_steps[0]} (equal fingerprints of the input "
-                "tensors; no sample indices were recorded): they train on the same data, so "
-                f"{len(ranks)} ranks do the work of one"
+                f"tensors; no sample indices were recorded): they train on the same data, so "
+                f"{waste}"
             )
             evidence = {"steps": at_steps[:20], "num_steps": len(steps)}
+            if coordinates is not None:
+                evidence["data_coordinates"] = {r: coordinates[r] for r in ranks}
             found.append(
                 Finding(
                     "data_order",
@@ -172,6 +304,68 @@ def _same_inputs_findings(records: Records, jobs: Mapping[int, JobInfo]) -> list
                 )
             )
     return found
+
+
+def _with_peers(finding: Finding, groups: Sequence[tuple[int, ...]]) -> Finding:
+    """A finding about the ranks standing in for their data-parallel coordinate, naming
+    their peers (which read what they read) too."""
+    named = set(finding.ranks)
+    peers = sorted(r for g in groups if g[0] in named for r in g[1:])
+    if not peers:
+        return finding
+    return replace(
+        finding,
+        ranks=tuple(sorted(named | set(peers))),
+        summary=f"{finding.summary}; their tensor-parallel peers ({label_ranks(peers)}) "
+        "read the same",
+    )
+
+
+def _only_ranks(columns: StepColumns, ranks: Sequence[int]) -> StepColumns:
+    """The rows of ``ranks`` alone, as columns of their own."""
+    rows = columns.rows()
+    keep = np.isin(rows["rank"], np.asarray(ranks))
+    mine = StepColumns(max(1, int(keep.sum())))
+    mine.append_rows(rows[keep], columns.indices())
+    return mine
+
+
+PEER_FIX = (
+    "ranks that share a data-parallel coordinate (tensor- or context-parallel peers) must "
+    "be fed the same batch: shard the data by {dp}, not by the global rank (a "
+    "DistributedSampler over the whole world gives each peer a different shard)"
+)
+
+
+def _peer_findings(
+    records: Records, peers: Sequence[tuple[int, ...]], jobs: Mapping[int, JobInfo]
+) -> list[Finding]:
+    """Ranks of one data-parallel coordinate that read different samples at the same step,
+    in at least half of the steps (and two): their tensor-parallel computation mixes two
+    batches."""
+    steps = aligned_steps({r: records[r] for g in peers for r in g})
+    apart: dict[int, list[int]] = {}
+    for step, at in steps:
+        for group in peers:
+            if len({at[r].indices for r in group}) > 1:
+                apart.setdefault(group[0], []).append(step)
+    ranks = tuple(
+        sorted(r for g in peers if len(apart.get(g[0], ())) >= max(2, len(steps) / 2) for r in g)
+    )
+    if not ranks:
+        return []
+    first = min(apart[g[0]][0] for g in peers if g[0] in ranks)
+    count = max(len(apart[g[0]]) for g in peers if g[0] in ranks)
+    mesh = shared_mesh(jobs, records)
+    summary = (
+        f"{label_ranks(ranks)} share a data-parallel coordinate"
+        + (f" on the {mesh.describe()}" if mesh is not None else "")
+        + f" but read different samples in {count} of {len(steps)} steps, from step "
+        f"{first}: tensor-parallel peers must compute on the same batch"
+    )
+    dp, _ = dp_words(mesh)
+    evidence = {"groups": [g for g in peers if g[0] in ranks], "num_steps": len(steps)}
+    return [Finding("data_order", ranks, summary, first, evidence, PEER_FIX.format(dp=dp), "error")]
 
 
 _E, _I, _R, _S, _FIRST, _LAST = range(6)  # columns of the index table

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 
 import numpy as np
 
@@ -90,7 +90,8 @@ def check_numerics(evidence: Evidence) -> CheckResult:
     scale at its floor (fp16.min_loss_scale) on 3 steps or more.
     """
     records = evidence.records
-    findings = _nonfinite_findings(records, evidence.step_columns.rows())
+    lossless = {r for r, job in evidence.jobs.items() if not job.computes_loss}
+    findings = _nonfinite_findings(records, evidence.step_columns.rows(), lossless)
     findings += _scaler_findings(evidence.per_rank, _scaler_name(evidence), _scalers(evidence))
     why = (
         "every loss was finite, no step applied inf/nan gradients, and the loss scaler (if "
@@ -106,24 +107,32 @@ def check_numerics(evidence: Evidence) -> CheckResult:
     )
 
 
-def _bad(rec: StepRecord) -> bool:
-    return not math.isfinite(rec.loss) or (rec.num_nonfinite > 0 and not rec.skipped)
-
-
-def _nonfinite_findings(records: Records, rows: np.ndarray) -> list[Finding]:
-    """``rows``: the same records as columns (found there; told from the records)."""
-    bad_rows = ~np.isfinite(rows["loss"]) | ((rows["num_nonfinite"] > 0) & ~rows["skipped"])
+def _nonfinite_findings(
+    records: Records, rows: np.ndarray, lossless: Set[int] = frozenset()
+) -> list[Finding]:
+    """``rows``: the same records as columns (found there; told from the records).
+    ``lossless``: ranks that compute no loss (their loss is nan by design)."""
+    bad_loss = ~np.isfinite(rows["loss"])
+    if lossless:
+        bad_loss &= ~np.isin(rows["rank"], sorted(lossless))
+    bad_rows = bad_loss | ((rows["num_nonfinite"] > 0) & ~rows["skipped"])
     if not bad_rows.any():
         return []
     step = int(rows["step"][bad_rows].min())
     at = {r: rec for r, recs in sorted(records.items()) for rec in recs if rec.step == step}
-    bad = tuple(r for r, rec in at.items() if _bad(rec))
+
+    def loss_bad(r: int) -> bool:
+        return r not in lossless and not math.isfinite(at[r].loss)
+
+    bad = tuple(
+        r for r, rec in at.items() if loss_bad(r) or (rec.num_nonfinite > 0 and not rec.skipped)
+    )
     # under DDP one rank's inf/nan reaches every rank through the gradient all-reduce: the
     # source is where the loss (or a watched module's output) went non-finite
-    source = tuple(r for r in bad if not math.isfinite(at[r].loss) or at[r].nonfinite_module)
+    source = tuple(r for r in bad if loss_bad(r) or at[r].nonfinite_module)
     ranks = source or bad
     parts = []
-    if losses := [at[r].loss for r in ranks if not math.isfinite(at[r].loss)]:
+    if losses := [at[r].loss for r in ranks if loss_bad(r)]:
         parts.append(f"loss {', '.join(map(str, sorted(set(losses), key=str)))}")
     if counts := [at[r].num_nonfinite for r in ranks if at[r].num_nonfinite]:
         parts.append(f"{sum(counts)} inf/nan gradient elements")

@@ -15,7 +15,9 @@ folder's journal) it is ``MAGIC``, three little-endian uint32 (rows, indices, by
 extras), the rows, the indices as int64, and the extras as JSON ``[[row, {field: value}],
 ...]``. :func:`unpack` checks everything a corrupt or hostile frame could get wrong (sizes,
 counts, offsets, the rank, field names) and raises ValueError saying what; nothing in a
-frame is executed or unpickled.
+frame is executed or unpickled. A frame of the layout before ``update_rms`` (``DTR1``, in
+an older run folder's journal) is read as one of today's, its update sizes nan (not
+measured).
 
 The notebook takes in a frame without a Python object per record: :func:`read_frame` checks
 it (the header, and the rank, step and index count of each row, read in place) and keeps
@@ -27,6 +29,7 @@ asks for that record (:meth:`Packed.record`).
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -37,7 +40,8 @@ import numpy as np
 from dtlab.records.row import NULL_BIT, ROW, row_of
 from dtlab.records.steps import StepMemory, StepRecord, StepTimes
 
-MAGIC = b"DTR1"
+MAGIC = b"DTR2"
+OLD_MAGIC = b"DTR1"  # rows without update_rms (ROW_V1): read, never written
 _HEADER = struct.Struct("<4sIII")
 # the row's numbers, by record field (times.* and memory.* go to their own dataclasses)
 ROW_FIELDS = {
@@ -57,6 +61,7 @@ ROW_FIELDS = {
     "epoch",
     "comm_calls",
     "comm_bytes",
+    "update_rms",
 }
 FIELD_DEFAULTS = {f.name: f.default for f in fields(StepRecord)}
 # a record's fields that travel as extras when they are not at their default
@@ -72,6 +77,9 @@ _ROW_AT = tuple((name, _AT[name], NULL_BIT.get(name, 0)) for name in sorted(ROW_
 _MEMORY_AT = tuple((_AT[n], NULL_BIT.get(n, 0), n in INT_MEMORY) for n in _MEMORY)
 _TIMES_AT = tuple(_AT[name] for name in _TIMES)
 _NULLS_AT, _INDICES_AT, _NUM_INDICES_POS = _AT["nulls"], _AT["indices_at"], _AT["num_indices"]
+_UPDATE_AT = _AT["update_rms"]
+# the row before update_rms was added (frames of OLD_MAGIC)
+ROW_V1 = np.dtype([(name, ROW[name]) for name in ROW.names or () if name != "update_rms"])
 
 
 def extras_of(rec: StepRecord) -> dict:
@@ -108,6 +116,8 @@ class Packed:
         found: dict[str, Any] = {
             name: None if nulls & bit else values[at] for name, at, bit in _ROW_AT
         }
+        if math.isnan(values[_UPDATE_AT]):  # the default itself, so that the records compare
+            found["update_rms"] = math.nan
         memory = StepMemory(
             *(  # type: ignore[arg-type]  # None only where the field may be None
                 None if nulls & bit else (int(values[at]) if whole else values[at])
@@ -210,6 +220,9 @@ def read_frame(data: bytes, rank: int | None = None) -> Frame:
     if len(data) < _HEADER.size:
         raise ValueError(f"a step-record frame of {len(data)} bytes is shorter than its header")
     magic, n, k, e = _HEADER.unpack_from(data)
+    if magic == OLD_MAGIC:
+        data = _upgraded(data, n, k, e)
+        magic = MAGIC
     if magic != MAGIC:
         raise ValueError(f"not a step-record frame (it starts {magic!r}, not {MAGIC!r})")
     size = ROW.itemsize
@@ -222,6 +235,22 @@ def read_frame(data: bytes, rank: int | None = None) -> Frame:
     parts = _parts_of(data, n, k, rank) if n > _FEW_ROWS else _few_parts_of(data, n, k, rank)
     extras = _extras(data[rows_end + 8 * k :], n) if e else _NO_EXTRAS
     return Frame(data, n, k, extras, tuple(parts))
+
+
+def _upgraded(data: bytes, n: int, k: int, e: int) -> bytes:
+    """A frame of ``ROW_V1`` rows (``OLD_MAGIC``) as today's: update sizes nan."""
+    rows_end = _HEADER.size + n * ROW_V1.itemsize
+    if len(data) != rows_end + 8 * k + e:
+        raise ValueError(
+            f"a step-record frame ({OLD_MAGIC!r}) of {len(data)} bytes, but its header says "
+            f"{n} rows, {k} sample indices and {e} bytes of extras"
+        )
+    old = np.frombuffer(data, dtype=ROW_V1, count=n, offset=_HEADER.size)
+    rows = np.zeros(n, dtype=ROW)
+    for name in ROW_V1.names or ():
+        rows[name] = old[name]
+    rows["update_rms"] = math.nan
+    return b"".join((_HEADER.pack(MAGIC, n, k, e), rows.tobytes(), data[rows_end:]))
 
 
 def _parts_of(data: bytes, n: int, k: int, rank: int | None) -> list[Part]:
@@ -343,6 +372,8 @@ def unpack(frame: bytes, rank: int | None = None) -> Packed:
 __all__ = [
     "EXTRA_FIELDS",
     "MAGIC",
+    "OLD_MAGIC",
+    "ROW_V1",
     "Frame",
     "Packed",
     "Part",

@@ -7,7 +7,8 @@ The same layout is what a rank sends (:mod:`dtlab.records.packed`), what the not
 Missing values have fixed stand-ins so that every column has one dtype: ``nan`` for a
 float that is None (``lr``, ``scale``, ``grad_norm``, CUDA bytes), ``-1`` for an int that
 is None (``synced_micro_batches``, ``comm_calls``, ``comm_bytes``); the ``nulls`` bits say
-which were None, so a row turns back into the record it came from. Fingerprints are
+which were None, so a row turns back into the record it came from. ``update_rms`` is never
+None: nan is its own "not measured". Fingerprints are
 unsigned 64-bit (0: not recorded).
 """
 
@@ -42,6 +43,7 @@ ROW = np.dtype(
         ("cuda_reserved", np.float64),
         ("cuda_peak", np.float64),
         ("grad_norm", np.float64),
+        ("update_rms", np.float64),  # nan: not measured (the record's own stand-in)
         ("grad_fingerprint", np.uint64),
         ("param_fingerprint", np.uint64),
         ("buffer_fingerprint", np.uint64),
@@ -129,6 +131,7 @@ def row_of(rank: int, rec: StepRecord, indices_at: int = 0) -> tuple:
         _or_nan(m.cuda_reserved),
         _or_nan(m.cuda_peak),
         _or_nan(rec.grad_norm),
+        rec.update_rms,
         rec.grad_fingerprint & _MASK64,
         rec.param_fingerprint & _MASK64,
         rec.buffer_fingerprint & _MASK64,

@@ -39,11 +39,12 @@ from dtlab.records import (
     DeepSpeedInfo,
     Finding,
     JobInfo,
+    MeshInfo,
     ParamInfo,
     StepRecord,
     step_record_from_dict,
 )
-from dtlab.records.packed import Frame, Packed, join, unpack
+from dtlab.records.packed import Frame, Packed, as_tuples, join, unpack
 from dtlab.records.step_files import RELISTS, StepFiles
 
 FORMAT = "dtlab-trace/3"
@@ -178,6 +179,8 @@ def write_header(
         fields["params"] = params
         if info.deepspeed is not None:
             fields["deepspeed"] = dataclasses.asdict(info.deepspeed)
+        if info.mesh is not None:
+            fields["mesh"] = dataclasses.asdict(info.mesh)
         fields_of[str(rank)] = fields
     header = {
         "format": FORMAT,
@@ -233,6 +236,9 @@ def job_from_json(data: Mapping, param_lists: list | None = None) -> JobInfo:
     fields["buffers"] = tuple(data.get("buffers", ()))
     if data.get("deepspeed"):
         fields["deepspeed"] = DeepSpeedInfo(**data["deepspeed"])
+    if data.get("mesh"):
+        fields["mesh"] = MeshInfo(**{k: as_tuples(v) for k, v in data["mesh"].items()})
+    fields["unobserved"] = as_tuples(data.get("unobserved", []))
     return JobInfo(**fields)
 
 

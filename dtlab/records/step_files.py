@@ -57,6 +57,7 @@ _SCALARS = {
     "skipped": "bool",
     "epoch": "int64",
     "grad_norm": "float64",
+    "update_rms": "float64",
     "grad_fingerprint": "uint64",
     "param_fingerprint": "uint64",
     "buffer_fingerprint": "uint64",
@@ -90,6 +91,8 @@ _TIMES = {f.name: "float64" for f in fields(StepTimes)}
 _MEMORY = {f.name: "int64" for f in fields(StepMemory)}
 _BIT = {name: 1 << bit for bit, name in enumerate(NULLABLE)}
 _NULL_AS_MINUS_ONE = {"synced_micro_batches", "comm_calls", "comm_bytes"}
+# float columns a part written before them lacks (read as nulls): nan, "not measured"
+_ADDED_LATER = {"update_rms"}
 
 
 def _pa():
@@ -149,9 +152,10 @@ def packed_of(table) -> Packed:
         values = table.column(column).combine_chunks()
         missing = values.is_null().to_numpy(zero_copy_only=False)
         if missing.any():
-            if name not in _BIT:
+            if name not in _BIT and name not in _ADDED_LATER:
                 raise ValueError(f"column {column} has nulls")
-            nulls[missing] |= _BIT[name]
+            if name in _BIT:
+                nulls[missing] |= _BIT[name]
         if missing.any():
             values = values.fill_null(False if pa.types.is_boolean(values.type) else 0)
         filled = values.to_numpy(zero_copy_only=False)
@@ -191,6 +195,20 @@ def packed_of(table) -> Packed:
     nulls[unreached < 0] |= _BIT["unreached"]
     rows["nulls"] = nulls
     return Packed(rows, indices, extras)
+
+
+def _conformed(batch):
+    """A batch read from a part as a table of today's schema: a part written before a
+    column was added (``_ADDED_LATER``) gets it as nulls."""
+    pa, _ = _pa()
+    schema = _schema()
+    table = pa.Table.from_batches([batch])
+    if table.schema.names == schema.names:
+        return table
+    for name in schema.names:
+        if name not in table.schema.names:
+            table = table.append_column(name, pa.nulls(len(table), schema.field(name).type))
+    return table.select(schema.names).cast(schema)
 
 
 class StepFiles:
@@ -238,7 +256,7 @@ class StepFiles:
             ) as out:
                 for part in group:
                     for batch in pq.ParquetFile(part[3]).iter_batches(MERGE_BATCH):
-                        out.write_batch(batch)
+                        out.write_table(_conformed(batch))
             os.replace(tmp, path)
             for part in group:
                 part[3].unlink()

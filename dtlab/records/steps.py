@@ -6,6 +6,7 @@ build them by hand. A step record as JSON is what the stepping channel carries.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from dataclasses import fields as dataclass_fields
@@ -35,6 +36,74 @@ class DeepSpeedInfo:
     config: str = ""  # the config as the engine holds it, as JSON with sorted keys
 
 
+# mesh dimension names that are data-parallel (ranks that differ only along them train on
+# different data), and names that are not (ranks along them share a batch: tensor,
+# context, pipeline and expert parallelism); a name "dp..." is data-parallel too
+DATA_DIM_NAMES = frozenset(
+    ("dp", "ddp", "fsdp", "hsdp", "zero", "data", "batch", "replicate", "shard")
+)
+MODEL_DIM_NAMES = frozenset(("tp", "cp", "pp", "ep", "etp", "sp", "tensor", "context", "pipeline"))
+
+
+def is_data_dim_name(name: str) -> bool:
+    """Does a mesh dimension of this name split the data (dp, dp_shard, fsdp, ...)?"""
+    name = name.lower()
+    if name in MODEL_DIM_NAMES:
+        return False
+    return name in DATA_DIM_NAMES or name.startswith(("dp", "fsdp", "hsdp", "ddp"))
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The device mesh a rank trains on, as that rank read it (``dtlab.agent.mesh``):
+    which ranks should see the same data and which different data.
+
+    Ranks that differ only along ``data_dims`` train on different data (data-parallel:
+    DDP, FSDP's shard and replicate dimensions); ranks with the same coordinate along
+    every data dimension (tensor- or context-parallel peers) share their batches.
+    """
+
+    dim_names: tuple[str, ...]  # one per dimension ("dim0"... where the mesh named none)
+    shape: tuple[int, ...]
+    coordinate: tuple[int, ...]  # this rank's index along each dimension
+    data_dims: tuple[str, ...] = ()  # the data-parallel dimensions, in mesh order
+    source: str = ""  # what it was read from: "fully_shard", "DTensor", ...
+
+    @property
+    def size(self) -> int:
+        """Ranks in the mesh."""
+        return math.prod(self.shape)
+
+    @property
+    def data_coordinate(self) -> tuple[int, ...]:
+        """This rank's coordinate along the data-parallel dimensions (its data shard)."""
+        return tuple(
+            c for n, c in zip(self.dim_names, self.coordinate, strict=True) if n in self.data_dims
+        )
+
+    @property
+    def data_degree(self) -> int:
+        """How many different data shards the mesh trains on (dp_degree)."""
+        return math.prod(
+            s for n, s in zip(self.dim_names, self.shape, strict=True) if n in self.data_dims
+        )
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's data shard as one number, 0 .. data_degree - 1 (dp_rank)."""
+        rank = 0
+        for name, size, at in zip(self.dim_names, self.shape, self.coordinate, strict=True):
+            if name in self.data_dims:
+                rank = rank * size + at
+        return rank
+
+    def describe(self) -> str:
+        """E.g. "mesh dp=2 x tp=2 (data-parallel: dp)"."""
+        dims = " x ".join(f"{n}={s}" for n, s in zip(self.dim_names, self.shape, strict=True))
+        data = ", ".join(self.data_dims) or "none"
+        return f"mesh {dims} (data-parallel: {data})"
+
+
 @dataclass(frozen=True)
 class JobInfo:
     """The attached job as one rank describes it (once, at ``dtlab.attach``)."""
@@ -58,6 +127,12 @@ class JobInfo:
     # a script job: dtlab's observations switched off after they failed, as
     # ((name, the step from which), ...): the checks they fed say "not checked"
     unobserved: tuple[tuple[str, int], ...] = ()
+    # False: this rank calls backward() on no loss of its own (a pipeline stage before the
+    # last, in a script's schedule): its recorded loss is nan by design, not a non-finite
+    computes_loss: bool = True
+    # the device mesh its parameters live on (DTensor, FSDP2, tensor parallel); None: no
+    # mesh, or not read: every rank is its own data-parallel replica
+    mesh: MeshInfo | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +228,10 @@ class StepRecord:
     # while outputs are recorded: ((module, fingerprint of its output), ...) in the order
     # modules finished their forward (every micro-batch)
     module_outputs: tuple[tuple[str, int], ...] = ()
+    # root-mean-square of the change this rank's optimizer step made to the parameter
+    # elements it holds (its shard), over a fixed sample of them (dtlab.agent.update_size);
+    # nan: not measured
+    update_rms: float = math.nan
 
     @property
     def detailed(self) -> bool:
@@ -235,7 +314,15 @@ def step_record_from_dict(data: dict) -> tuple[int, StepRecord]:
             fields[name] = tuple(value)
     for pairs in ("rng", "module_outputs"):
         fields[pairs] = tuple((str(name), int(value)) for name, value in fields.get(pairs, ()))
+    fields["update_rms"] = same_nan(fields.get("update_rms", math.nan))
     return rank, StepRecord(**fields)
+
+
+def same_nan(value: float) -> float:
+    """``value``, with any nan as ``math.nan`` itself: a record read back then equals the
+    record it was made from (a tuple compares its items by identity first, and a nan equals
+    only itself, not another nan)."""
+    return math.nan if math.isnan(value) else value
 
 
 def aligned_steps(
