@@ -327,29 +327,26 @@ def _frames_objects(run) -> list:
     return list(seen.values())
 
 
-def inner_optimizers(optimizer) -> list:
-    """The optimizers an optimizer holds and steps (a container's list of them, a
-    wrapper's one), innermost first found; [] for a plain optimizer."""
+def inner_optimizers(optimizer, _seen: set[int] | None = None) -> list:
+    """The optimizers an optimizer holds and steps, innermost (a container's list of them,
+    a wrapper's one, a ZeroRedundancyOptimizer's local one); [] for a plain optimizer."""
+    seen = _seen if _seen is not None else {id(optimizer)}
     found: list = []
-
-    def look(value, depth: int) -> None:
-        if depth > 3:
-            return
-        values = value if isinstance(value, (list, tuple)) else (value,)
-        if isinstance(value, dict):
-            values = tuple(value.values())
+    for name, value in vars(optimizer).items():
+        if name in ("state", "param_groups", "defaults"):
+            continue
+        kind = type(value)  # never isinstance: a dead weak proxy raises
+        if issubclass(kind, dict):
+            values = list(value.values())
+        else:
+            values = list(value) if issubclass(kind, (list, tuple)) else [value]
         for v in values[:MAX_ITEMS]:
-            if v is optimizer or not isinstance(v, torch.optim.Optimizer):
+            if not issubclass(type(v), torch.optim.Optimizer) or id(v) in seen:
                 continue
-            inner = inner_optimizers(v) if depth < 3 else []
-            for o in inner or [v]:
+            seen.add(id(v))
+            for o in inner_optimizers(v, seen) or [v]:
                 if o not in found:
                     found.append(o)
-
-    for name, value in vars(optimizer).items():
-        if name in ("state", "param_groups", "defaults") or type(value) in _PROXIES:
-            continue
-        look(value, 1)
     return found
 
 

@@ -14,8 +14,10 @@ note, instead of breaking the script.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
+import traceback
 import weakref
 from dataclasses import dataclass, field
 
@@ -140,9 +142,6 @@ class Observer:
 
     def switch_off(self, name: str, error: BaseException) -> None:
         """Observation ``name`` failed: off for the rest of the run, said once."""
-        import os
-        import traceback
-
         if name in self.off:
             return
         self.off.add(name)
