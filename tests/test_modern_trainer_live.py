@@ -95,8 +95,7 @@ def test_a_rank_whose_optimizer_updates_its_shard_differently_is_named(live4):
     dt.run_script(SCRIPT, ["--steps", "6", "--fsdp"])
     # paused at step 0: rank 2's inner AdamW gets another eps (same LR, smaller updates)
     dt.execute(
-        "for o in script_locals['self'].optimizers.optimizers:\n"
-        "    o.param_groups[0]['eps'] = 0.1",
+        "for o in script_locals['self'].optimizers.optimizers:\n    o.param_groups[0]['eps'] = 0.1",
         ranks=[2],
     )
     assert dt.continue_script().stopped == "ended"
