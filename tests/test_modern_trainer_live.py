@@ -15,6 +15,7 @@ optimizers', and the doctor is clean. Planted bugs are named with their ranks.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -58,6 +59,10 @@ def test_a_modern_trainer_runs_unchanged_paused_at_its_steps(live4, tmp_path, fo
 
     end = dt.continue_script()
     assert end.stopped == "ended" and end.last_step == STEPS, end
+    for rank, text in dt.scripts.output.items():  # its logging handler, bound at set-up
+        logged = re.findall(r"titan_lib - INFO - step +(\d+) +loss", text)
+        assert logged == [str(s) for s in range(1, STEPS + 1)], (rank, text[-2000:])
+        assert text.count("Training completed") == 1, rank
     mine = losses_in(tmp_path / "dt")
     assert mine == losses_in(tmp_path / "torchrun")  # bit for bit, every rank, every step
     pipeline = "--pp" in args

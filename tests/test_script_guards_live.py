@@ -20,6 +20,8 @@ FED = {
     "gradients": ("gradient_sync", "numerics"),
     "parameters": ("buffers",),
     "memory": ("memory",),
+    "update size": ("update_size",),
+    "output": (),  # what it prints after that goes to the engine's own stdout instead
     "optimizer": (),
 }
 FAIL_AT = 3  # the step (from 1) from which the observation raises

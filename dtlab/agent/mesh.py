@@ -145,6 +145,3 @@ def _fsdp_dims(info, mesh, names: tuple[str, ...], coordinate: tuple[int, ...]) 
         if set(ranks[at].flatten().tolist()) <= members:  # my peers along d are FSDP's
             found.add(name)
     return found
-
-
-__all__ = ["describe"]

@@ -391,14 +391,25 @@ class _Route(io.TextIOBase):
     def write(self, text) -> int:
         if not isinstance(text, str):
             raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        # dtlab's "output" observation: should routing fail, it is switched off (a note)
+        # and this write, and every later one, goes to the process's own stream
+        if self.run.observer.observe("output", self._send, text) is None:
+            fallback = getattr(sys, f"__{self.name}__")
+            if fallback is not None:
+                fallback.write(text)
+        return len(text)
+
+    def _send(self, text: str) -> bool:
         target = self._target()
         if isinstance(target, list):
             target.append(text)
         elif target is not None:
             target.write(text)
-        return len(text)
+        return True
 
     def flush(self) -> None:
+        if "output" in self.run.observer.off:
+            return
         target = self._target()
         if target is not None and not isinstance(target, list):
             target.flush()

@@ -198,6 +198,3 @@ class UpdateSample:
                 view = t.as_strided((take.runs,), (take.stride,), at)
             views.setdefault(take.group, []).append(view)
         return {key: torch.cat(parts) for key, parts in views.items()}
-
-
-__all__ = ["MAX_TENSORS", "SAMPLE_CAP", "UpdateSample"]
