@@ -14,7 +14,7 @@ parameters; one rank's weights part from the others at 40 % of the run, one rank
 The notebook side is dtlab's own: each step is ``Stepper.run(1)``, the path of
 ``dt.step(1)`` (control/stepper.py and control/runs.py: the RunRequest sent to every rank,
 the replies gathered and handled by the Run, their rows taken into the job's Trace, the
-trace's run folder written at the end of the run). Only the session around the Stepper is
+trace's run folder written at the end of the run). Only the world around the Stepper is
 a stand-in (SimSession: no ipyparallel cluster to ask). Reported per step: the wall time of
 ``Stepper.run(1)``, the notebook's CPU time, the part of it spent taking rows into the
 trace, per rank-record, the target (issue 20: <= 1 ms + 5 us x N for dt.step(1) at N
@@ -143,7 +143,8 @@ def fake_ranks(
 
 
 class SimSession:
-    """What dtlab's Stepper asks of a session (control/session.py), for fake ranks: the
+    """What dtlab's Stepper asks of its World and Hangs (control/world.py, hangs.py), for
+    fake ranks: the
     ranks and their hosts, connecting them (here: starting the helper processes with what
     ``api.serve`` would get on each rank), the attached job, the rank states (the real
     RankActivity), and where the job stands. There is no ipyparallel cluster: nothing
@@ -157,7 +158,6 @@ class SimSession:
         self.infos = {r: SimpleNamespace(host=h) for r, h in hosts.items()}
         self.config = SimpleNamespace(listen=None, launcher="local")
         self.activity = RankActivity()
-        self.recovery = self
         self.backend = "gloo"
         self.calls = 0
         _, params, self.planted, _ = simulate(ranks, 1)  # the jobs, and which ranks carry what
@@ -166,7 +166,8 @@ class SimSession:
         self.helpers: list = []
         self.leaders: list[int] = []  # ranks running a group relay
         self.stop_groups = None
-        self.stepper = Stepper(self)
+        self.stepper = Stepper(self, self)  # the world and its hangs, both stand-ins
+        self.stepper.hang_timeout = 120.0  # generous: 2 cores for all the fake ranks
 
     # --- what the Stepper asks -------------------------------------------------------------
     def run_each(self, fn, args: dict, what: str = "", timeout: float | None = None) -> dict:
@@ -233,14 +234,8 @@ class SimSession:
     def dead_ranks(self, ranks) -> list[int]:
         return []  # (check_controller raises first)
 
-    # the recovery's part
-    def current_step(self) -> int:
-        trace = self.stepper.trace
-        return trace.last_step if trace is not None else 0
-
-    def stall_limit(self) -> float:  # (the recovery's reads the last steps' time too)
-        step_s = self.stepper.step_s()
-        return max(120.0, 10 * (step_s or 0.0))
+    def listening(self):
+        return self.config.listen, self.config.launcher, self.infos
 
     def close(self) -> None:
         if self.stepper.channel is not None:  # the helpers stop

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from doctor_scale import job, simulate  # noqa: E402
 
+from dtlab.control.run_folder_writer import FolderWriter  # noqa: E402
 from dtlab.records import step_record_from_dict, step_record_to_dict  # noqa: E402
 from dtlab.records.packed import pack  # noqa: E402
 from dtlab.records.trace import Trace  # noqa: E402
@@ -56,7 +57,7 @@ def measure(ranks: int, steps: int) -> dict:
         runs of RUN steps; without a folder, format 1: each line decoded, appended to
         steps.jsonl."""
         t0 = time.perf_counter()
-        trace = Trace(jobs, folder=folder)
+        trace = Trace(jobs, sink=FolderWriter(folder) if folder is not None else None)
         out = None if folder is not None else open(Path(tmp) / "steps.jsonl", "w")  # noqa: SIM115
         for start in range(0, steps, RUN):
             for rank in records:

@@ -37,6 +37,7 @@ from doctor_scale import PARAMS  # noqa: E402
 from doctor_scale import job as simulated_job  # noqa: E402
 
 from dtlab.analysis.doctor import all_findings, run_checks  # noqa: E402
+from dtlab.control.run_folder_writer import FolderWriter  # noqa: E402
 from dtlab.records import Evidence, JobInfo, ParamInfo  # noqa: E402
 from dtlab.records.packed import Packed  # noqa: E402
 from dtlab.records.row import ROW  # noqa: E402
@@ -89,14 +90,17 @@ def measure(ranks: int, steps: int, window: int, run: int, out) -> None:
     proc = psutil.Process()
     parts_at = int(steps * 0.4)
     with tempfile.TemporaryDirectory() as tmp:
-        warm = Trace({r: job(r) for r in range(2)}, folder=Path(tmp) / "warm")  # imports
+        # a small trace first, so the imports are not measured
+        warm = Trace({r: job(r) for r in range(2)}, sink=FolderWriter(Path(tmp) / "warm"))
         for rank in range(2):
             warm.add_packed(rank, frame(rank, 2, 1, 20, 10))
         warm.close()
         run_checks(Evidence(records=warm.records, names=warm.param_names, jobs=warm.jobs))
         del warm
         before = proc.memory_info().rss
-        trace = Trace({r: job(r) for r in range(ranks)}, folder=Path(tmp) / "run", window=window)
+        trace = Trace(
+            {r: job(r) for r in range(ranks)}, sink=FolderWriter(Path(tmp) / "run"), window=window
+        )
         t0 = time.perf_counter()
         for first in range(1, steps + 1, run):
             count = min(run, steps - first + 1)

@@ -70,7 +70,7 @@ def __getattr__(name: str):
 
         return Trace
     if name == "demo":  # the built-in demo job, attached from the notebook
-        import dtlab.demo as demo
+        from dtlab.control import demo
 
         return demo
     if name == "inject":  # rank side: faults made on purpose (dtlab.agent.inject)

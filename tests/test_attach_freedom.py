@@ -134,3 +134,14 @@ def test_attach_says_which_form_it_needs():
         attach(model, opt, [], step=lambda b: None, before_step=lambda m, o: None)
     with pytest.raises(TypeError, match="lr= must be callable"):
         attach(model, opt, [], mse, lr=0.1)
+
+
+def test_a_fault_for_dtlabs_own_loop_says_so_on_a_job_that_runs_its_own():
+    from dtlab import inject
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    attach(model, opt, batches(), step=lambda batch: None)
+    for plant in (lambda: inject.slow(0.1), lambda: inject.hang_at(3), inject.skip_set_epoch):
+        with pytest.raises(RuntimeError, match="dtlab's own training loop .* StepFnJob"):
+            plant()

@@ -64,11 +64,12 @@ def test_a_secret_looking_value_never_leaves_the_rank_but_differences_still_show
 
 
 def test_serving_metrics_beyond_loopback_warns(ip):
+    from dtlab.control.stepper import Stepper
     from dtlab.views.notebook import NotebookSession
 
     session = NotebookSession.__new__(NotebookSession)  # no ranks needed to serve gauges
     session._metrics = None
-    session._stepper = None
+    session.stepper = Stepper(world=None, hangs=None)  # no ranks: it holds no trace
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         url = session.serve_metrics(port=0, addr="0.0.0.0")
@@ -88,7 +89,7 @@ def test_a_bandwidth_sweep_of_no_iterations_is_refused_in_the_notebook():
     from dtlab.control.comm_bench import Comm
 
     with pytest.raises(ValueError, match="need iters >= 1"):
-        Comm(session=None).bandwidth_sweep(iters=0)  # before any rank is asked
+        Comm(world=None).bandwidth_sweep(iters=0)  # before any rank is asked
 
 
 def test_far_more_local_ranks_than_cores_is_refused_unless_forced(ip):

@@ -31,7 +31,15 @@ def modules() -> dict[str, Path]:
 MODULES = modules()
 
 
+# Modules at the package root that belong to a layer: the launch wrapper runs on the
+# ranks under torchrun (agent side, no notebook library), the console script reads
+# run folders and writes reports (a view).
+ROOT_MODULES = {"dtlab.run": "agent", "dtlab.cli": "views", "dtlab.__main__": "views"}
+
+
 def layer(name: str) -> str:
+    if name in ROOT_MODULES:
+        return ROOT_MODULES[name]
     parts = name.split(".")
     return (
         parts[1]
@@ -98,6 +106,112 @@ def test_imports_go_one_way(source):
     assert wrong == []
 
 
+# control/ in floors, each importing only the floors below it: the core reaches the ranks
+# and knows no stepping or feature; stepping knows no feature; features know each other
+# only through their constructors' typed parameters (imports, so a cycle shows) and never
+# the session, which only builds them (docs/design.md, "Layers").
+CONTROL_FLOORS = {
+    "core": {
+        "activity", "calls", "channel", "cluster", "config", "errors", "forkserver",
+        "hangs", "launchers", "network", "options", "rankmap", "world",
+    },
+    "stepping": {"connection", "relays", "run_folder_writer", "runs", "stepper"},
+    "features": {
+        "checkpointing", "comm_bench", "partitions", "replays", "rescue", "scripts",
+        "training",
+    },
+    "entry": {"demo", "lifecycle", "session"},
+}  # fmt: skip
+FLOOR_ORDER = list(CONTROL_FLOORS)
+
+
+def floor(name: str) -> str | None:
+    short = name.removeprefix("dtlab.control.")
+    return next((f for f, names in CONTROL_FLOORS.items() if short in names), None)
+
+
+def control_modules() -> list[str]:
+    return sorted(n for n in GRAPH if n.startswith("dtlab.control.") and n != "dtlab.control")
+
+
+def test_every_control_module_is_on_a_floor():
+    assert [n for n in control_modules() if floor(n) is None] == []
+
+
+def test_control_floors_import_only_the_floors_below():
+    wrong = sorted(
+        f"{name} ({floor(name)}) -> {target} ({floor(target)})"
+        for name in control_modules()
+        for target in GRAPH[name]
+        if target.startswith("dtlab.control.")
+        and FLOOR_ORDER.index(floor(target) or "entry") > FLOOR_ORDER.index(floor(name) or "")
+    )
+    assert wrong == []
+
+
+def test_control_asks_the_rank_side_only_through_agent_api():
+    wrong = sorted(
+        f"{name} -> {target}"
+        for name in control_modules()
+        for target in GRAPH[name]
+        if layer(target) == "agent" and target not in ("dtlab.agent", "dtlab.agent.api")
+    )
+    assert wrong == []
+
+
+def _below_entry() -> list[tuple[str, ast.Module]]:
+    return [
+        (name, ast.parse(MODULES[name].read_text()))
+        for name in control_modules()
+        if floor(name) != "entry"
+    ]
+
+
+def test_control_below_the_session_never_reaches_through_one():
+    """No ``self.session.x`` (an untyped service locator hides which part uses which)."""
+    reaches = sorted(
+        f"{name}:{node.lineno}"
+        for name, tree in _below_entry()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr == "session"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    )
+    assert reaches == []
+
+
+def test_control_collaborators_are_typed_in_constructors():
+    """Each class's ``__init__`` says what it is given: its edges are visible to mypy."""
+    untyped = sorted(
+        f"{name}:{node.lineno} {arg.arg}"
+        for name, tree in _below_entry()
+        for cls in ast.walk(tree)
+        if isinstance(cls, ast.ClassDef)
+        for node in cls.body
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__"
+        for arg in [*node.args.args[1:], *node.args.kwonlyargs]
+        if arg.annotation is None
+    )
+    assert untyped == []
+
+
+def test_records_start_no_thread():
+    """records/ is plain data and pure codecs: a writer with a thread is notebook-side."""
+    found = sorted(
+        f"{name}:{node.lineno}"
+        for name in GRAPH
+        if layer(name) == "records"
+        for node in ast.walk(ast.parse(MODULES[name].read_text()))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for target in (
+            [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        )
+        if target.split(".")[0] in ("threading", "concurrent", "multiprocessing", "asyncio")
+    )
+    assert found == []
+
+
 def test_no_import_cycle_between_dtlab_modules():
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -153,3 +267,14 @@ def test_analysis_and_records_do_not_import_torch():
 def test_import_dtlab_is_cheap():
     loaded = modules_after(["dtlab"])
     assert not loaded & {"torch", "ipyparallel", "IPython"}
+
+
+def test_the_design_map_names_only_files_that_exist():
+    """docs/design.md names modules as `control/world.py` or `dtlab/...`: each exists."""
+    import re
+
+    text = (ROOT.parent / "docs" / "design.md").read_text()
+    named = set(re.findall(r"`((?:dtlab/)?(?:records|analysis|agent|control|views)/\w+\.py)", text))
+    named |= set(re.findall(r"`((?:benchmarks|tests)/\w+\.py)", text))
+    missing = sorted(n for n in named if not (ROOT / n).exists() and not (ROOT.parent / n).exists())
+    assert len(named) > 40 and missing == []

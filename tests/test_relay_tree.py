@@ -242,7 +242,7 @@ def test_ranks_that_never_connect_through_a_group_relay_are_told_that_link():
 def test_how_the_ranks_reach_the_notebook_is_said_in_words():
     from dtlab.control.connection import Connection
 
-    connection = Connection(session=None)
+    connection = Connection(world=None)
     assert connection.describe() is None  # not connected
     connection.channel = Channel()
     try:

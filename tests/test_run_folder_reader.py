@@ -25,13 +25,15 @@ STEPS = 600
 WRITER = f"""
 import sys
 from pathlib import Path
+from dtlab.control.run_folder_writer import FolderWriter
 from dtlab.records import run_folder, step_files
 from dtlab.records.trace import Trace
 from tests.fakes import job_info, step_record
 
 run_folder.PART_ROWS = 3 * {RANKS}  # a part every 3 steps
 step_files.MERGE_AT = 2  # and merges all the time
-trace = Trace({{r: job_info(r) for r in range({RANKS})}}, folder=Path(sys.argv[1]), window=0)
+jobs = {{r: job_info(r) for r in range({RANKS})}}
+trace = Trace(jobs, sink=FolderWriter(Path(sys.argv[1])), window=0)
 for step in range(1, {STEPS} + 1):
     for rank in range({RANKS}):
         trace.add(rank, [step_record(step, rank)])

@@ -182,7 +182,7 @@ def test_the_stepper_reads_the_last_steps_time_again_only_after_new_rows():
     from dtlab.records.trace import Trace
     from tests.fakes import job_info, step_record
 
-    stepper = Stepper(session=None)
+    stepper = Stepper(world=None, hangs=None)
     assert stepper.step_s() is None  # no trace yet
     stepper.trace = Trace({r: job_info(r) for r in (0, 1)})
     assert stepper.step_s() is None  # no step yet

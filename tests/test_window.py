@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dtlab.analysis.doctor import run_checks
+from dtlab.control.run_folder_writer import FolderWriter
 from dtlab.records import Evidence
 from dtlab.records.packed import pack, read_frame
 from dtlab.records.summaries import summarize
@@ -48,7 +49,9 @@ def run(trace: Trace, steps: int, chunk: int = 5) -> dict:
 
 @pytest.fixture
 def trace(tmp_path):
-    return Trace({r: job_info(r) for r in range(RANKS)}, folder=tmp_path / "run", window=20)
+    return Trace(
+        {r: job_info(r) for r in range(RANKS)}, sink=FolderWriter(tmp_path / "run"), window=20
+    )
 
 
 def test_memory_holds_the_window_and_the_run_folder_the_rest(trace):
@@ -162,7 +165,9 @@ def test_the_doctor_names_a_problem_that_began_before_the_window(trace):
 
 
 def test_a_healthy_long_run_passes_the_earlier_steps_and_a_short_one_leaves_it_out(tmp_path):
-    healthy = Trace({r: job_info(r) for r in range(RANKS)}, folder=tmp_path / "h", window=20)
+    healthy = Trace(
+        {r: job_info(r) for r in range(RANKS)}, sink=FolderWriter(tmp_path / "h"), window=20
+    )
     for start in range(1, 101, 5):
         for rank in range(RANKS):
             recs = [step_record(s, rank).summary() for s in range(start, start + 5)]
@@ -170,7 +175,9 @@ def test_a_healthy_long_run_passes_the_earlier_steps_and_a_short_one_leaves_it_o
         healthy.flush()
     [earlier] = [r for r in run_checks(evidence_of(healthy)) if r.check == "earlier_steps"]
     assert earlier.outcome == "passed" and "every loss was finite" in earlier.passed_because
-    short = Trace({r: job_info(r) for r in range(RANKS)}, folder=tmp_path / "s", window=20)
+    short = Trace(
+        {r: job_info(r) for r in range(RANKS)}, sink=FolderWriter(tmp_path / "s"), window=20
+    )
     run(short, 20)
     assert short.whole
     assert "earlier_steps" not in {r.check for r in run_checks(evidence_of(short))}

@@ -16,13 +16,13 @@ Checkpoints (control/checkpointing.py)
     save, load, set_autosave, checkpoint_problem
 Pipelines (control/partitions.py)
     stage_report, profile_blocks, move_blocks
-Scripts (control/scripts.py, control/deepspeed_scripts.py)
+Scripts (control/scripts.py)
     start_script, script_status, stop_script, deepspeed_save, deepspeed_load_next
-Recovery and communication (control/rescue.py, control/comm_bench.py)
+Hangs and communication (control/hangs.py, control/comm_bench.py)
     start_sidecar, bandwidth_sweep
 
 The stepping channel (``serve``) and the sidecar carry further requests of their own; their
-messages are listed in :mod:`dtlab.agent.stepping` and :mod:`dtlab.agent.sidecar`.
+messages are typed in :mod:`dtlab.records.wire`.
 """
 
 from __future__ import annotations

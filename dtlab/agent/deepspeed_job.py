@@ -24,10 +24,11 @@ from dataclasses import replace
 
 import torch
 
-from dtlab.agent import deepspeed_observe, recorder, rng, script_observe, step_observer
+from dtlab.agent import deepspeed_observe, recorder, script_observe, step_observer
 from dtlab.agent.data_stream import DataStream, describe_data
-from dtlab.agent.job import DEFAULT_CAPACITY, Job, _default_indices
-from dtlab.records import StepRecord, StepTimes
+from dtlab.agent.job import _default_indices
+from dtlab.agent.jobs_base import DEFAULT_CAPACITY, JobCore
+from dtlab.records import StepMemory, StepRecord
 
 PIPELINE_MODULE = "deepspeed.runtime.pipe.engine"
 CALLS_PER_ACCUMULATION = 16  # step=fn: calls without an update before dtlab gives up
@@ -91,7 +92,7 @@ class EngineParams:
         return tuple(prints)
 
 
-def make_job(engine, optimizer, data, loss_fn, *, step, accumulate, options: dict) -> Job:
+def make_job(engine, optimizer, data, loss_fn, *, step, accumulate, options: dict) -> DeepSpeedJob:
     """The job for ``dtlab.attach(engine, ...)``, after checking what does not fit an
     engine; ``options`` are attach's other keyword arguments."""
     pipe = sys.modules.get(PIPELINE_MODULE)
@@ -162,34 +163,37 @@ def make_job(engine, optimizer, data, loss_fn, *, step, accumulate, options: dic
     )
 
 
-class DeepSpeedJob(Job):
+class DeepSpeedJob(JobCore):
     """An attached DeepSpeedEngine; ``step()`` runs it to its next update."""
 
     def __init__(self, engine, data, loss_fn, step_fn, *, record, capacity, indices, on_epoch):
         self.engine = engine
-        self.engine_params = EngineParams(engine)  # (read by Job.__init__'s describing)
+        self.engine_params = EngineParams(engine)  # (read by JobCore.__init__'s describing)
+        self.data, self._on_epoch, self._streaming = data, on_epoch, False
+        # the data is drawn from the first step on, watched (see _start_stream)
+        self.stream = DataStream((), None)
+        self.loss_fn = loss_fn  # (None: step_fn does each micro-batch)
+        self.step_fn = step_fn
+        self.indices = indices or _default_indices
+        self.own_indices = indices is not None
+        self.accumulate = int(engine.gradient_accumulation_steps())
         super().__init__(
             engine,
             deepspeed_observe.inner_optimizer(engine),
-            (),  # the data is drawn from the first step on, watched (see _start_stream)
-            loss_fn or _no_loss_fn,
             scheduler=engine.lr_scheduler,
             record=record,
             capacity=capacity,
-            indices=indices,
         )
-        self.data, self._on_epoch, self._streaming = data, on_epoch, False
-        self.step_fn = step_fn
-        self.own_indices = indices is not None
-        self.accumulate = int(engine.gradient_accumulation_steps())
         self.info = replace(
             self.info,
             optimizer=deepspeed_observe.label(engine),
             scaler=engine.fp16_enabled(),
-            data=describe_data(data),
             deepspeed=deepspeed_observe.describe(engine),
         )
         self.checkpoint_problem = ENGINE_CHECKPOINTS
+
+    def _data_kind(self) -> str:
+        return describe_data(self.data)
 
     def _param_infos(self):
         return self.engine_params.infos()
@@ -200,6 +204,9 @@ class DeepSpeedJob(Job):
     def _grad_fields(self) -> dict:
         return self.engine_params.grad_fields()
 
+    def _memory(self) -> StepMemory:
+        return deepspeed_observe.step_memory(self.engine, self.device, self._buffer_bytes())
+
     def _start_stream(self) -> None:
         """The data's first pass begins inside the first step, watched: a DataLoader's
         iterator made then reports the sample indices of its batches."""
@@ -208,13 +215,7 @@ class DeepSpeedJob(Job):
             self._streaming = True
 
     def step(self, record: bool | None = None) -> StepRecord:
-        record = self.record if record is None else record
-        if self.step_count == 0 and self.initial is None:
-            self.initial = self._initial_state()  # what every rank starts from
-        self.watcher.reset()
-        self.outputs.reset()
-        self._recording, self._buffer_prints = record, ()
-        rngs = rng.fingerprints() if record else ()  # before the step draws from them
+        record = self._begin_step(record)
         kinds: list[str] = []
         observer = step_observer.Observer(lambda kind, engine: kinds.append(kind))
         observer.started, observer.marker, observer.recording = True, self.engine, record
@@ -256,36 +257,31 @@ class DeepSpeedJob(Job):
         grads = self.engine_params.grad_fields(draft.early_grads) if record else {}
         params = self._param_fields() if record else {}
         seen = self.step_fn is not None
-        rec = StepRecord(
-            step=self.step_count,
-            time=time.time(),
+        return self._keep(
             loss=_loss(values, observer, draft),
             lr=draft.lr,
             scale=observer.last_scale,
             skipped=kinds[0] == "skipped",
-            times=StepTimes(
+            times=(
                 own["data"],
                 draft.forward_s if seen else own["forward"],
                 draft.backward_s if seen else own["backward"],
                 observer.optimizer_s,
                 time.perf_counter() - t0,
             ),
-            memory=deepspeed_observe.step_memory(self.engine, self.device, self._buffer_bytes()),
             indices=tuple(indices) if self.own_indices else tuple(draft.indices),
             epoch=epoch,
             epoch_starts=tuple(starts),
-            nonfinite_module=self.watcher.first_bad,
-            nonfinite_found=_nonfinite_how(self.watcher.first_bad, values, draft),
+            nonfinite=(
+                self.watcher.first_bad,
+                _nonfinite_how(self.watcher.first_bad, values, draft),
+            ),
             micro_batches=draft.backward_calls,
             input_fingerprints=tuple(draft.input_prints),
             unreached=unreached,
-            rng=rngs,
-            module_outputs=tuple(self.outputs.prints) if self.recording_outputs else (),
-            **grads,
-            **params,
+            grads=grads,
+            params=params,
         )
-        self.records.append(rec)
-        return rec
 
     def _micro_batch(self, batch, own: dict) -> float:
         """One micro-batch the way DeepSpeed's tutorial loop does it."""
@@ -323,7 +319,3 @@ def _nonfinite_how(module: str | None, values: list, draft) -> str:
         "not re-run: an attached DeepSpeed engine's micro-batches are not re-run; "
         "dt.watch_modules() names the module from the next steps on"
     )
-
-
-def _no_loss_fn(model, batch):
-    raise AssertionError("a step= job runs its step function, never a loss_fn")

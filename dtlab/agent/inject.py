@@ -70,8 +70,23 @@ def unsync_buffers() -> None:
     model.broadcast_buffers = False
 
 
-def _wrap_loss(before) -> None:
+def _own_loop(fault: str):
+    """The attached job, if dtlab runs its loop (a loss_fn and data to wrap); else a clear
+    error: a script's or a step function's loop is its own, so the fault goes there."""
+    from dtlab.agent.job import Job
+
     job = current()
+    if not isinstance(job, Job):
+        raise RuntimeError(
+            f"dtlab.inject.{fault} plants its fault in dtlab's own training loop (a job "
+            "attached with dtlab.attach(model, optimizer, data, loss_fn), or %dt_demo); "
+            f"the attached {type(job).__name__} runs a loop of its own: plant it there"
+        )
+    return job
+
+
+def _wrap_loss(before, fault: str) -> None:
+    job = _own_loop(fault)
     inner = job.loss_fn
 
     def wrapped(model, batch):
@@ -85,7 +100,7 @@ def leak(mib_per_step: float) -> None:
     """Keep ``mib_per_step`` MiB of tensors alive every step (a growing list)."""
     kept = []
     numel = int(mib_per_step * 2**20 / 4)
-    _wrap_loss(lambda: kept.append(torch.ones(numel)))
+    _wrap_loss(lambda: kept.append(torch.ones(numel)), "leak")
 
 
 def hold(mib: float) -> None:
@@ -97,12 +112,12 @@ def hold(mib: float) -> None:
 
 def slow(seconds: float) -> None:
     """Spend ``seconds`` more in every forward here (a straggler)."""
-    _wrap_loss(lambda: time.sleep(seconds))
+    _wrap_loss(lambda: time.sleep(seconds), "slow")
 
 
 def slow_data(seconds: float) -> None:
     """Make every batch take ``seconds`` longer to arrive here (a slow input pipeline)."""
-    job = current()
+    job = _own_loop("slow_data")
     inner = job._next_batch
 
     def slower():
@@ -140,7 +155,7 @@ def share_shard(rank: int) -> None:
 
 def skip_set_epoch() -> None:
     """Stop telling the sampler the epoch: every epoch comes in the same order."""
-    current().stream.on_epoch = None
+    _own_loop("skip_set_epoch").stream.on_epoch = None
 
 
 def corrupt_once(module: str, step: int, *, amount: float = 1e-2) -> None:
@@ -175,7 +190,7 @@ def kill_at(step: int, sig: int = 9) -> None:
     """Kill this rank with ``sig`` (SIGKILL: as the OOM killer does) in the forward of
     ``step``, mid-step."""
     job = current()
-    _wrap_loss(lambda: job.step_count + 1 == step and os.kill(os.getpid(), sig))
+    _wrap_loss(lambda: job.step_count + 1 == step and os.kill(os.getpid(), sig), "kill_at")
 
 
 def raise_at(step: int, message: str = "injected failure") -> None:
@@ -186,7 +201,7 @@ def raise_at(step: int, message: str = "injected failure") -> None:
         if job.step_count + 1 == step:
             raise RuntimeError(f"{message} (dtlab.inject.raise_at step {step})")
 
-    _wrap_loss(fail)
+    _wrap_loss(fail, "raise_at")
 
 
 def hang_at(step: int, how: str = "sleep") -> None:
@@ -194,9 +209,9 @@ def hang_at(step: int, how: str = "sleep") -> None:
     leave out that step's DDP gradient all-reduce, which the other ranks then wait in."""
     if how not in ("sleep", "skip_sync"):
         raise ValueError(f"how must be 'sleep' or 'skip_sync', got {how!r}")
-    job = current()
+    job = _own_loop("hang_at")
     if how == "sleep":
-        _wrap_loss(lambda: job.step_count + 1 == step and time.sleep(10**9))
+        _wrap_loss(lambda: job.step_count + 1 == step and time.sleep(10**9), "hang_at")
         return
     if not hasattr(job.model, "no_sync"):
         raise RuntimeError("the attached model is not DistributedDataParallel: nothing to skip")

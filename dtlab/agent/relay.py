@@ -30,7 +30,8 @@ the message goes as ``[b"DTRB", json, rows, json, rows, ...]`` instead, each rep
 the rank sent them, and the notebook reports the bad rows as it does for an unrelayed rank.
 A ``done`` or ``error`` reply is held until every local rank of that run has sent one, or for
 HOLD_S at most (a dead rank does not hold up the others); everything else goes at once
-with whatever else is waiting.
+with whatever else is waiting. What is held goes up before it would pass JOIN_BUDGET
+(records/wire.py), so no joined message is larger than the notebook's socket takes.
 
 A *group relay* (``listen=True``; control/relays.py says which) is a host relay that other
 hosts' relays send up through, over TCP on the address it reaches the notebook from
@@ -42,14 +43,16 @@ until every rank of the group finished, or GROUP_HOLD_S. A relay's message it ca
 (rows that are not a frame of that relay's ranks) goes up on its own, with only the
 replies of that relay's ranks and its rows as they came: the notebook keeps those ranks'
 rows alone and says whose it drops.
+
+Every message here is built and read by :mod:`dtlab.records.wire` (the protocol's one
+home): a relay forwards the replies of its ranks as they parsed, and the replies it makes
+itself (``unreachable``, RelayError) are typed :class:`~dtlab.records.wire.RankReply`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
 import os
-import re
 import socket
 import tempfile
 import threading
@@ -58,17 +61,37 @@ import traceback
 from urllib.parse import urlsplit
 
 from dtlab.records.packed import Frame, concat, read_frame
+from dtlab.records.ranks import RemoteFailure
 from dtlab.records.wire import (
-    BATCH,
-    JOINED,
+    ENDS,
+    FINISHED,
+    JOIN_BUDGET,
+    MAX_FRAME,
+    MAX_RECEIVED,
+    RECEIVE_AT_MOST,
     DoneGroup,
+    Envelope,
+    RankReply,
+    ReplyKind,
+    addressees,
+    batch_message,
     checked,
     done_groups,
+    identity,
+    is_relay,
+    joined_message,
+    key_token,
     merged_groups,
     plain_done,
+    read_direct,
+    read_relayed,
+    readdressed,
+    relay_identity,
+    relay_reply,
+    run_of,
+    unkeyed,
 )
 
-_RELAY = re.compile(rb"^relay:\d+$")  # the identity of a host's relay (a group relay's peers)
 HOLD_S = 0.05  # a finished run's replies wait this long at most for the host's other ranks
 # ... and in a group relay for the group's other ranks: 8 hosts finish further apart than one
 # host's ranks, and the wait costs a run nothing while a rank is still stepping (the run
@@ -80,8 +103,7 @@ POLL_MS = 50  # how often the thread looks at its stop flag
 
 def local_address(key: str, relay_rank: int) -> str:
     """The ipc endpoint of ``relay_rank``'s relay (the same on every rank of its host)."""
-    token = hashlib.sha256(key.encode()).hexdigest()[:8]
-    return f"ipc://{tempfile.gettempdir()}/dtlab-{token}-{relay_rank}.sock"
+    return f"ipc://{tempfile.gettempdir()}/dtlab-{key_token(key)}-{relay_rank}.sock"
 
 
 class Relay:
@@ -97,13 +119,18 @@ class Relay:
         self.local = local_address(key, rank)
         context = zmq.Context.instance()
         self.up = context.socket(zmq.DEALER)
-        self.up.setsockopt(zmq.IDENTITY, f"relay:{rank}".encode())
+        self.up.setsockopt(zmq.IDENTITY, relay_identity(rank))
         self.up.setsockopt(zmq.LINGER, 0)
         self.up.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)  # a peer gone without a word
         self.up.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5 * HEARTBEAT_MS)  # (its host down): dropped
+        # frames larger than any legitimate one (records/wire.py: MAX_FRAME) are refused from
+        # their header, their sender disconnected: a rank's reply down here, a relay's
+        # joined message (within JOIN_BUDGET, or one rank's reply re-framed) from other hosts
+        self.up.setsockopt(zmq.MAXMSGSIZE, MAX_RECEIVED)
         self.down = context.socket(zmq.ROUTER)
         self.down.setsockopt(zmq.LINGER, 0)
         self.down.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a rank gone -> an error, not a drop
+        self.down.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
         self._path = self.local.removeprefix("ipc://")
         # a group relay's: other hosts' relays (a socket of its own: no identity of theirs
         # can shadow a local rank's)
@@ -112,6 +139,7 @@ class Relay:
             self.down.bind(self.local)  # (libzmq replaces a stale file of a killed relay)
             if self.hosts is not None:  # on the interface this host reaches the notebook by
                 self.hosts.setsockopt(zmq.LINGER, 0)
+                self.hosts.setsockopt(zmq.MAXMSGSIZE, MAX_RECEIVED)
                 self.hosts.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a relay gone: unreachable
                 self.hosts.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
                 self.hosts.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5 * HEARTBEAT_MS)
@@ -129,10 +157,10 @@ class Relay:
             ) from e
         self._stop = threading.Event()
         self._waiting: dict[int, set[int]] = {}  # run id -> local ranks not finished yet
-        # replies not sent up yet: (the JSON object, its frame, the rows frame)
-        self._held: list[tuple[dict, bytes, bytes]] = []
+        self._held: list[Envelope] = []  # replies not sent up yet
         self._held_runs: set[int] = set()  # runs with a finished reply among them
         self._held_since = 0.0
+        self._held_bytes = 0  # the frames' bytes of what is held (within JOIN_BUDGET)
         self._ranks: set[int] = set()  # the ranks that said hello (through it or a relay)
         self._via: dict[int, bytes] = {}  # a rank behind another host's relay -> that relay
         # held from other hosts' relays' joined messages: replies (without the key), rows
@@ -177,26 +205,25 @@ class Relay:
             self.down.close()
             if self.hosts is not None:
                 self.hosts.close()
-            if os.path.exists(self._path):
+            with contextlib.suppress(FileNotFoundError):  # (the notebook's close may have)
                 os.unlink(self._path)
 
     def _fail(self, error: Exception) -> None:
         """Say the relay failed, as an error reply of each rank a run still waits for
         (of every local rank when none does), so the notebook's run ends naming it
         instead of waiting."""
-        failure = {
-            "ename": "RelayError",
-            "evalue": f"the relay of rank {self.rank}'s host failed: {error!r}; "
+        failure = RemoteFailure(
+            "RelayError",
+            f"the relay of rank {self.rank}'s host failed: {error!r}; "
             "the next run connects the ranks again with new relays",
-            "traceback": traceback.format_exc(),
-        }
+            traceback.format_exc(),
+        )
         runs = [(run, ranks) for run, ranks in self._waiting.items() if ranks] or [(None, set())]
-        replies = [
-            {"key": self.key, "kind": "error", "id": run, "rank": rank, "error": failure}
+        self._held += [
+            relay_reply(RankReply(ReplyKind.ERROR, run, rank, error=failure), self.key)
             for run, ranks in runs
             for rank in sorted(ranks if run is not None else self._ranks)
         ]
-        self._held += [(reply, json.dumps(reply).encode(), b"") for reply in replies]
         self._send_up()
 
     def _hold_s(self) -> float:
@@ -219,10 +246,7 @@ class Relay:
             data = checked(parts[-1], self.key)
             if data is None:
                 continue  # not from our notebook
-            to = data.get("to")
-            targets = [r for r in to if type(r) is int] if isinstance(to, list) else []
-            run = data.get("id") if data.get("op") == "run" else None
-            run = run if type(run) is int else None
+            targets, run = addressees(data), run_of(data)
             if run is not None:  # one run at a time: older ones are over
                 self._waiting = {run: set(targets)}
             unreachable = []
@@ -232,88 +256,83 @@ class Relay:
                     relayed.setdefault(via, []).append(rank)
                     continue
                 try:
-                    self.down.send_multipart([str(rank).encode(), parts[-1]], zmq.NOBLOCK)
+                    self.down.send_multipart([identity(rank), parts[-1]], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     unreachable.append(rank)
             for via, ranks in relayed.items():  # the command, naming that relay's ranks
                 try:
                     assert self.hosts is not None  # (only a group relay learns such routes)
-                    frame = json.dumps({**data, "to": ranks}).encode()
-                    self.hosts.send_multipart([via, frame], zmq.NOBLOCK)
+                    self.hosts.send_multipart([via, readdressed(data, ranks)], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     unreachable.extend(ranks)
             for rank in unreachable:  # (sent at once: the run's other ranks are stepping)
-                reply = {"key": self.key, "kind": "unreachable", "id": run, "rank": rank}
-                self._hold((reply, json.dumps(reply).encode(), b""), rank, run, finished=False)
+                reply = relay_reply(RankReply(ReplyKind.UNREACHABLE, run, rank), self.key)
+                self._hold(reply, rank, run, finished=False)
                 self._waiting.get(run, set()).discard(rank)
 
     def _from_ranks(self) -> None:
         import zmq  # (the agent layer imports zmq only where it is used)
 
-        while self.down.poll(0, zmq.POLLIN):
-            parts = self.down.recv_multipart()  # identity, json, maybe rows
-            if len(parts) not in (2, 3):
+        for _ in range(RECEIVE_AT_MOST):  # (a flood of strangers' does not starve the rest)
+            if not self.down.poll(0, zmq.POLLIN):
+                break
+            _, *body = self.down.recv_multipart()  # identity, json, maybe rows
+            if (reply := read_direct(body, self.key)) is None:
                 continue
-            data = checked(parts[1], self.key)
-            if data is None:
-                continue
+            data = reply.data
             run, rank, kind = data.get("id"), data.get("rank"), data.get("kind")
-            finished = kind in ("done", "error") and type(run) is int and type(rank) is int
-            if kind == "hello" and type(rank) is int:
+            finished = kind in ENDS and type(run) is int and type(rank) is int
+            if kind == ReplyKind.HELLO and type(rank) is int:
                 self._ranks.add(rank)
                 self._via.pop(rank, None)  # a local rank now
-            self._hold((data, parts[1], parts[2] if len(parts) == 3 else b""), rank, run, finished)
+            self._hold(reply, rank, run, finished)
 
     def _from_hosts(self) -> None:
         import zmq  # (the agent layer imports zmq only where it is used)
 
         assert self.hosts is not None  # (polled only when there is one)
-        while self.hosts.poll(0, zmq.POLLIN):
-            parts = self.hosts.recv_multipart()  # identity, JOINED or BATCH, ...
-            if len(parts) > 2 and parts[1] in (JOINED, BATCH) and _RELAY.fullmatch(parts[0]):
-                self._from_relay(parts)
+        for _ in range(RECEIVE_AT_MOST):
+            if not self.hosts.poll(0, zmq.POLLIN):
+                break
+            via, *body = self.hosts.recv_multipart()  # identity, JOINED or BATCH, ...
+            if is_relay(via):
+                self._from_relay(via, body)
 
-    def _from_relay(self, parts: list[bytes]) -> None:
+    def _from_relay(self, via: bytes, body: list[bytes]) -> None:
         """Another host's relay's message: held to be joined, its hellos giving its ranks'
         route; one this cannot join goes up on its own (:meth:`_forward`)."""
-        via = parts[0]
-        if parts[1] == BATCH:  # (identity, BATCH, then each reply's JSON and rows)
-            if len(parts) % 2:
-                return
+        relayed = read_relayed(body, self.key)
+        if relayed is None:
+            return  # not from one of our relays
+        if not relayed.joined:  # (BATCH) each reply as its rank sent it
             if self._holding():  # (rare) its rows must not come up before those held
                 self._send_up()
-            for frame, rows in zip(parts[2::2], parts[3::2], strict=True):
-                if (data := checked(frame, self.key)) is not None:
-                    self._relayed(via, data, frame, rows)
+            for reply in relayed.replies:
+                self._relayed(via, reply)
             return
-        header = checked(parts[2], self.key) if len(parts) == 4 else None
-        found, groups = (header.get("replies"), header.get("done")) if header else (None, None)
-        if not isinstance(found, list) or not isinstance(groups, list):
+        done = relayed.done
+        if done is None:
             return  # not from one of our relays
-        replies = [
-            {"key": self.key, **data}
-            for data in found
-            if isinstance(data, dict) and type(data.get("rank")) is int
-        ]
+        # (without the key, as they are held to be joined)
+        replies = [r.data for r in relayed.replies if type(r.data.get("rank")) is int]
         for data in replies:  # hellos first: the rows below may be of ranks new here
-            if data.get("kind") == "hello":
+            if data.get("kind") == ReplyKind.HELLO:
                 self._via[data["rank"]] = via
                 self._ranks.add(data["rank"])
-        done = [g for g in map(DoneGroup.from_dict, groups) if g is not None]
         try:
-            joined = read_frame(parts[3]) if parts[3] else None
+            joined = read_frame(relayed.rows) if relayed.rows else None
             theirs = {p.rank for p in joined.parts} if joined is not None else set()
             theirs |= {r for g in done for r in g.ranks} | {d["rank"] for d in replies}
             if any(self._via.get(r) != via for r in theirs):
                 raise ValueError("rows or replies of ranks that relay does not serve")
         except ValueError:
-            self._forward(via, parts[3], replies, done)
+            self._forward(via, relayed.rows, replies, done)
             return
+        self._within_budget(sum(map(len, body)))
         self._start_holding()
         for data in replies:
-            del data["key"]
             self._joined.append(data)
-            if data.get("kind") in ("done", "error", "unreachable") and type(data.get("id")) is int:
+            if data.get("kind") in FINISHED and type(data.get("id")) is int:
                 self._finished(data["id"], (data["rank"],))
         if joined is not None:
             self._start_holding()
@@ -323,18 +342,19 @@ class Relay:
             self._groups.append(group)
             self._finished(group.id, group.ranks)
 
-    def _relayed(self, via: bytes, data: dict, frame: bytes, rows: bytes) -> None:
+    def _relayed(self, via: bytes, reply: Envelope) -> None:
         """A reply another host's relay sent up (checked for the key): held as a rank's."""
+        data = reply.data
         rank, run = data.get("rank"), data.get("id")
         if type(rank) is not int:
             return
-        if data.get("kind") == "hello":
+        if data.get("kind") == ReplyKind.HELLO:
             self._via[rank] = via
             self._ranks.add(rank)
         elif self._via.get(rank) != via:
             return  # not one of that relay's ranks
-        finished = data.get("kind") in ("done", "error", "unreachable") and type(run) is int
-        self._hold((data, frame, rows), rank, run, finished)
+        finished = data.get("kind") in FINISHED and type(run) is int
+        self._hold(reply, rank, run, finished)
 
     def _forward(self, via: bytes, rows: bytes, replies: list[dict], done: list[DoneGroup]) -> None:
         """Another relay's message this cannot join (its rows are not a frame of its own
@@ -348,19 +368,14 @@ class Relay:
         replies = [d for d in replies if self._via.get(d["rank"]) == via]
         theirs = {r for r, served_by in self._via.items() if served_by == via}
         done = [g for g in (g.only(theirs) for g in done) if g.ranks]
-        header = {
-            "key": self.key,
-            "replies": [{k: v for k, v in d.items() if k != "key"} for d in replies],
-            "done": [g.to_dict() for g in done],
-        }
         try:
-            self.up.send_multipart([JOINED, json.dumps(header).encode(), rows], zmq.NOBLOCK)
+            self.up.send_multipart(joined_message(self.key, replies, done, rows), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the notebook is gone or not keeping up: its run notices the silence
         finished = [(g.id, g.ranks) for g in done] + [
             (d["id"], (d["rank"],))
             for d in replies
-            if d.get("kind") in ("done", "error", "unreachable") and type(d.get("id")) is int
+            if d.get("kind") in FINISHED and type(d.get("id")) is int
         ]
         for run, ranks in finished:
             if (waiting := self._waiting.get(run)) is not None:
@@ -370,7 +385,17 @@ class Relay:
         if not self._holding():
             self._held_since = time.monotonic()
 
-    def _hold(self, reply: tuple[dict, bytes, bytes], rank, run, finished: bool) -> None:
+    def _within_budget(self, size: int) -> None:
+        """Before holding ``size`` more bytes: send up what is held if they would take it
+        past JOIN_BUDGET, so that no joined message is larger than a socket takes
+        (records/wire.py: MAX_FRAME); what comes alone is one rank's reply, or one relay's
+        message, re-framed."""
+        if self._holding() and self._held_bytes + size > JOIN_BUDGET:
+            self._send_up()
+        self._held_bytes += size
+
+    def _hold(self, reply: Envelope, rank, run, finished: bool) -> None:
+        self._within_budget(len(reply.frame) + len(reply.rows))
         self._start_holding()
         self._held.append(reply)
         if finished:
@@ -398,6 +423,7 @@ class Relay:
         for run in self._held_runs:
             if not self._waiting.get(run):
                 self._waiting.pop(run, None)
+        self._held_bytes = 0
         self._held, self._held_runs, self._joined, self._frames, self._groups = (
             [],
             set(),
@@ -412,7 +438,7 @@ class Relay:
         try:
             return [self._message()]
         except Exception:  # (any: this must not fail) the notebook says whose rows it drops
-            batch = [BATCH, *(part for _, frame, rows in self._held for part in (frame, rows))]
+            batch = batch_message(self._held)
             if not (self._joined or self._frames or self._groups):
                 return [batch]
             self._held = []  # what other relays joined stays joined
@@ -430,14 +456,10 @@ class Relay:
         with_rows.sort(key=lambda held: held[0])  # rank after rank; stable: in order
         frames = [read_frame(rows, rank) for rank, rows in with_rows] + self._frames
         plain = [data for data, _, _ in self._held if plain_done(data)]
-        replies = [
-            {k: v for k, v in data.items() if k != "key"}
-            for data, _, _ in self._held
-            if not plain_done(data)
-        ] + self._joined
-        groups = [group.to_dict() for group in merged_groups(done_groups(plain) + self._groups)]
-        header = json.dumps({"key": self.key, "replies": replies, "done": groups}).encode()
-        return [JOINED, header, concat(frames) if frames else b""]
+        replies = [unkeyed(data) for data, _, _ in self._held if not plain_done(data)]
+        groups = merged_groups(done_groups(plain) + self._groups)
+        rows = concat(frames) if frames else b""
+        return joined_message(self.key, replies + self._joined, groups, rows)
 
 
 def facing_ip(address: str) -> str:

@@ -31,8 +31,9 @@ import torch
 
 from dtlab.agent import deepspeed_observe, recorder, rng, script_observe
 from dtlab.agent import job as jobs
+from dtlab.agent.jobs_base import JobCore
 from dtlab.agent.update_size import UpdateSample
-from dtlab.records import StepMemory, StepRecord, StepTimes
+from dtlab.records import StepMemory, StepRecord
 
 
 class ScriptEnded(jobs.JobEnded):
@@ -73,15 +74,17 @@ SCRIPT_CHECKPOINTS = (
 )
 
 
-class ScriptJob(jobs.Job):
+class ScriptJob(JobCore):
     """The job a script runs, as the stepping channel and the doctor see it: found at the
     first optimizer step (the model that owns the optimizer's parameters, seen through
-    DDP / FSDP / compile wrappers), stepped by running the script to its next boundary.
-    ``run`` is the :class:`dtlab.agent.script.ScriptRun` it belongs to."""
+    DDP / FSDP / compile wrappers), stepped by running the script to its next boundary
+    (``step``), recorded there (``finish_step``, called by the script's run). ``run`` is
+    the :class:`dtlab.agent.script.ScriptRun` it belongs to."""
 
     def __init__(self, run, optimizer):
+        self.run = run  # (read by JobCore.__init__'s describing, as the engine below)
         engine = optimizer if deepspeed_observe.is_engine(optimizer) else None
-        self.engine = engine  # (read by the parameter hooks below, from Job.__init__ on)
+        self.engine = engine
         # the optimizers that update the parameters (a container's inner ones), for the LR
         # and the optimizer state; the observer tells, at each step, which ones stepped
         self.updaters: list = []
@@ -98,17 +101,14 @@ class ScriptJob(jobs.Job):
         super().__init__(
             model,
             optimizer or _ParamsOnly.no_optimizer(model),
-            (),
-            lambda m, b: None,
             scheduler=scheduler,
             scaler=scaler,
             record=run.record,
         )
-        self.run = run
         draft = run.observer.draft  # the first step's, so far: backward() on no loss means
         # a rank that has none (a pipeline stage before the last)
         lossless = draft.backward_calls > 0 and not draft.losses
-        self.info = replace(self.info, data=self._data_kind(), computes_loss=not lossless)
+        self.info = replace(self.info, computes_loss=not lossless)
         if self.updaters:
             inner = [type(o).__name__ for o in self.updaters]
             named = ", ".join(f"{n} x{inner.count(n)}" for n in dict.fromkeys(inner))
@@ -133,6 +133,7 @@ class ScriptJob(jobs.Job):
             )
         self.checkpoint_problem = SCRIPT_CHECKPOINTS
         self.output: list[str] = []
+        self._epoch = 0  # the data pass the last step ended in
         self.initial = self._initial_state()
         self._rngs = rng.fingerprints() if run.record else ()
 
@@ -156,16 +157,12 @@ class ScriptJob(jobs.Job):
 
     def _data_kind(self) -> str:
         """The DataLoaders the script iterated so far, else that it used none."""
-        run = getattr(self, "run", None)
-        kinds = sorted(set(run.observer.data_kinds.values())) if run is not None else []
+        kinds = sorted(set(self.run.observer.data_kinds.values()))
         return " + ".join(kinds) if kinds else "no DataLoader: the script's own code"
 
     def step(self, record: bool | None = None) -> StepRecord:
-        record = self.record if record is None else record
-        self.watcher.reset()
-        self.outputs.reset()
-        self._recording, self._buffer_prints = record, ()
-        self._rngs = rng.fingerprints() if record else ()  # as the step begins
+        """Run the script to its next optimizer step (where ``finish_step`` records it)."""
+        record = self._begin_step(record)
         script_observe.set_recording(record)
         self.run.capture = self.output  # no ipyparallel request carries it: the reply does
         try:
@@ -244,16 +241,15 @@ class ScriptJob(jobs.Job):
             recorder.rss_bytes(), 0, 0, 0
         )
         loss, micro = observer.step_loss(draft, self.part_of)
-        epoch = draft.passes[0][1] if draft.passes else getattr(self, "_epoch", 0)
+        epoch = draft.passes[0][1] if draft.passes else self._epoch
         self._epoch = draft.passes[-1][1] if draft.passes else epoch
-        rec = StepRecord(
-            step=self.step_count,
-            time=time.time(),
+        first_bad = self.watcher.first_bad
+        rec = self._keep(
             loss=loss,
             lr=lr,
             scale=getattr(observer, "last_scale", None),
             skipped=skipped,
-            times=StepTimes(
+            times=(
                 draft.data_s,
                 draft.forward_s,
                 draft.backward_s,
@@ -264,21 +260,18 @@ class ScriptJob(jobs.Job):
             indices=tuple(draft.indices),
             epoch=epoch,
             epoch_starts=tuple(pos for pos, _ in draft.passes[1:]),
-            nonfinite_module=self.watcher.first_bad or draft.nonfinite[0],
-            nonfinite_found=(
-                "watched during the step" if self.watcher.first_bad else draft.nonfinite[1]
+            nonfinite=(
+                first_bad or draft.nonfinite[0],
+                "watched during the step" if first_bad else draft.nonfinite[1],
             ),
             micro_batches=micro,
             update_rms=math.nan if update_rms is None else update_rms,
             synced_micro_batches=draft.synced_calls if draft.ddp_seen else None,
             input_fingerprints=tuple(draft.input_prints),
             unreached=unreached,
-            rng=self._rngs,
-            module_outputs=tuple(self.outputs.prints) if self.recording_outputs else (),
-            **(grads or {}),
-            **(params or {}),
+            grads=grads,
+            params=params,
         )
-        self.records.append(rec)
         if observer.recording:
             self.reached.start()  # the next step's backward
         return rec
@@ -376,8 +369,14 @@ def _find_model(run, optimizers, objects) -> torch.nn.Module:
     unless the model is held in parts), each the outermost such (DDP around the model),
     so that the job sees the wrapper and names the inner model's. Looked for among the
     modules that ran forward and those the script's frames reach, else, once, among every
-    module the garbage collector knows."""
-    wanted = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
+    module the garbage collector knows. Parts come in the order the optimizers list their
+    parameters (ties never depend on where the modules were found)."""
+    order: dict[int, int] = {}
+    for o in optimizers:
+        for g in o.param_groups:
+            for p in g["params"]:
+                order.setdefault(id(p), len(order))
+    wanted = set(order)
     ran = [m for m, *_ in run.observer.draft.forwards]
     found = list({id(m): m for m in [*ran, *_modules_in(objects)]}.values())
     owned = {id(m): {id(p) for p in m.parameters()} for m in found}
@@ -387,15 +386,24 @@ def _find_model(run, optimizers, objects) -> torch.nn.Module:
     if not wanted:  # no optimizer: the module with the most parameters
         best = max(found, key=lambda m: len(owned[id(m)]), default=None)
         return _outermost(best, found) if best is not None else _ParamsOnly(optimizers[0])
-    parts, left = [], set(wanted)
+
+    def first(m) -> int:  # where the optimizers list its first parameter
+        return min((order[p] for p in owned[id(m)] if p in order), default=len(order))
+
+    chosen, left = [], set(wanted)
     while left:
-        best = max(found, key=lambda m: (len(owned[id(m)] & left), len(owned[id(m)])), default=None)
+        best = max(
+            found,
+            key=lambda m: (len(owned[id(m)] & left), len(owned[id(m)]), -first(m)),
+            default=None,
+        )
         if best is None or not owned[id(best)] & left:
             break
-        parts.append(_outermost(best, found))
+        chosen.append(best)
         left -= owned[id(best)]
-    if not parts:
+    if not chosen:
         return _ParamsOnly(optimizers[0])
+    parts = [_outermost(m, found) for m in sorted(chosen, key=first)]
     return parts[0] if len(parts) == 1 else ModelParts(parts)
 
 

@@ -11,9 +11,9 @@ ms). On request it sends, out of band:
   and whether it completed;
 - the attached job's step counter.
 
-Protocol: its own DEALER socket (identity = rank) to the notebook's ROUTER; JSON frames
-with the session key, ``{"op": "report", "id"}`` -> ``{"kind": "report", "id", "rank",
-"stack", "collectives", "step"}``; a ``{"kind": "hello"}`` on connecting.
+Protocol: its own DEALER socket (identity = rank) to the notebook's ROUTER; the messages
+are typed in :mod:`dtlab.records.wire`: a ``ReportRequest`` in, a ``SidecarHello`` on
+connecting and a ``SidecarReport`` (stack, collectives, step) for each request out.
 """
 
 from __future__ import annotations
@@ -24,6 +24,14 @@ import threading
 import traceback
 
 from dtlab.agent.state import RANK
+from dtlab.records.wire import (
+    Message,
+    SidecarHello,
+    SidecarReport,
+    decode_report_request,
+    encode,
+    identity,
+)
 
 KEEP_PER_GROUP = 6  # collectives reported per process group (the last ones)
 POLL_MS = 200
@@ -52,11 +60,11 @@ class Sidecar(threading.Thread):
         import zmq
 
         socket = zmq.Context.instance().socket(zmq.DEALER)  # made here: owned by this thread
-        socket.setsockopt(zmq.IDENTITY, str(self.rank).encode())
+        socket.setsockopt(zmq.IDENTITY, identity(self.rank))
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(self.address)
         try:
-            self._send(socket, {"kind": "hello"})
+            self._send(socket, SidecarHello(self.rank))
             while not self.stopping.is_set():
                 if socket.poll(POLL_MS, zmq.POLLIN):
                     self._answer(socket, socket.recv())
@@ -64,26 +72,21 @@ class Sidecar(threading.Thread):
             socket.close()
 
     def _answer(self, socket, frame: bytes) -> None:
-        try:
-            msg = json.loads(frame)
-        except ValueError:
-            return
-        if not isinstance(msg, dict) or msg.get("key") != self.key:
+        request = decode_report_request(frame, self.key)
+        if request is None:
             return  # not from our notebook: never act on it
-        if msg.get("op") == "report":
-            try:
-                found = report(self.main_ident, self.watermark)
-            except Exception as e:  # say so, and stay alive for the next question
-                found = {"stack": [], "collectives": [], "error": f"{type(e).__name__}: {e}"}
-            self._send(socket, {"kind": "report", "id": msg.get("id"), **found})
+        try:
+            found = report(self.main_ident, self.watermark)
+            answer = SidecarReport(request.id, self.rank, **found)
+        except Exception as e:  # say so, and stay alive for the next question
+            answer = SidecarReport(request.id, self.rank, error=f"{type(e).__name__}: {e}")
+        self._send(socket, answer)
 
-    def _send(self, socket, fields: dict) -> None:
+    def _send(self, socket, message: Message) -> None:
         import zmq
 
         try:
-            socket.send(
-                json.dumps({"key": self.key, "rank": self.rank, **fields}).encode(), zmq.NOBLOCK
-            )
+            socket.send(encode(message, self.key), zmq.NOBLOCK)
         except zmq.Again:
             pass
 

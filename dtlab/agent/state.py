@@ -48,8 +48,9 @@ class RankState:
     retired_groups: set[str] = field(default_factory=set)
 
     # --- the job (agent/job.py, agent/demo_job.py) ---------------------------------------
-    # job.Job (or a PipelineJob, ScriptJob, StepFnJob): the attached job; set by
-    # job.install (every attach, and a script at its first step); replaced, never cleared
+    # a jobs_base.RankJob (Job, PipelineJob, StepFnJob, DeepSpeedJob, ScriptJob): the
+    # attached job; set by job.install (every attach, and a script at its first step);
+    # replaced, never cleared
     job: Any = None
     # int: how many jobs were attached in this process (the notebook tells a new job by
     # it); counted by job.install

@@ -17,24 +17,42 @@ import time
 
 import torch
 
-from dtlab.agent import recorder, rng, script_observe, step_observer
-from dtlab.agent.job import Job
-from dtlab.records import StepRecord, StepTimes
+from dtlab.agent import script_observe, step_observer
+from dtlab.agent.data_stream import DataStream, describe_data
+from dtlab.agent.job import _default_indices
+from dtlab.agent.jobs_base import DEFAULT_CAPACITY, JobCore
+from dtlab.records import StepRecord
 
 
-class StepFnJob(Job):
-    def __init__(self, model, optimizer, data, step_fn, **options):
-        super().__init__(model, optimizer, data, _unused, **options)
+class StepFnJob(JobCore):
+    """A job whose step is the user's ``step_fn(batch)``; dtlab draws the batches."""
+
+    def __init__(
+        self,
+        model,
+        optimizer,
+        data,
+        step_fn,
+        *,
+        record=True,
+        capacity=DEFAULT_CAPACITY,
+        indices=None,
+        on_epoch=None,
+    ):
+        self.data = data
+        self.stream = DataStream(data, on_epoch)
+        self.indices = indices or _default_indices
         self.step_fn = step_fn
+        super().__init__(model, optimizer, record=record, capacity=capacity)
+
+    def _data_kind(self) -> str:
+        return describe_data(self.stream.data)
+
+    def _next_batch(self):
+        return self.stream.next_batch()
 
     def step(self, record: bool | None = None) -> StepRecord:
-        record = self.record if record is None else record
-        if self.step_count == 0 and self.initial is None:
-            self.initial = self._initial_state()
-        self.watcher.reset()
-        self.outputs.reset()
-        self._recording, self._buffer_prints = record, ()
-        rngs = rng.fingerprints() if record else ()
+        record = self._begin_step(record)
         t0 = self._now()
         epoch_before = self.stream.epoch
         batch = self._next_batch()
@@ -57,34 +75,27 @@ class StepFnJob(Job):
         t1 = time.perf_counter()
         params = self._param_fields() if record else {}
         lr = grads.pop("_lr", self.optimizer.param_groups[0].get("lr"))
-        rec = StepRecord(
-            step=self.step_count,
-            time=time.time(),
+        return self._keep(
             loss=_loss(returned, observer, draft),
             lr=float(lr) if isinstance(lr, (int, float)) else None,
             scale=observer.last_scale,
             skipped=skipped,
-            times=StepTimes(
+            times=(
                 data_s,
                 draft.forward_s,
                 draft.backward_s,
                 max(0.0, observer.optimizer_s - grads_s),
                 grads_s + time.perf_counter() - t1,
             ),
-            memory=recorder.memory(self.params, self.optimizer, self.device, self._buffer_bytes()),
             indices=tuple(int(i) for i in self.indices(batch)),
             epoch=epoch_before,
-            nonfinite_module=self.watcher.first_bad,
+            nonfinite=(self.watcher.first_bad, ""),
             micro_batches=draft.backward_calls,
             synced_micro_batches=draft.synced_calls if draft.ddp_seen else None,
             input_fingerprints=tuple(draft.input_prints),
-            rng=rngs,
-            module_outputs=tuple(self.outputs.prints) if self.recording_outputs else (),
-            **grads,
-            **params,
+            grads=grads,
+            params=params,
         )
-        self.records.append(rec)
-        return rec
 
     def _boundary(self, kind: str, optimizer, grads: dict) -> None:
         """The optimizer's post-hook: the gradients as the step used them."""
@@ -105,7 +116,3 @@ def _loss(returned, observer, draft) -> float:
         return float(returned)
     value = observer.loss(draft)
     return value if draft.losses else math.nan
-
-
-def _unused(model, batch):
-    raise AssertionError("a step= job runs its step function, never a loss_fn")

@@ -10,14 +10,14 @@ Protocol: the typed messages of :mod:`dtlab.records.wire` (a ``RunRequest`` or a
 frame each, every frame carrying the session ``key``.
 
 Ranks stay in step: every ``agree_every`` steps of a run (every step when a condition is
-watched) all ranks all-reduce (MAX) one small tensor ``[pause asked, condition met, a rank
-failed, fingerprint, -fingerprint]`` on a gloo group of their own, so every rank stops
-after the same step, and "diverged" means the fingerprints were not all equal.
+watched; spaced by the cadence in :mod:`dtlab.records.wire`, the notebook's too) all
+ranks all-reduce (MAX) one small tensor ``[pause asked, condition met, a rank failed,
+fingerprint, -fingerprint]`` on a gloo group of their own, so every rank stops after the
+same step, and "diverged" means the fingerprints were not all equal.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import signal
 import time
@@ -29,15 +29,23 @@ import torch
 
 from dtlab.agent import job as jobs
 from dtlab.agent.groups import control_group
+from dtlab.agent.jobs_base import RankJob
 from dtlab.agent.state import RANK
 from dtlab.records import Condition, RemoteFailure, StepRecord
 from dtlab.records.packed import pack
-from dtlab.records.wire import PauseRequest, RankReply, RunRequest, decode_request, frames
+from dtlab.records.wire import (
+    PauseRequest,
+    RankReply,
+    ReplyKind,
+    RunRequest,
+    decode_request,
+    frames,
+    identity,
+    key_token,
+    next_agree_every,
+)
 
 AGREE_AFTER_ERROR_S = 5.0  # a failed rank waits this long for peers at the step boundary
-AGREE_S = 1.0  # in a plain run, ranks agree (pause?) about this often: one agreement costs
-# ~5 ms at 8 ranks on 2 cores, so agreeing at every step of a 30 ms job would add ~15%
-MAX_AGREE_EVERY = 1000
 AGREE_POLL_S = 0.0005  # polling the agreement keeps SIGINT deliverable
 
 
@@ -208,11 +216,9 @@ class _RunState:
 
     def agreed(self, index: int, step_s: float) -> None:
         """After the agreement at ``index``: the next one twice as many steps later, up to
-        about AGREE_S later by the step time every rank was told (the same on every rank, so
-        they meet again). Doubling keeps the first steps of a new job watched closely (a
-        failure there stops the peers within as many steps again) at log2(n) agreements."""
-        target = max(1, min(MAX_AGREE_EVERY, int(AGREE_S / max(step_s, 1e-4))))
-        self.agree_every = min(target, 2 * self.agree_every)
+        about AGREE_S later by the step time every rank was told (the cadence both ends
+        share: :func:`dtlab.records.wire.next_agree_every`)."""
+        self.agree_every = next_agree_every(self.agree_every, step_s)
         self.next_at = index + self.agree_every
 
     def seq(self, index: int) -> int:
@@ -243,20 +249,20 @@ class StepServer:
         from zmq.eventloop.zmqstream import ZMQStream
 
         self.key = key
-        self.token = hashlib.sha256(key.encode()).hexdigest()[:8]  # names, not the secret
+        self.token = key_token(key)  # names, not the secret
         self.rank = rank
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IDENTITY, str(rank).encode())
+        self.socket.setsockopt(zmq.IDENTITY, identity(rank))
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(address)
         self.stream = ZMQStream(self.socket)
         self.stream.on_recv(self._on_message)
-        self._send("hello", None)
+        self._send(ReplyKind.HELLO, None)
 
     def close(self) -> None:
         self.stream.close()
 
-    def _send(self, kind: str, msg_id, **fields) -> None:
+    def _send(self, kind: ReplyKind, msg_id, **fields) -> None:
         import zmq
 
         reply = RankReply(kind, msg_id, self.rank, **fields)
@@ -299,11 +305,11 @@ class StepServer:
             finally:
                 job.watch_modules(False)
                 job.record_outputs(False)
-            self._report("done", state, job, stopped=state.stopped, hit=state.hit)
+            self._report(ReplyKind.DONE, state, job, stopped=state.stopped, hit=state.hit)
         except BaseException as e:  # KeyboardInterrupt too: it must not reach the event loop
             self._fail(e, job, state, msg.id)
 
-    def _loop(self, job, state: _RunState) -> None:
+    def _loop(self, job: RankJob, state: _RunState) -> None:
         last_report = last_agreed = time.monotonic()
         for index in range(state.steps):
             state.index = index
@@ -344,7 +350,7 @@ class StepServer:
             first = index == 0 < state.steps - 1  # at once (not in a one-step run: done says
             # it): a rank that dies a few steps later has said where it was
             if first or time.monotonic() - last_report >= state.report_s:
-                self._report("progress", state, job)
+                self._report(ReplyKind.PROGRESS, state, job)
                 last_report = time.monotonic()
 
     def _fail(self, e: BaseException, job, state: _RunState | None, msg_id) -> None:
@@ -357,7 +363,7 @@ class StepServer:
             getattr(e, "script_traceback", None) or traceback.format_exc(),
         )
         self._send(
-            "error",
+            ReplyKind.ERROR,
             msg_id,
             step=job.step_count if job is not None else 0,
             attach=jobs.attach_count(),
@@ -379,7 +385,7 @@ class StepServer:
     def _rows(self, records: list[StepRecord]) -> bytes:
         return pack(self.rank, [r.summary() for r in records]).to_bytes() if records else b""
 
-    def _report(self, kind: str, state: _RunState, job, **fields) -> None:
+    def _report(self, kind: ReplyKind, state: _RunState, job, **fields) -> None:
         rows, state.pending = self._rows(state.pending), []
         self._send(
             kind,
@@ -392,7 +398,6 @@ class StepServer:
         )
 
 
-def _output_of(job) -> str:
+def _output_of(job: RankJob | None) -> str:
     """What a script job printed since the last reply (other jobs print nothing here)."""
-    take = getattr(job, "take_output", None)
-    return take() if take is not None else ""
+    return job.take_output() if job is not None else ""

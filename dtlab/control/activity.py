@@ -15,12 +15,20 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from dtlab.analysis.ranks import label_ranks
+from dtlab.records.words import Word
 
-STATES = ("idle", "stepping", "stuck", "dead")
+
+class Activity(Word):
+    """What a rank is doing, as the notebook knows it."""
+
+    IDLE = "idle"
+    STEPPING = "stepping"
+    STUCK = "stuck"
+    DEAD = "dead"
 
 
 class RankActivity:
-    """Per rank: the run it is in, or the request it is stuck in (``session.activity``)."""
+    """Per rank: the run it is in, or the request it is stuck in (``dt.world.activity``)."""
 
     def __init__(self) -> None:
         self._runs: dict[int, int] = {}  # rank -> id of a run it has not finished
@@ -55,18 +63,18 @@ class RankActivity:
         return sorted(self._stuck)
 
     # --- asking ------------------------------------------------------------------------
-    def state(self, rank: int, dead: Iterable[int] = ()) -> str:
+    def state(self, rank: int, dead: Iterable[int] = ()) -> Activity:
         if rank in set(dead):
-            return "dead"
+            return Activity.DEAD
         if rank in self.stuck():
-            return "stuck"
-        return "stepping" if rank in self._runs else "idle"
+            return Activity.STUCK
+        return Activity.STEPPING if rank in self._runs else Activity.IDLE
 
     def refusal(
         self, ranks: Iterable[int], what: str, *, run_in_flight: bool, world_size: int
     ) -> str | None:
         """Why ``what`` may not be sent to ``ranks`` now (None: it may). Dead ranks are
-        refused before this, with the engine's cause (Session.check_ready)."""
+        refused before this, with the engine's cause (World.check_ready)."""
         ranks = set(ranks)
         stepping = ranks & set(self._runs)
         if stepping and run_in_flight:

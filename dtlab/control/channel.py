@@ -1,11 +1,13 @@
 """The notebook end of the stepping channel: one ROUTER socket, ranks connect to it.
 
-It carries two protocols: the stepping channel's (rank end :mod:`dtlab.agent.stepping`,
-messages typed in :mod:`dtlab.records.wire`) and the sidecars' (:mod:`dtlab.agent.sidecar`).
+It carries two protocols, both typed, encoded and read by :mod:`dtlab.records.wire`: the
+stepping channel's (rank end :mod:`dtlab.agent.stepping`) and the sidecars'
+(:mod:`dtlab.agent.sidecar`).
 Ranks connect straight to it, or through their host's relay (:mod:`dtlab.agent.relay`):
 the channel learns each rank's route from its hello, then sends a command once per relay
-(naming its ranks) and takes a relay's message apart: its replies, and one frame of their
-packed rows (:class:`~dtlab.records.wire.HostRows`) to be read in one pass.
+(naming its ranks: :func:`~dtlab.records.wire.addressed`) and takes a relay's message apart
+(:func:`~dtlab.records.wire.read_relayed`): its replies, and one frame of their packed rows
+(:class:`~dtlab.records.wire.HostRows`) to be read in one pass.
 Messages are JSON objects with a random session key (a stepping reply may add one frame of
 packed step records, :mod:`dtlab.records.packed`): nothing received is unpickled or
 executed, and a message without the key is dropped; what a reply means is its protocol's.
@@ -13,8 +15,6 @@ executed, and a message without the key is dropped; what a reply means is its pr
 
 from __future__ import annotations
 
-import json
-import secrets
 import threading
 import time
 from collections.abc import Iterable
@@ -22,7 +22,23 @@ from typing import NamedTuple
 
 import zmq
 
-from dtlab.records.wire import BATCH, JOINED, DoneGroup, HostRows, Request, checked
+from dtlab.records.wire import (
+    MAX_RECEIVED,
+    RECEIVE_AT_MOST,
+    DoneGroup,
+    Envelope,
+    HostRows,
+    Message,
+    Relayed,
+    ReplyKind,
+    addressed,
+    encode,
+    identity,
+    naming,
+    new_key,
+    read_direct,
+    read_relayed,
+)
 
 
 class Received(NamedTuple):
@@ -38,10 +54,12 @@ class Channel:
 
     def __init__(self, host: str = "127.0.0.1", advertised: str | None = None):
         """Listen on ``host`` ("*": every interface); ranks connect to ``advertised``."""
-        self.key = secrets.token_hex(16)
+        self.key = new_key()
         self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown rank -> error, not a drop
+        # a larger frame is no rank's (records/wire.py: MAX_FRAME): refused from its header
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_RECEIVED)
         port: int = self.socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{advertised or host}:{port}"
         self.connected: set[int] = set()
@@ -52,22 +70,22 @@ class Channel:
         self._sends = None
         self._lock = threading.Lock()  # a zmq socket must not be used by two threads at once
 
-    def send(self, ranks: Iterable[int], message: Request | dict) -> list[int]:
-        """Send to each rank (once per relay for relayed ranks, naming them); returns the
-        ranks it could not reach (not connected, or their relay is gone)."""
-        payload = message if isinstance(message, dict) else message.to_dict()
-        frame = json.dumps({"key": self.key, **payload}).encode()
+    def send(self, ranks: Iterable[int], message: Message) -> list[int]:
+        """Send a message of :mod:`dtlab.records.wire` to each rank (once per relay for
+        relayed ranks, naming them); returns the ranks it could not reach (not connected,
+        or their relay is gone)."""
+        frame = encode(message, self.key)
         direct, relayed = self._routes_of(tuple(ranks))
         unreachable = []
         with self._lock:
             for rank in direct:
                 try:
-                    self.socket.send_multipart([str(rank).encode(), frame], zmq.NOBLOCK)
+                    self.socket.send_multipart([identity(rank), frame], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     unreachable.append(rank)
-            for route, (targets, to) in relayed.items():  # the frame, its ranks named
+            for route, (targets, names) in relayed.items():  # the frame, its ranks named
                 try:
-                    self.socket.send_multipart([route, frame[:-1] + to], zmq.NOBLOCK)
+                    self.socket.send_multipart([route, addressed(frame, names)], zmq.NOBLOCK)
                 except zmq.ZMQError:
                     unreachable.extend(targets)
         return unreachable
@@ -87,10 +105,7 @@ class Channel:
                 direct.append(rank)
             else:
                 targets.setdefault(route, []).append(rank)
-        relayed = {
-            route: (mine, b', "to": %s}' % json.dumps(mine).encode())
-            for route, mine in targets.items()
-        }
+        relayed = {route: (mine, naming(mine)) for route, mine in targets.items()}
         self._sends = (ranks, dict(self.routes), direct, relayed)
         return direct, relayed
 
@@ -111,42 +126,42 @@ class Channel:
         after its JSON (b"" when none did; the stepping channel's replies carry them), the
         rows of relayed hosts' replies, one frame per relay's message, and their plain done
         replies as DoneGroups."""
-        messages = []
+        # each message checked as it is read: only those with the session key are kept, and
+        # a receive reads RECEIVE_AT_MOST at most (the rest wait in zmq for the next one)
+        messages: list[tuple[bytes, Relayed | Envelope]] = []
         with self._lock:
             if self.socket.poll(int(timeout * 1000), zmq.POLLIN):
-                while self.socket.poll(0, zmq.POLLIN):
-                    messages.append(self.socket.recv_multipart())
+                for _ in range(RECEIVE_AT_MOST):
+                    if not self.socket.poll(0, zmq.POLLIN):
+                        break
+                    route, *body = self.socket.recv_multipart()  # (identity, then frames)
+                    read = read_relayed(body, self.key) or read_direct(body, self.key)
+                    if read is not None:
+                        messages.append((route, read))
         got = Received([], [], [])
         replies = got.replies
-        for parts in messages:
-            if len(parts) == 4 and parts[1] == JOINED:  # identity, JOINED, JSON, rows
-                self._take_joined(parts[0], parts[2], parts[3], got)
-            elif len(parts) > 3 and parts[1] == BATCH and len(parts) % 2 == 0:
-                # identity, BATCH, then (JSON, rows) of each reply
-                for frame, rows in zip(parts[2::2], parts[3::2], strict=True):
-                    if (data := checked(frame, self.key)) is not None:
-                        self._take(data, rows, parts[0], replies)
-            elif len(parts) in (2, 3) and (data := checked(parts[1], self.key)) is not None:
-                self._take(data, parts[2] if len(parts) == 3 else b"", None, replies)
+        for route, read in messages:
+            if isinstance(read, Relayed):
+                if read.joined:
+                    self._take_joined(route, read, got)
+                else:  # (BATCH) each reply as its rank sent it
+                    for reply in read.replies:
+                        self._take(reply.data, reply.rows, route, replies)
+            else:
+                self._take(read.data, read.rows, None, replies)
         return got
 
-    def _take_joined(self, route: bytes, frame: bytes, rows: bytes, got: Received) -> None:
-        header = checked(frame, self.key)
-        found = header.get("replies") if header is not None else None
-        if header is None or not isinstance(found, list):
-            return  # not from one of our relays
+    def _take_joined(self, route: bytes, relayed: Relayed, got: Received) -> None:
         kept = len(got.replies)
-        for data in found:
-            if isinstance(data, dict):
-                self._take(data, b"", route, got.replies)
+        for reply in relayed.replies:
+            self._take(reply.data, b"", route, got.replies)
         ranks = {reply["rank"] for reply, _ in got.replies[kept:]}
-        groups = header.get("done")
-        for group in map(DoneGroup.from_dict, groups if isinstance(groups, list) else ()):
-            if group is not None and (group := group.only(self.relayed.get(route, ()))).ranks:
+        for group in relayed.done or ():
+            if (group := group.only(self.relayed.get(route, ()))).ranks:
                 got.done.append(group)
                 ranks.update(group.ranks)
-        if rows:  # kept for the ranks whose replies were taken (and only those)
-            got.rows.append(HostRows(frozenset(ranks), rows))
+        if relayed.rows:  # kept for the ranks whose replies were taken (and only those)
+            got.rows.append(HostRows(frozenset(ranks), relayed.rows))
 
     def _take(
         self, reply: dict, rows: bytes, route: bytes | None, replies: list[tuple[dict, bytes]]
@@ -154,7 +169,7 @@ class Channel:
         """A reply whose key was checked: a hello sets the rank's route; anything else is
         kept, unless a relay sent it for a rank that is not its own."""
         rank = reply.get("rank")
-        if reply.get("kind") == "hello" and isinstance(rank, int):
+        if reply.get("kind") == ReplyKind.HELLO and isinstance(rank, int):
             self.connected.add(rank)
             before = self.routes.pop(rank, None)
             if before is not None:

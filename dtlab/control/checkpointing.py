@@ -20,7 +20,16 @@ from pathlib import Path
 
 from dtlab.agent import api
 from dtlab.control.errors import DtlabError, OptionError, RankError
-from dtlab.records.checkpoints import CheckpointInfo, catalogue, commit, describe, remove_partial
+from dtlab.control.stepper import Stepper
+from dtlab.control.world import World
+from dtlab.records.checkpoints import (
+    CHOOSE_ANOTHER,
+    CheckpointInfo,
+    catalogue,
+    commit,
+    describe,
+    remove_partial,
+)
 from dtlab.records.run_folder import RUNS_DIR_ENV
 
 CHECKPOINT_DIR_ENV = "DTLAB_CHECKPOINT_DIR"
@@ -36,8 +45,9 @@ class Checkpointing:
     """Checkpoints of the attached job, and how to build the job again on fresh engines
     (``dt.checkpointing``; ``dt.checkpoint`` is ``dt.checkpointing.checkpoint``)."""
 
-    def __init__(self, session) -> None:
-        self.session = session
+    def __init__(self, world: World, stepper: Stepper) -> None:
+        self.world = world
+        self.stepper = stepper
         # how to build the job again on fresh engines: (setup, args, kwargs)
         self.job_setup: tuple[Callable | str, tuple, dict] | None = None
         self.autosave_every: int | None = None
@@ -60,7 +70,7 @@ class Checkpointing:
     def checkpoint(self, tag: str | None = None) -> CheckpointInfo:
         """Save the job's full state now, on every rank; the checkpoint exists only when
         every rank wrote its part (else CheckpointFailed, earlier ones untouched)."""
-        self.session.stepper._sync_job()  # a job must be attached; also starts the trace
+        self.stepper.sync_job()  # a job must be attached; also starts the trace
         root, token = self.checkpoint_root, secrets.token_hex(4)
         try:  # the ranks write a finished .partial-* folder; only this commits it
             saved = self._on_ranks(api.save, str(root), token, tag, False, what="save")
@@ -77,13 +87,13 @@ class Checkpointing:
         the run with its error; the job stays as it was after the step."""
         if steps is not None and steps < 0:
             raise OptionError(f"steps must be positive (or 0/None to stop), got {steps}")
-        self.session.run(api.set_autosave, str(self.checkpoint_root), steps or None)
+        self.world.run(api.set_autosave, str(self.checkpoint_root), steps or None)
         self.autosave_every = steps or None  # re-applied where dtlab rebuilds the job
 
     def apply_autosave(self, on: bool) -> None:
         """Periodic saves off during a replay (its steps are not the job's), back after."""
         if self.autosave_every:
-            self.session.run(
+            self.world.run(
                 api.set_autosave, str(self.checkpoint_root), self.autosave_every if on else None
             )
 
@@ -122,7 +132,7 @@ class Checkpointing:
         A partial, corrupt or foreign checkpoint is refused and the job is unchanged."""
         info = self.find_checkpoint(which)
         result = self.load_into_job(info)
-        self.session.stepper.new_trace(resumed_from=str(info.path), step=info.step)
+        self.stepper.new_trace(resumed_from=str(info.path), step=info.step)
         return result
 
     def load_into_job(self, info: CheckpointInfo) -> dict:
@@ -130,7 +140,18 @@ class Checkpointing:
             raise CheckpointFailed(
                 f"{info.path} is partial ({info.problem}): {self._previous_good(info)}"
             )
-        self.session.stepper._sync_job()
+        # the folder checked here as dt.checkpoints() lists it (the manifest read confined
+        # and bounded, every listed file's kind and size, never opened) before any rank is
+        # asked: a corrupt one is refused unopened. Checksums are the ranks' (each verifies
+        # its own share as it loads): reading every file here too would read it all twice
+        checked = describe(info.path) if info.ok else info
+        if checked is None or not checked.ok:
+            problem = checked.problem if checked is not None else "not a checkpoint folder"
+            raise CheckpointFailed(
+                f"checkpoint {info.path} refused: {problem}. Nothing was loaded, the job is "
+                f"unchanged; {CHOOSE_ANOTHER}: {self._previous_good(info)}"
+            )
+        self.stepper.sync_job()
         try:
             loaded = self._on_ranks(api.load, str(info.path), what="load")
         except CheckpointFailed as e:
@@ -154,7 +175,7 @@ class Checkpointing:
 
     def _on_ranks(self, fn: Callable, *args, what: str) -> dict:
         try:
-            return self.session.run(fn, *args, timeout=CHECKPOINT_TIMEOUT_S)
+            return self.world.run(fn, *args, timeout=CHECKPOINT_TIMEOUT_S)
         except RankError as e:
             said = list(dict.fromkeys(f.evalue for f in e.failures.values()))
             if said and all(f.ename == "CheckpointError" for f in e.failures.values()):
@@ -172,6 +193,18 @@ class Checkpointing:
             raise TypeError("setup must be a function run on every rank, or %%dt cell source")
         self.job_setup = (setup, args, kwargs)
 
+    def forget_job_setup(self) -> None:
+        """The job on the ranks now is not the one ``set_job_setup`` builds (a script
+        attached its own)."""
+        self.job_setup = None
+
+    def rebuild_with_plan(self, bounds: list[int]) -> None:
+        """Fresh engines (a restart, a resume check) rebuild a pipeline with the plan it
+        runs now, so that its checkpoints load: a setup that takes ``plan=`` is given it."""
+        if self.job_setup is not None and "plan" in self.job_setup[2]:
+            setup, args, kwargs = self.job_setup
+            self.job_setup = (setup, args, {**kwargs, "plan": list(bounds)})
+
     def refuse_unbuildable_job(self) -> None:
         """A job dtlab cannot rebuild on fresh engines (a script job) is refused with why,
         before anything looks for checkpoints. A rank that cannot be asked (dead) says
@@ -179,7 +212,7 @@ class Checkpointing:
         if self.job_setup is not None:
             return
         try:
-            problem = self.session.run(api.checkpoint_problem, ranks=[0], timeout=10)[0]
+            problem = self.world.run(api.checkpoint_problem, ranks=[0], timeout=10)[0]
         except DtlabError:
             return
         if problem:
@@ -195,9 +228,9 @@ class Checkpointing:
             )
         setup, args, kwargs = self.job_setup
         if isinstance(setup, str):
-            self.session.execute(setup)
+            self.world.execute(setup)
         else:
-            self.session.run(api.set_up, setup, args, kwargs)
+            self.world.run(api.set_up, setup, args, kwargs)
 
     def remove_checkpoint(self, info: CheckpointInfo) -> None:
         shutil.rmtree(info.path, ignore_errors=True)

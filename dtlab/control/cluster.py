@@ -30,7 +30,12 @@ from dtlab.control.calls import held_interrupts
 from dtlab.control.config import LaunchConfig
 from dtlab.control.errors import DtlabError, LaunchError
 from dtlab.control.forkserver import EXIT_LOG_ENV
-from dtlab.control.launchers import engine_launcher_class, launcher_problem, mpi_defaults
+from dtlab.control.launchers import (
+    Launcher,
+    engine_launcher_class,
+    launcher_problem,
+    mpi_defaults,
+)
 from dtlab.control.network import listen_address
 from dtlab.control.rankmap import threads_per_rank
 
@@ -60,7 +65,7 @@ def _local_threads(config: LaunchConfig) -> int:
 
 
 def make_cluster(config: LaunchConfig) -> ipp.Cluster:
-    local = config.launcher == "local"
+    local = config.launcher == Launcher.LOCAL
     cluster = ipp.Cluster(
         n=config.num_ranks,
         engine_launcher_class=engine_launcher_class(config.launcher),
@@ -86,9 +91,9 @@ def make_cluster(config: LaunchConfig) -> ipp.Cluster:
         env.setdefault("OMP_NUM_THREADS", str(_local_threads(config)))
         env[EXIT_LOG_ENV] = exit_log_path(cluster)  # how engines died
     cluster.config.EngineLauncher.environment = env
-    if config.launcher == "mpi":
+    if config.launcher == Launcher.MPI:
         cluster.config.MPIEngineSetLauncher.mpi_args = mpi_defaults()
-    if config.launcher == "slurm":  # the batch script beside the job's log, not in the cwd
+    if config.launcher == Launcher.SLURM:  # the batch script beside the job's log, not in the cwd
         log_dir = os.path.join(cluster.profile_dir, "log")
         os.makedirs(log_dir, exist_ok=True)
         script = os.path.join(log_dir, f"{cluster.cluster_id}-engines.sbatch")
@@ -149,7 +154,7 @@ class EngineCluster:
         if problem := launcher_problem(self.config.launcher):
             raise LaunchError(problem)
         progress("engines registered", 0, n)
-        if self.config.launcher == "local":
+        if self.config.launcher == Launcher.LOCAL:
             self.cluster.start_engines_sync()
             self.cluster.start_controller_sync()
         else:
@@ -206,7 +211,7 @@ class EngineCluster:
         """Local launcher: how many forked engines have died. The fork server's children
         are its engines, and the nannies of engines that died (which lead their own
         session, so they are told apart by that)."""
-        if self.config.launcher != "local":
+        if self.config.launcher != Launcher.LOCAL:
             return 0
         lost = 0
         for engine_set in self.cluster.engines.values():
@@ -246,7 +251,7 @@ class EngineCluster:
         return process is not None and not running([process.pid])
 
     def _reach_hint(self) -> str:
-        if self.config.launcher == "local" or self.config.listen:
+        if self.config.launcher == Launcher.LOCAL or self.config.listen:
             return ""
         return (
             "; engines on other hosts cannot reach a controller on 127.0.0.1: launch "
@@ -297,7 +302,7 @@ class EngineCluster:
     def _stop(self) -> None:
         procs = self.local_processes()
         if self.client is not None:
-            if self.config.launcher != "local":
+            if self.config.launcher != Launcher.LOCAL:
                 self._ask_engines_to_exit()
             self.client.close()
             self.client = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dtlab.agent import api
 from dtlab.analysis.bandwidth import Sweep, combine, sizes_between
 from dtlab.control.errors import OptionError
+from dtlab.control.world import World
 
 SWEEP_TIMEOUT_S = 600.0
 
@@ -16,8 +17,8 @@ SWEEP_TIMEOUT_S = 600.0
 class Comm:
     """Bandwidth sweeps on the job's process group (``dt.comm``)."""
 
-    def __init__(self, session) -> None:
-        self.session = session
+    def __init__(self, world: World) -> None:
+        self.world = world
         self.sweeps: list[Sweep] = []  # dt.bandwidth_sweep() results, oldest first
 
     def bandwidth_sweep(
@@ -39,10 +40,10 @@ class Comm:
                 f"need iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}"
             )
         sizes = sizes_between(min_bytes, max_bytes, factor)
-        times = self.session.run(
+        times = self.world.run(
             api.bandwidth_sweep, sizes, iters, warmup, dtype, timeout=SWEEP_TIMEOUT_S
         )
         label = label or f"sweep {len(self.sweeps) + 1}"
-        result = combine(times, label=label, backend=self.session.backend, dtype=dtype)
+        result = combine(times, label=label, backend=self.world.backend, dtype=dtype)
         self.sweeps.append(result)
         return result

@@ -9,7 +9,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from dtlab.control.errors import OptionError
-from dtlab.control.launchers import LAUNCHERS, parse_hosts, slurm_config, ssh_config
+from dtlab.control.launchers import (
+    LAUNCHERS,
+    Launcher,
+    parse_hosts,
+    slurm_config,
+    ssh_config,
+)
 from dtlab.control.network import is_loopback, listen_address
 from dtlab.control.options import option
 
@@ -205,15 +211,15 @@ class LaunchConfig:
             raise OptionError(f"--port must be 0 (any free port) or 1-65535, got {self.port!r}")
         checked_timeout(self.pg_timeout_s, "the process-group timeout (--pg-timeout)")
         address = listen_address(self.listen)  # OptionError names the interfaces
-        if self.launcher == "local" and not is_loopback(address):
+        if self.launcher == Launcher.LOCAL and not is_loopback(address):
             raise OptionError(
                 "--listen is for ranks on other hosts; the local launcher's are "
                 "all on this one and stay on 127.0.0.1"
             )
         engines = self.launcher_config.get("SSHEngineSetLauncher", {}).get("engines")
-        if self.launcher == "ssh" and not engines:
+        if self.launcher == Launcher.SSH and not engines:
             raise OptionError("the ssh launcher needs hosts: --hosts node1:4,node2:4")
-        if self.launcher == "ssh" and is_loopback(address) and set(engines) - LOCAL_NAMES:
+        if self.launcher == Launcher.SSH and is_loopback(address) and set(engines) - LOCAL_NAMES:
             raise OptionError(
                 "engines on other hosts cannot reach a controller on 127.0.0.1: add --listen "
                 "<interface or address of this machine> (e.g. --listen eth0)"
@@ -259,7 +265,7 @@ def oversubscription(config: LaunchConfig) -> str | None:
     Ranks then take turns on the cores: steps are slower, and timings (stragglers, the
     partition editor's gains) carry the noise of the sharing."""
     cores = _cores()
-    if config.launcher != "local" or config.num_ranks <= cores:
+    if config.launcher != Launcher.LOCAL or config.num_ranks <= cores:
         return None
     return (
         f"{config.num_ranks} ranks on {cores} cores: {config.num_ranks / cores:g} ranks "

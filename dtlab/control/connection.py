@@ -11,27 +11,37 @@ hosts' relays send up to) when there are group relays.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import re
 import socket
+import stat
+import tempfile
 import warnings
 
 from dtlab.agent import api
-from dtlab.agent.relay import route_ip
 from dtlab.analysis.ranks import label_ranks
 from dtlab.control.channel import Channel
 from dtlab.control.errors import DtlabError
-from dtlab.control.network import EVERYWHERE, LOOPBACK, is_loopback, listen_address
+from dtlab.control.network import channel_hosts
 from dtlab.control.relays import FAN_IN_ENV, fan_in, relay_at, relay_groups, relay_plan
+from dtlab.control.world import World
+from dtlab.records.wire import key_token
 
 CONNECT_TIMEOUT_S = 30.0
 
 Plan = tuple[dict[int, int], dict[int, int]]  # (rank -> host relay, host relay -> group relay)
+# the name of a host relay's ipc socket file in the temp folder (agent/relay.py:
+# local_address: dtlab-<key_token>-<relay rank>.sock)
+SOCKET_NAME = re.compile(r"dtlab-(?P<token>[0-9a-f]{8})-\d+\.sock")
 
 
 class Connection:
-    """The stepping channel of a session (``session.stepper.connection``)."""
+    """The stepping channel of a session (``dt.stepper.connection``)."""
 
-    def __init__(self, session) -> None:
-        self.session = session
+    def __init__(self, world: World) -> None:
+        self.world = world
         self.channel: Channel | None = None
         self.plan: Plan = ({}, {})  # how the connected ranks reach the channel ({}: straight)
         self._planned: tuple[object, tuple[int, int], Plan] | None = None  # (infos, env, plan)
@@ -64,7 +74,7 @@ class Connection:
 
     def _connect(self, plan: Plan) -> None:
         relays, groups = plan
-        channel = Channel(*channel_hosts(self.session))
+        channel = Channel(*channel_hosts(*self.world.listening()))
         try:
             try:
                 upstream = self._open_group_relays(channel, groups)
@@ -72,8 +82,8 @@ class Connection:
                 if getattr(e, "dead_ranks", ()):  # a dead rank: not the group relays' doing
                     raise
                 raise _GroupRelaysFailed(f"the group relays could not start: {e}") from e
-            ranks = self.session.ranks
-            self.session.run_each(
+            ranks = self.world.ranks
+            self.world.run_each(
                 api.serve,
                 {
                     r: (channel.address, channel.key, r, relays.get(r), upstream.get(r))
@@ -89,7 +99,7 @@ class Connection:
                     raise _GroupRelaysFailed(said)
                 raise DtlabError(said)
         except BaseException:
-            channel.close()
+            _close(channel)
             raise
         self.channel, self.plan, self.relay_failed = channel, plan, False
 
@@ -108,7 +118,7 @@ class Connection:
 
     def close(self) -> None:
         if self.channel is not None:
-            self.channel.close()
+            _close(self.channel)
             self.channel = None
 
     def _open_group_relays(self, channel: Channel, groups: dict[int, int]) -> dict[int, str]:
@@ -116,7 +126,7 @@ class Connection:
         leaders = sorted(set(groups.values()))
         if not leaders:
             return {}
-        opened = self.session.run_each(
+        opened = self.world.run_each(
             api.open_group_relay,
             {r: (channel.address, channel.key, r) for r in leaders},
             what="start the group relays",
@@ -126,9 +136,9 @@ class Connection:
 
     def _plan(self) -> Plan:
         """(relay_plan, relay_groups) of the session's ranks, worked out again only when
-        they or the settings changed (a launch replaces ``session.infos``; 0.2 ms at 512);
+        they or the settings changed (a launch replaces ``world.infos``; 0.2 ms at 512);
         no group relays while they failed for these ranks and settings."""
-        infos, at, per_group = self.session.infos, relay_at(), fan_in()
+        infos, at, per_group = self.world.infos, relay_at(), fan_in()
         found = self._planned
         if found is None or found[0] is not infos or found[1] != (at, per_group):
             relays = relay_plan(infos, at)
@@ -162,22 +172,58 @@ def _not_connected(
     )
 
 
-def channel_hosts(session) -> tuple[str, str]:
-    """(where to listen, what address to give the ranks): loopback while every rank is on
-    this host, else the launch's ``--listen`` address."""
-    here = socket.gethostname()
-    address = listen_address(session.config.listen)
-    if session.config.launcher == "local" or (
-        is_loopback(address) and all(i.host == here for i in session.infos.values())
-    ):
-        return LOOPBACK, LOOPBACK
-    if is_loopback(address):
-        remote = sorted({i.host for i in session.infos.values()} - {here})
-        raise DtlabError(
-            f"ranks run on other hosts ({', '.join(remote)}) but dtlab listens on loopback "
-            "only: launch with --listen <interface or address> (e.g. --listen eth0)"
-        )
-    if address == EVERYWHERE:  # the address of this machine that remote ranks can reach
-        remote = [i.host for i in session.infos.values() if i.host != here]
-        return "*", route_ip(remote[0]) if remote else LOOPBACK
-    return address, address
+def _close(channel: Channel) -> None:
+    """Close the channel and remove its relays' socket files on this host: the ranks that
+    made them leave through os._exit, so a relay's own close does not always run."""
+    channel.close()
+    for path in _socket_files(tempfile.gettempdir()):
+        match = SOCKET_NAME.fullmatch(os.path.basename(path))
+        if match is not None and match["token"] == key_token(channel.key):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def remove_stale_sockets(folder: str | None = None) -> list[str]:
+    """Remove relays' socket files that a killed session left in ``folder`` (the temp
+    folder): only files named as dtlab names them, sockets owned by this user, that no
+    process listens on any more (connecting is refused). Returns the paths removed."""
+    removed = []
+    for path in _socket_files(folder or tempfile.gettempdir()):
+        if _listened_on(path) is False:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(path)
+    return removed
+
+
+def _socket_files(folder: str) -> list[str]:
+    """The relays' socket files in ``folder`` that are this user's (links never followed)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if SOCKET_NAME.fullmatch(name) is None:
+            continue
+        path = os.path.join(folder, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISSOCK(info.st_mode) and info.st_uid == os.getuid():
+            found.append(path)
+    return found
+
+
+def _listened_on(path: str) -> bool | None:
+    """Does a live process listen on the socket file ``path``? (None: cannot tell.)"""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError as e:
+            if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
+                return False
+            return None  # (busy, timed out: someone may be there) kept
+        return True

@@ -135,7 +135,13 @@ class RankError(DtlabError):
 class RankTimeoutError(RankError):
     """Some ranks did not finish in time, or the user interrupted; they were sent SIGINT."""
 
-    def __init__(self, what: str, reason: str, failures=None, **ranks):
+    def __init__(
+        self,
+        what: str,
+        reason: str,
+        failures: Mapping[int, RemoteFailure] | None = None,
+        **ranks: Iterable[int],
+    ):
         self.reason = reason
         super().__init__(what, failures or {}, **ranks)
 

@@ -28,6 +28,7 @@ import json
 import os
 import signal
 import sys
+from typing import BinaryIO
 
 ENGINE_INDEX_ENV = "DTLAB_ENGINE_INDEX"
 EXIT_LOG_ENV = "DTLAB_EXIT_LOG"  # a file to note each engine's exit status in (JSON lines)
@@ -68,7 +69,7 @@ def _die_with_parent() -> None:
 class _NannyHandle:
     """What the engine keeps of its nanny: the read end of the pipe the nanny watches."""
 
-    def __init__(self, pid: int, reader):
+    def __init__(self, pid: int, reader: BinaryIO):
         self.pid = pid
         self.reader = reader
 

@@ -19,9 +19,20 @@ from ipyparallel.cluster.launcher import LocalEngineLauncher
 from traitlets import Integer
 
 from dtlab.control.errors import OptionError
+from dtlab.records.words import Word
 
-# "local" is ours; the others are ipyparallel's `ipyparallel.engine_launchers` entry points
-LAUNCHERS = ("local", "mpi", "slurm", "ssh")
+
+class Launcher(Word):
+    """``--launcher``: ``local`` is ours; the others are ipyparallel's
+    ``ipyparallel.engine_launchers`` entry points, passed through."""
+
+    LOCAL = "local"
+    MPI = "mpi"
+    SLURM = "slurm"
+    SSH = "ssh"
+
+
+LAUNCHERS = tuple(Launcher)
 
 
 class ForkingEngineSetLauncher(LocalEngineLauncher):
@@ -54,12 +65,12 @@ class ForkingEngineSetLauncher(LocalEngineLauncher):
 def engine_launcher_class(name: str):
     """The class or ipyparallel name to pass as ``Cluster(engine_launcher_class=...)``
     (``name`` is one of LAUNCHERS, checked by LaunchConfig)."""
-    return ForkingEngineSetLauncher if name == "local" else name
+    return ForkingEngineSetLauncher if name == Launcher.LOCAL else name
 
 
 def launcher_problem(name: str) -> str | None:
     """What this machine lacks to use launcher ``name``, with the fix; None if nothing."""
-    if name == "mpi":
+    if name == Launcher.MPI:
         if shutil.which("mpiexec") is None:
             return (
                 "the mpi launcher needs mpiexec on PATH: install an MPI (Debian: apt-get "
@@ -70,9 +81,9 @@ def launcher_problem(name: str) -> str | None:
                 "the mpi launcher needs mpi4py where the engines run (ipyparallel numbers "
                 "MPI engines by their MPI rank): pip install 'dtlab[mpi]'"
             )
-    if name == "slurm" and shutil.which("sbatch") is None:
+    if name == Launcher.SLURM and shutil.which("sbatch") is None:
         return "the slurm launcher needs sbatch on PATH (run on a Slurm login node)"
-    if name == "ssh" and shutil.which("ssh") is None:
+    if name == Launcher.SSH and shutil.which("ssh") is None:
         return "the ssh launcher needs an ssh client on PATH"
     return None
 

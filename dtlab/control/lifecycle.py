@@ -22,6 +22,7 @@ import warnings
 from dtlab.agent import api
 from dtlab.control.cluster import EngineCluster, Progress
 from dtlab.control.config import LaunchConfig
+from dtlab.control.connection import remove_stale_sockets
 from dtlab.control.errors import (
     DtlabError,
     LaunchError,
@@ -31,6 +32,7 @@ from dtlab.control.errors import (
 )
 from dtlab.control.rankmap import LOCALHOST, assign_ranks, choose_backend, make_plans, master_addr
 from dtlab.control.session import Session
+from dtlab.control.world import EngineStatus, World
 
 CHECK_TIMEOUT_S = 10.0
 _NAMESPACE_CODE = (
@@ -51,7 +53,7 @@ def current() -> Session:
 
 
 def current_or_none() -> Session | None:
-    return None if _current is None or _current.closed else _current
+    return None if _current is None or _current.world.closed else _current
 
 
 def launch(
@@ -71,7 +73,7 @@ def launch(
         old.shutdown()
         kept = f"; its records stay in {folder}" if folder else ""
         warnings.warn(
-            f"stopped the live {old.world_size}-rank session and the job attached to "
+            f"stopped the live {old.world.world_size}-rank session and the job attached to "
             f"it, to launch {config.num_ranks} ranks{kept}",
             stacklevel=3,
         )
@@ -80,12 +82,12 @@ def launch(
 
 
 def _reusable(session: Session, config: LaunchConfig) -> bool:
-    if session.config.engine_settings() != config.engine_settings():
+    if session.world.config.engine_settings() != config.engine_settings():
         return False
-    if session.collectives_may_hang():  # leaving their group could block: new engines
+    if session.training.collectives_may_hang():  # leaving their group could block
         return False
     try:
-        return set(session.status().values()) == {"idle"}
+        return set(session.world.status().values()) == {EngineStatus.IDLE}
     except DtlabError:  # e.g. the controller died: nothing of it can be reused
         return False
 
@@ -94,9 +96,9 @@ def _expected_sum(world_size: int) -> int:
     return world_size * (world_size - 1) // 2
 
 
-def _backend(config: LaunchConfig, session: Session) -> str:
+def _backend(config: LaunchConfig, world: World) -> str:
     try:
-        return choose_backend(config.backend, session.rank_map, session.facts)
+        return choose_backend(config.backend, world.rank_map, world.facts)
     except ValueError as e:
         raise LaunchError(str(e)) from None
 
@@ -104,39 +106,61 @@ def _backend(config: LaunchConfig, session: Session) -> str:
 def _regroup(session: Session, config: LaunchConfig, progress: Progress) -> bool:
     """Keep the engines; True when their group is sound (checked or rebuilt), False when
     the check failed and the engines should be replaced."""
-    backend = _backend(config, session)  # a bad choice raises before anything is touched
-    unchanged = config.group_settings() == session.config.group_settings()
-    if unchanged and backend == session.backend:
+    world = session.world
+    backend = _backend(config, world)  # a bad choice raises before anything is touched
+    unchanged = config.group_settings() == world.config.group_settings()
+    if unchanged and backend == world.backend:
         try:
-            sums = session.run(api.check_group, timeout=CHECK_TIMEOUT_S)
+            sums = world.run(api.check_group, timeout=CHECK_TIMEOUT_S)
         except RankTimeoutError as e:
             if e.reason == "interrupted":
                 raise
             return False
         except DtlabError:
             return False
-        if set(sums.values()) != {_expected_sum(session.world_size)}:
+        if set(sums.values()) != {_expected_sum(world.world_size)}:
             return False
-        progress("ranks initialised", session.world_size, session.world_size)
-        session.config = config
+        progress("ranks initialised", world.world_size, world.world_size)
+        world.config = config
         return True
-    join(session, config, progress, time.monotonic() + config.timeout_s, backend)
+    deadline = time.monotonic() + config.timeout_s
+    join(world, config, progress, deadline, backend)
+    _start_sidecars(session, deadline)
     return True
 
 
 def start(
     config: LaunchConfig, progress: Progress, session_class: type[Session] = Session
 ) -> Session:
+    """A new session on fresh engines, with each rank's sidecar started."""
+    deadline = time.monotonic() + config.timeout_s
+    remove_stale_sockets()  # relays' socket files that a killed session left
+    session = session_class(start_world(config, progress))
+    _start_sidecars(session, deadline)
+    return session
+
+
+def start_world(config: LaunchConfig, progress: Progress) -> World:
+    """Fresh engines, joined as ranks (what ``World.renew`` asks for again)."""
     deadline = time.monotonic() + config.timeout_s
     engines = EngineCluster(config)
     engines.start(progress)
     try:
         facts = _describe_engines(engines, deadline)
-        session = session_class(config, engines, assign_ranks(facts), facts, start=start)
-        join(session, config, progress, deadline, _backend(config, session))
-        return session
+        world = World(config, engines, assign_ranks(facts), facts, start=start_world)
+        join(world, config, progress, deadline, _backend(config, world))
+        return world
     except BaseException:
         engines.stop()
+        raise
+
+
+def _start_sidecars(session: Session, deadline: float) -> None:
+    """Before anything can hang (then it is too late); without them, less is said."""
+    try:
+        session.hangs.restart_sidecars(timeout=max(0.1, deadline - time.monotonic()))
+    except BaseException:
+        session.shutdown()
         raise
 
 
@@ -155,7 +179,7 @@ def _describe_engines(engines: EngineCluster, deadline: float):
 
 
 def join(
-    session: Session, config: LaunchConfig, progress: Progress, deadline: float, backend: str
+    world: World, config: LaunchConfig, progress: Progress, deadline: float, backend: str
 ) -> None:
     """Open the store on rank 0, make every engine its rank, prove it, fill namespaces.
 
@@ -166,22 +190,22 @@ def join(
     def remaining() -> float:
         return max(0.1, deadline - time.monotonic())
 
-    progress("ranks initialised", 0, session.world_size)
+    progress("ranks initialised", 0, world.world_size)
     port = _launch_step(
-        lambda: session.run(
+        lambda: world.run(
             api.open_store,
             config.port,
-            session.world_size,
+            world.world_size,
             config.pg_timeout_s,
-            _store_bind(session),
+            _store_bind(world),
             ranks=[0],
             timeout=remaining(),
         )[0]
     )
     try:
         plans = make_plans(
-            session.rank_map,
-            session.facts,
+            world.rank_map,
+            world.facts,
             backend=backend,
             port=port,
             threads=config.threads,
@@ -189,7 +213,7 @@ def join(
             env=config.env,
         )
         infos = _launch_step(
-            lambda: session.run_each(
+            lambda: world.run_each(
                 api.join,
                 {r: (plan,) for r, plan in plans.items()},
                 what="initialising ranks",
@@ -197,28 +221,24 @@ def join(
                 progress=lambda k, n: progress("ranks initialised", k, n),
             )
         )
-        expected = _expected_sum(session.world_size)
+        expected = _expected_sum(world.world_size)
         wrong = {r: i.allreduce_sum for r, i in infos.items() if i.allreduce_sum != expected}
         if wrong:
             raise LaunchError(
                 f"all_reduce of the rank ids gave {wrong} instead of {expected}: the process "
-                f"group is broken; run %dt_launch {session.world_size} --restart"
+                f"group is broken; run %dt_launch {world.world_size} --restart"
             )
-        session.infos = dict(sorted(infos.items()))
-        session.config = config
+        world.infos = dict(sorted(infos.items()))
+        world.config = config
         _launch_step(
-            lambda: session.submit(
+            lambda: world.submit(
                 lambda view, r: view.execute(_NAMESPACE_CODE, silent=True, block=False),
                 what="setting up rank namespaces",
                 timeout=remaining(),
             )
         )
-        try:  # before anything can hang (then it is too late); without them, less is said
-            session.recovery.start_sidecars(timeout=remaining())
-        except DtlabError as e:
-            session.recovery.sidecar_problem = str(e)
     except BaseException:
-        session.shutdown()
+        world.stop()
         raise
 
 
@@ -233,6 +253,6 @@ def _launch_step(step):
         raise LaunchError(f"launch failed:\n{e}") from None
 
 
-def _store_bind(session) -> str:
+def _store_bind(world: World) -> str:
     """Where rank 0's rendezvous store listens: loopback when every rank is on one host."""
-    return LOCALHOST if master_addr(session.rank_map) == LOCALHOST else ""
+    return LOCALHOST if master_addr(world.rank_map) == LOCALHOST else ""

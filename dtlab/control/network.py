@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from collections.abc import Mapping
 
 import psutil
 
-from dtlab.control.errors import OptionError
+from dtlab.control.errors import DtlabError, OptionError
+from dtlab.control.launchers import Launcher
+from dtlab.records import RankInfo
 
 LOOPBACK = "127.0.0.1"
 EVERYWHERE = "0.0.0.0"
@@ -46,3 +49,32 @@ def listen_address(listen: str) -> str:
 
 def is_loopback(address: str) -> bool:
     return ipaddress.IPv4Address(address).is_loopback
+
+
+def route_ip(host: str) -> str:
+    """This machine's address on the interface that routes to ``host`` (no packet sent;
+    the ranks' relays ask the same of their own host)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))
+        return probe.getsockname()[0]
+
+
+def channel_hosts(listen: str, launcher: str, infos: Mapping[int, RankInfo]) -> tuple[str, str]:
+    """(where to listen, what address to give the ranks): loopback while every rank is on
+    this host (or the launcher is the local one), else the ``--listen`` address."""
+    here = socket.gethostname()
+    address = listen_address(listen)
+    if launcher == Launcher.LOCAL or (
+        is_loopback(address) and all(i.host == here for i in infos.values())
+    ):
+        return LOOPBACK, LOOPBACK
+    if is_loopback(address):
+        remote = sorted({i.host for i in infos.values()} - {here})
+        raise DtlabError(
+            f"ranks run on other hosts ({', '.join(remote)}) but dtlab listens on loopback "
+            "only: launch with --listen <interface or address> (e.g. --listen eth0)"
+        )
+    if address == EVERYWHERE:  # the address of this machine that remote ranks can reach
+        remote = [i.host for i in infos.values() if i.host != here]
+        return "*", route_ip(remote[0]) if remote else LOOPBACK
+    return address, address

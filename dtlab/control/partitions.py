@@ -20,7 +20,11 @@ from dtlab.agent import api
 from dtlab.analysis import timing
 from dtlab.analysis.balance import Balance, compare, measured_balance, predict_balance
 from dtlab.analysis.partition import parse_plan
+from dtlab.control.checkpointing import Checkpointing
 from dtlab.control.errors import DtlabError, RankError
+from dtlab.control.stepper import Stepper
+from dtlab.control.training import Training
+from dtlab.control.world import World
 from dtlab.records import Plan, PlanError
 from dtlab.records.stages import BlockCost, StageReport
 
@@ -41,8 +45,13 @@ class RepartitionFailed(DtlabError):
 class Pipeline:
     """Pipeline partitions: balance, plans, profiles and live moves (``dt.pipeline``)."""
 
-    def __init__(self, session) -> None:
-        self.session = session
+    def __init__(
+        self, world: World, stepper: Stepper, checkpointing: Checkpointing, training: Training
+    ) -> None:
+        self.world = world
+        self.stepper = stepper
+        self.checkpointing = checkpointing
+        self.training = training
         self.block_costs: dict[str, BlockCost] | None = None  # measured, by block name
 
     def stage_reports(self) -> dict[int, StageReport]:
@@ -53,7 +62,7 @@ class Pipeline:
         """``fn`` on every rank's stage; a job that is no pipeline is one NotAPipeline,
         not a traceback from every rank."""
         try:
-            return self.session.run(fn, *args)
+            return self.world.run(fn, *args)
         except RankError as e:
             said = {f.evalue for f in e.failures.values()}
             if len(said) == 1 and "not a pipeline" in next(iter(said)) and not e.stuck:
@@ -126,14 +135,14 @@ class Pipeline:
             return {"moved": {}, "plan": new, "seconds": 0.0}
         move_id = secrets.token_hex(8)  # names the commit-or-abort decision in the store
         try:
-            done = self.session.run(
+            done = self.world.run(
                 api.move_blocks, new.blocks, new.bounds, timeout, move_id, timeout=timeout + 30
             )
         except RankError as e:
-            self.session.stepper._regroup = True  # an agreement may be left pending in the group
+            self.stepper.regroup_next()  # an agreement may be left pending in the group
             raise RepartitionFailed(self._move_failure(e)) from None
-        self._remember_plan(new)
-        self.session.stepper.new_trace(describe=True, repartitioned=new.describe())  # new stages
+        self.checkpointing.rebuild_with_plan(list(new.bounds))
+        self.stepper.new_trace(describe=True, repartitioned=new.describe())  # new stages
         first = next(iter(done.values()))
         return {
             "moved": first["moved"],
@@ -186,32 +195,18 @@ class Pipeline:
         """Run (one untimed step, then) ``steps`` steps; each one's time as the slowest
         stage saw it."""
         if warmup:  # the first step after a move allocates what the new stage needs
-            self.session.step(1)
-        self.session.step(steps)
-        trace = self.session.trace
+            self.training.step(1)
+        self.training.step(steps)
+        trace = self.stepper.require_trace()
         last = trace.last_step
         return timing.step_times(trace.records, range(last - steps + 1, last + 1))
-
-    def _remember_plan(self, plan: Plan) -> None:
-        """Fresh engines (a restart, a resume check) rebuild the job with the plan it runs
-        now, so that its checkpoints load: a setup that takes ``plan=`` is given it."""
-        if (
-            self.session.checkpointing.job_setup is not None
-            and "plan" in self.session.checkpointing.job_setup[2]
-        ):
-            setup, args, kwargs = self.session.checkpointing.job_setup
-            self.session.checkpointing.job_setup = (
-                setup,
-                args,
-                {**kwargs, "plan": list(plan.bounds)},
-            )
 
     def _move_failure(self, error: RankError) -> str:
         dead = [r for r, f in error.failures.items() if f.ename == "EngineError"]
         text = str(error)
         if not dead:
             return f"the re-partition was called off; every rank kept its stage.\n{text}"
-        saved = [c for c in self.session.checkpointing.checkpoints() if c.status == "complete"]
+        saved = [c for c in self.checkpointing.checkpoints() if c.status == "complete"]
         offer = (
             (
                 f"restart from the last checkpoint (step {saved[-1].step}): "

@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 from dtlab.agent import api
 from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.resume import Comparison, compare_runs, first_module_difference
+from dtlab.control.checkpointing import Checkpointing
 from dtlab.control.errors import DtlabError, OptionError
+from dtlab.control.scripts import ScriptResumeReport, Scripts
+from dtlab.control.stepper import Stepper
+from dtlab.control.training import Training
+from dtlab.control.world import World
 from dtlab.records.checkpoints import CheckpointInfo
 from dtlab.records.trace import Trace
 
@@ -89,56 +94,63 @@ class Replays:
     """Resume checks, replays and bisection (``dt.replays``), built on the checkpointing
     feature (save, load, rebuild) and the stepper."""
 
-    def __init__(self, session):
-        self.session = session
+    def __init__(
+        self,
+        world: World,
+        stepper: Stepper,
+        checkpointing: Checkpointing,
+        scripts: Scripts,
+        training: Training,
+    ) -> None:
+        self.world = world
+        self.stepper = stepper
+        self.checkpointing = checkpointing
+        self.scripts = scripts
+        self.training = training
 
     def record_outputs(self, on: bool = True) -> None:
         """While on, every step's record keeps a fingerprint of each module's forward
         output, so ``dt.bisect`` can name the module whose output first differed."""
-        self.session.stepper.record_outputs = bool(on)
+        self.stepper.record_outputs = bool(on)
 
     # --- resume check ------------------------------------------------------------------
-    def resume_check(self, steps: int = 10, *, fresh: bool = True, progress=None) -> ResumeReport:
+    def resume_check(
+        self, steps: int = 10, *, fresh: bool = True, progress=None
+    ) -> ResumeReport | ScriptResumeReport:
         """Save now (step k), run ``steps`` more, then restore step k into fresh engines
         (``fresh=False``: the live ones), run the same steps and compare every step's loss,
         fingerprints, LR, scale, data and RNG state with the run that never stopped."""
         if steps < 1:
             raise OptionError(f"steps must be at least 1, got {steps}")
-        if self.session.checkpointing.job_setup is None and self.session.scripts.is_current():
-            return self.session.scripts.resume_check(steps, fresh=fresh, progress=progress)
-        if fresh and self.session.checkpointing.job_setup is None:
-            self.session.checkpointing.set_up_job()  # raises, saying how to give the job setup
+        if self.checkpointing.job_setup is None and self.scripts.is_current():
+            return self.scripts.resume_check(steps, fresh=fresh, progress=progress)
+        if fresh and self.checkpointing.job_setup is None:
+            self.checkpointing.set_up_job()  # raises, saying how to give the job setup
         t0 = time.perf_counter()
-        start = self.session.checkpointing.checkpoint(tag="resume-check")
+        start = self.checkpointing.checkpoint(tag="resume-check")
         k = start.step
-        self.session.stepper.run(steps, None, record=True)  # no automatic restart inside a check
-        reference = self.full_records(k + 1, k + steps)
+        self.stepper.run(steps, None, record=True)  # no automatic restart inside a check
+        reference = self.stepper.full_records(k + 1, k + steps)
         if fresh:
-            self.session.renew(progress)
-            self.session.checkpointing.set_up_job()
-        elif self.session.checkpointing.job_setup is not None:
-            self.session.checkpointing.set_up_job()
-        loaded = self.session.checkpointing.load_checkpoint(start.path)
+            self.world.renew(progress)
+            self.checkpointing.set_up_job()
+        elif self.checkpointing.job_setup is not None:
+            self.checkpointing.set_up_job()
+        loaded = self.checkpointing.load_checkpoint(start.path)
         # fresh engines do not know the job saved periodically
-        self.session.checkpointing.apply_autosave(True)
-        self.session.stepper.run(steps, None, record=True)  # no automatic restart inside a check
-        resumed = self.full_records(k + 1, k + steps)
+        self.checkpointing.apply_autosave(True)
+        self.stepper.run(steps, None, record=True)  # no automatic restart inside a check
+        resumed = self.stepper.full_records(k + 1, k + steps)
         comparison = compare_runs(reference, resumed, steps=range(k + 1, k + steps + 1))
         return ResumeReport(
             start,
             steps,
             fresh,
             comparison,
-            _first_param(self.session, comparison, reference, resumed),
+            _first_param(self.stepper, comparison, reference, resumed),
             loaded,
             time.perf_counter() - t0,
         )
-
-    def full_records(self, first: int, last: int) -> dict:
-        return {
-            rank: list(recs)
-            for rank, recs in self.session.run(api.records_between, first, last).items()
-        }
 
     # --- replay ------------------------------------------------------------------------
     def replay(
@@ -154,7 +166,7 @@ class Replays:
         where it was (a checkpoint taken first, loaded after). ``outputs`` records every
         module's output; ``details`` holds the full records of ``keep_step`` (default: the
         first step that differs)."""
-        trace = self.session.require_trace()
+        trace = self.stepper.require_trace()
         now = trace.last_step
         to_step = now if to_step is None else to_step
         if not 1 <= from_step <= to_step <= now:
@@ -163,16 +175,16 @@ class Replays:
                 f"step run), got {from_step}..{to_step}"
             )
         start = self._checkpoint_before(from_step)
-        back = self.session.checkpointing.checkpoint(tag="before-replay")
+        back = self.checkpointing.checkpoint(tag="before-replay")
         replayed = Trace(trace.jobs, meta={"replay_of": str(trace.folder), "from": start.step})
-        self.session.run(api.stash_records, True)
-        self.session.checkpointing.apply_autosave(False)
-        saved_outputs = self.session.stepper.record_outputs
+        self.world.run(api.stash_records, True)
+        self.checkpointing.apply_autosave(False)
+        saved_outputs = self.stepper.record_outputs
         try:
-            self.session.checkpointing.load_into_job(start)
-            self.session.stepper.record_outputs = outputs
-            with self.session.stepper.tracing(replayed):
-                self.session.stepper.run(to_step - start.step, None, record=True)
+            self.checkpointing.load_into_job(start)
+            self.stepper.record_outputs = outputs
+            with self.stepper.tracing(replayed):
+                self.stepper.run(to_step - start.step, None, record=True)
             comparison = compare_runs(
                 trace.records,
                 replayed.records,
@@ -181,9 +193,9 @@ class Replays:
                 other_name="the replay",
             )
             keep = keep_step or (comparison.first.step if comparison.first else None)
-            details = self.session.training.step_details(keep) if keep else {}
+            details = self.training.step_details(keep) if keep else {}
         finally:
-            self.session.stepper.record_outputs = saved_outputs
+            self.stepper.record_outputs = saved_outputs
             self._return_from_replay(back)
         return ReplayResult(
             start,
@@ -199,7 +211,7 @@ class Replays:
     def _return_from_replay(self, back: CheckpointInfo) -> None:
         """Put the job back where the replay found it; if that fails, say where it is."""
         try:
-            self.session.checkpointing.load_into_job(back)
+            self.checkpointing.load_into_job(back)
         except Exception as e:
             raise DtlabError(
                 f"the replay could not put the job back ({e}); it is at the "
@@ -207,18 +219,18 @@ class Replays:
                 f"dt.load_checkpoint('{back.path}')"
             ) from e
         finally:
-            self.session.run(api.stash_records, False)
-            self.session.checkpointing.apply_autosave(True)
-        self.session.checkpointing.remove_checkpoint(back)
+            self.world.run(api.stash_records, False)
+            self.checkpointing.apply_autosave(True)
+        self.checkpointing.remove_checkpoint(back)
 
     def _checkpoint_before(self, step: int) -> CheckpointInfo:
         """The newest complete checkpoint of this job's timeline (written since its trace
         began, or the one it resumed from) at or before ``step - 1``."""
-        trace = self.session.require_trace()
+        trace = self.stepper.require_trace()
         resumed_from = trace.meta.get("resumed_from")
         good = [
             c
-            for c in self.session.checkpointing.checkpoints()
+            for c in self.checkpointing.checkpoints()
             if c.ok
             and c.step <= step - 1
             and c.tag != "before-replay"
@@ -249,7 +261,7 @@ class Replays:
             return self._bisect_ranks(good_step, bad_step)
         if isinstance(against, Trace):
             comparison = compare_runs(
-                self.session.require_trace().records,
+                self.stepper.require_trace().records,
                 against.records,
                 steps=range(good_step + 1, bad_step + 1),
                 reference_name="this run",
@@ -266,7 +278,7 @@ class Replays:
         return self._bisect_replay(good_step, bad_step)
 
     def _bisect_ranks(self, good_step: int, bad_step: int) -> BisectResult:
-        found = self.session.training.divergence()
+        found = self.training.divergence()
         if found is None or not good_step < found.step <= bad_step:
             return BisectResult(None, verdict=f"ranks agree over steps {good_step + 1}-{bad_step}")
         verdict = (
@@ -304,7 +316,7 @@ class Replays:
     def _blame_module(self, step, first, replayed_outputs, replay) -> BisectResult:
         try:
             original = {
-                r: rec.module_outputs for r, rec in self.session.training.step_details(step).items()
+                r: rec.module_outputs for r, rec in self.training.step_details(step).items()
             }
         except DtlabError:
             original = {}
@@ -330,13 +342,15 @@ class Replays:
         return BisectResult(step, ranks, module, False, verdict, replay)
 
 
-def _first_param(session, comparison: Comparison, reference: dict, resumed: dict) -> str | None:
+def _first_param(
+    stepper: Stepper, comparison: Comparison, reference: dict, resumed: dict
+) -> str | None:
     """The first parameter whose gradient (else value) fingerprint differs at the first
     differing step, from the per-parameter tuples both runs kept."""
     first = comparison.first
     if first is None:
         return None
-    names = session.require_trace().param_names
+    names = stepper.require_trace().param_names
     for rank in first.ranks:
         a = next((r for r in reference.get(rank, ()) if r.step == first.step), None)
         b = next((r for r in resumed.get(rank, ()) if r.step == first.step), None)

@@ -17,7 +17,7 @@ from dtlab.analysis.ranks import label_ranks
 from dtlab.control.errors import DtlabError, RankError, RankTimeoutError
 from dtlab.records import Condition, HangReport, RemoteFailure, RunResult
 from dtlab.records.trace import Trace
-from dtlab.records.wire import DoneGroup, RankReply
+from dtlab.records.wire import DoneGroup, RankReply, ReplyKind, Stop
 
 FAILURE_GRACE_S = 1.0  # after one rank fails, how long the others get to finish
 PAUSE_WAIT_S = 10.0  # after a pause request, how long ranks get to reach the boundary
@@ -117,11 +117,11 @@ class Run:
         self.host.ingest(reply)
         self.last_reply = time.monotonic()
         self.step_by_rank[rank] = reply.step
-        if reply.kind == "done":
+        if reply.kind == ReplyKind.DONE:
             self.done[rank] = Finished(reply.step, reply.stopped, reply.hit)
-        elif reply.kind == "error":
+        elif reply.kind == ReplyKind.ERROR:
             self.failures[rank] = reply.error or RemoteFailure("Error", "")
-        if reply.kind in ("done", "error"):
+        if reply.kind in (ReplyKind.DONE, ReplyKind.ERROR):
             self._finish(rank)
 
     def handle_done(self, group: DoneGroup) -> None:
@@ -212,7 +212,7 @@ class Run:
     @property
     def error_stops(self) -> list[int]:
         """Ranks that stopped because a peer said it failed."""
-        return sorted(r for r, m in self.done.items() if m.stopped == "error")
+        return sorted(r for r, m in self.done.items() if m.stopped == Stop.ERROR)
 
     def over(self) -> bool:
         if not self.pending or self.give_up_reason:

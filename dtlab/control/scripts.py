@@ -14,28 +14,37 @@ run it to its next optimizer steps; ``continue_(...)`` lets it run to its end.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dtlab.agent import api
 from dtlab.analysis.ranks import label_ranks
+from dtlab.control.checkpointing import Checkpointing
 from dtlab.control.errors import DtlabError, OptionError, RankError
+from dtlab.control.stepper import Stepper
+from dtlab.control.world import World
 from dtlab.records import RemoteFailure, RunResult, ScriptStatus
+from dtlab.records.trace import Trace
 
 if TYPE_CHECKING:
     from dtlab.analysis.resume import Comparison
 
 OUTPUT_WAIT_S = 2.0
+DEEPSPEED_RESUME_FOLDER = "deepspeed_resume"
 TO_THE_END = 10**12  # steps of a run that only the script's end (or a pause) stops
 
 
 class Scripts:
-    """Scripts run on one Session's ranks (``dt.scripts``)."""
+    """Scripts run on the session's ranks (``dt.scripts``)."""
 
-    def __init__(self, session) -> None:
-        self.session = session
+    def __init__(self, world: World, stepper: Stepper, checkpointing: Checkpointing) -> None:
+        self.world = world
+        self.stepper = stepper
+        self.checkpointing = checkpointing
         self.last: ScriptStatus | None = None
         self.output: dict[int, str] = {}  # what each rank's script printed, this run
         self.attach_counts: dict[int, int] = {}  # the ranks' attach counts once it paused
@@ -74,10 +83,9 @@ class Scripts:
         if not isinstance(path, str) or not path:
             raise OptionError(f"the script's path must be a non-empty string, got {path!r}")
         argv = [str(a) for a in argv]
-        session = self.session
-        session.stepper.connect()
+        self.stepper.connect()
         self.output, self.on_output, self._shown = {}, on_output, {}
-        session.stepper.on_output = self._printed  # steps bring it in their replies
+        self.stepper.on_output = self._printed  # steps bring it in their replies
         sent: dict = {}
         shown = [0, 0]  # characters of rank 0's stdout, stderr passed on
 
@@ -94,7 +102,7 @@ class Scripts:
 
         t0 = time.monotonic()
         try:
-            states = session.submit(
+            states = self.world.submit(
                 request, None, what=f"script {path}", timeout=timeout, progress=progress
             )
         finally:
@@ -109,20 +117,14 @@ class Scripts:
         self.last, self.cwd, self.record = status, cwd, record
         _raise_failures(status)
         if status.paused:  # which job the ranks hold now: a later attach replaces it
-            session.stepper._sync_job()
-            self.attach_counts = dict(session.stepper.attach_counts)
-            # how to rebuild the job attached before: not this one
-            session.checkpointing.job_setup = None
+            self.stepper.sync_job()
+            self.attach_counts = dict(self.stepper.attach_counts)
+            self.checkpointing.forget_job_setup()  # how to rebuild the job before: not this
         return status
 
     def is_current(self) -> bool:
         """Is the job on the ranks the script this object last ran (not attached since)?"""
-        stepper = self.session.connected_stepper
-        return (
-            bool(self.attach_counts)
-            and stepper is not None
-            and (stepper.attach_counts == self.attach_counts)
-        )
+        return bool(self.attach_counts) and self.stepper.attach_counts == self.attach_counts
 
     def resume_check(self, steps: int, *, fresh: bool = True, progress=None) -> ScriptResumeReport:
         """Does the script, run again to this step, go on as it goes on now? Run ``steps``
@@ -130,22 +132,19 @@ class Scripts:
         (fresh engines unless ``fresh=False``) and the same steps, and compare every step
         as ``%dt_resume_check`` does for attached jobs."""
         from dtlab.analysis.resume import compare_runs, without_rng
-        from dtlab.control import deepspeed_scripts
 
-        session, t0 = self.session, time.monotonic()
-        if deepspeed_scripts.is_deepspeed(session):  # through DeepSpeed's checkpoint
-            k, comparison, path = deepspeed_scripts.resume_check(
-                self, steps, fresh=fresh, progress=progress
-            )
+        t0 = time.monotonic()
+        if self._is_deepspeed():  # through DeepSpeed's checkpoint
+            k, comparison, path = self._deepspeed_resume_check(steps, fresh, progress)
             return ScriptResumeReport(
                 k, steps, fresh, comparison, time.monotonic() - t0, checkpoint=path
             )
-        k = session.recovery.current_step()
-        session.stepper.run(steps, None, record=True)
-        reference = session.replays.full_records(k + 1, k + steps)
+        k = self.stepper.current_step()
+        self.stepper.run(steps, None, record=True)
+        reference = self.stepper.full_records(k + 1, k + steps)
         self._run_to(k, fresh=fresh, progress=progress)
-        session.stepper.run(steps, None, record=True)
-        again = session.replays.full_records(k + 1, k + steps)
+        self.stepper.run(steps, None, record=True)
+        again = self.stepper.full_records(k + 1, k + steps)
         span = range(k + 1, k + steps + 1)
         comparison = compare_runs(without_rng(reference), without_rng(again), steps=span)
         if not comparison.identical:  # then a generator that differs may be why: name it
@@ -157,16 +156,16 @@ class Scripts:
         ``step``: recording off but for the last one. Returns the step it started at: 0,
         or where the checkpoint it loaded itself left it (a DeepSpeed script's)."""
         assert self.last is not None  # only for the current script (is_current): it ran
-        session, path, argv = self.session, self.last.path, self.last.argv
+        path, argv = self.last.path, self.last.argv
         if fresh:
-            session.renew(progress)
+            self.world.renew(progress)
         status = self.run(path, argv, self.cwd, record=self.record, on_output=self.on_output)
         # a script that loads its own latest checkpoint (DeepSpeed's) starts past step 0
         now = max(status.steps.values(), default=0)
         if step - now > 1:
-            session.stepper.run(step - now - 1, None, record=False)
+            self.stepper.run(step - now - 1, None, record=False)
         if step > now:
-            session.stepper.run(1, None, record=True)
+            self.stepper.run(1, None, record=True)
         return now
 
     def restart(self, *, reason: str = "asked", progress=None) -> dict:
@@ -176,14 +175,14 @@ class Scripts:
         position into it, but a deterministic script gets back there exactly. A script
         that loads its own latest checkpoint at its start (DeepSpeed's load_checkpoint)
         goes on from there (``resumed_at`` in the event)."""
-        session, t0 = self.session, time.monotonic()
-        target = session.recovery.current_step()
-        before = session.trace.at(target) if target else {}
+        t0 = time.monotonic()
+        target = self.stepper.current_step()
+        before = self._trace().at(target) if target else {}
         resumed_at = self._run_to(target, fresh=True, progress=progress)
         # only a step the run again made itself compares: one that resumed at or past the
         # target (its checkpoint is newer than what the notebook had heard) has none
         reached = resumed_at < target
-        after = session.trace.at(target) if reached else {}
+        after = self._trace().at(target) if reached else {}
         differ = sorted(
             r
             for r, rec in before.items()
@@ -208,20 +207,19 @@ class Scripts:
             "differ": differ,
             "why": _why_differ(before, after, target) if differ else "",
         }
-        session.recovery.restarts.append(event)
         return event | {"loaded": {}}
 
     def continue_(self, *, timeout: float | None = None, progress=None) -> RunResult:
         """Let the paused script run free to its end (a pause, Ctrl-C or ``until`` stops
         it again at a step boundary)."""
         self._require_paused()
-        return self.session.stepper.run(TO_THE_END, None, timeout=timeout, progress=progress)
+        return self.stepper.run(TO_THE_END, None, timeout=timeout, progress=progress)
 
     def refresh(self) -> ScriptStatus | None:
         """Ask the ranks where their script stands now (after a run that ended it)."""
         if self.last is None:
             return None
-        states = self.session.run(api.script_status)
+        states = self.world.run(api.script_status)
         if any(s is None for s in states.values()):
             return self.last
         self.last = ScriptStatus.from_ranks(self.last.path, self.last.argv, states, 0.0)
@@ -229,7 +227,69 @@ class Scripts:
 
     def stop(self) -> dict:
         """End a paused script on every rank now (its ``finally`` blocks run)."""
-        return self.session.run(api.stop_script)
+        return self.world.run(api.stop_script)
+
+    def _trace(self) -> Trace:
+        assert self.stepper.trace is not None  # a script paused: its trace was started
+        return self.stepper.trace
+
+    # --- DeepSpeed: checked through its own checkpoint --------------------------------
+    def _is_deepspeed(self) -> bool:
+        trace = self.stepper.trace
+        return trace is not None and any(j.deepspeed is not None for j in trace.jobs.values())
+
+    def _deepspeed_resume_check(
+        self, steps: int, fresh: bool, progress
+    ) -> tuple[int, Comparison, str]:
+        """``resume_check`` of a script that steps a DeepSpeed engine, which is restarted
+        from what ``engine.save_checkpoint`` wrote (:mod:`dtlab.agent.deepspeed_checkpoint`):
+        at the paused step ``k`` every rank's engine saves ``global_step<k>`` under the run
+        folder's ``deepspeed_resume/``; the script goes on ``steps`` steps (the reference);
+        then, on fresh engines (or the same), it runs again from its start and the engine
+        ``deepspeed.initialize`` returns loads that checkpoint before the script's code
+        goes on (as a script resuming from its latest checkpoint does); the same steps are
+        compared, which names what DeepSpeed's checkpoint did not bring back. Returns (the
+        step it resumed at, the comparison, the checkpoint's folder)."""
+        from dtlab.analysis.resume import compare_runs, without_rng
+
+        k = self.stepper.current_step()
+        folder, tag = self._deepspeed_folder(), f"global_step{k}"
+        try:
+            saved = self.world.run(api.deepspeed_save, str(folder), tag)
+        except RankError as e:
+            raise DtlabError(f"DeepSpeed could not save its checkpoint at step {k}: {e}") from None
+        self.stepper.run(steps, None, record=True)
+        reference = self.stepper.full_records(k + 1, k + steps)
+        last = self.last
+        assert last is not None  # a script job is current: it ran
+        if fresh:
+            self.world.renew(progress)
+        self.world.run(api.deepspeed_load_next, str(folder), tag)
+        status = self.run(
+            last.path, last.argv, self.cwd, record=self.record, on_output=self.on_output
+        )
+        resumed = {status.steps[r] for r in status.states}
+        if resumed != {k}:
+            raise DtlabError(
+                f"the script resumed from {folder / tag} at step(s) {sorted(resumed)}, not {k}: "
+                "does it call deepspeed.initialize once, before its training loop?"
+            )
+        self.stepper.run(steps, None, record=True)
+        again = self.stepper.full_records(k + 1, k + steps)
+        span = range(k + 1, k + steps + 1)
+        names = {"other_name": "the run resumed from DeepSpeed's checkpoint"}
+        comparison = compare_runs(without_rng(reference), without_rng(again), steps=span, **names)
+        if not comparison.identical:
+            comparison = compare_runs(reference, again, steps=span, **names)
+        return k, comparison, next(iter(saved.values()))["path"]
+
+    def _deepspeed_folder(self) -> Path:
+        """Where the checks' DeepSpeed checkpoints go: the run folder, else a temporary one."""
+        trace = self.stepper.trace
+        base = trace.folder if trace is not None and trace.folder is not None else None
+        if base is None:
+            base = Path(tempfile.mkdtemp(prefix="dtlab-deepspeed-"))
+        return Path(base).absolute() / DEEPSPEED_RESUME_FOLDER
 
     def _require_paused(self) -> None:
         if self.last is None:
@@ -246,7 +306,7 @@ class ScriptResumeReport:
     comparison: Comparison
     seconds: float = 0.0
     # what the run again started from: None, the script from its start; else the folder
-    # of the checkpoint it loaded (a DeepSpeed script's own, control/deepspeed_scripts.py)
+    # of the checkpoint it loaded (a DeepSpeed script's own: Scripts._deepspeed_resume_check)
     checkpoint: str | None = None
 
     @property

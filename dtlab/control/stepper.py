@@ -34,32 +34,57 @@ from dtlab.control.channel import Channel
 from dtlab.control.config import checked_timeout
 from dtlab.control.connection import CONNECT_TIMEOUT_S, Connection
 from dtlab.control.errors import DtlabError, OptionError
+from dtlab.control.hangs import Hangs
+from dtlab.control.run_folder_writer import FolderWriter
 from dtlab.control.runs import FAILURE_GRACE_S, POLL_S, Run
+from dtlab.control.world import World
 from dtlab.records import Condition, RunResult
 from dtlab.records.columns import step_seconds
 from dtlab.records.run_folder import new_run_folder
 from dtlab.records.trace import Trace
-from dtlab.records.wire import HostRows, PauseRequest, RankReply, RunRequest, reply_from
+from dtlab.records.wire import (
+    HostRows,
+    PauseRequest,
+    RankReply,
+    ReplyKind,
+    RunRequest,
+    agree_every,
+    failure_grace,
+    reply_from,
+)
 
 REPORT_S = 0.25  # ranks send progress (and records) at most this often
-AGREE_S = 1.0  # in a plain multi-step run, ranks agree (pause?) about this often: one
-# agreement costs ~5 ms at 8 ranks on 2 cores, so every step would add ~4%
+
+HANG_MIN_S = 30.0  # a run with no step finished for this long (or 20 steps' time) is hung
+HANG_STEPS = 20
 
 Progress = Callable[[str, int, int], None]
 
 
 class Stepper:
-    """The notebook side of stepping, for one Session (``session.stepper``)."""
+    """The notebook side of stepping (``dt.stepper``): the stepping channel, the trace of
+    the attached job, the run in flight, the current step and when a run counts as hung."""
 
-    def __init__(self, session) -> None:
-        self.session = session
-        self.connection = Connection(session)
+    def __init__(self, world: World, hangs: Hangs) -> None:
+        self.world = world
+        self.hangs = hangs
+        self.hang_timeout: float | None = None  # None: max(HANG_MIN_S, HANG_STEPS x step)
+        self._begin()
+
+    def reset(self) -> None:
+        """Forget the engines' state (they are stopping or replaced): close the trace and
+        the channel; the next run connects afresh. ``hang_timeout`` is the user's: kept."""
+        self.close()
+        self._begin()
+
+    def _begin(self) -> None:
+        self.connection = Connection(self.world)
         self.trace: Trace | None = None
         self.attach_counts: dict[int, int] = {}
         self._attach_all: tuple[dict, int | None] = ({}, None)  # (counts, the count of all)
         self.active: Run | None = None
         self._next_id = 0
-        self._calls_seen = -1  # session.calls when the attached job was last looked at
+        self._calls_seen = -1  # world.calls when the attached job was last looked at
         self._regroup = False  # the last run failed: ranks rebuild their control group
         self.watch_modules = False  # name the first module with a non-finite output
         self.record_outputs = False  # fingerprint every module's output (bisection)
@@ -78,13 +103,13 @@ class Stepper:
         the way the job's size asks (control/connection.py)."""
         self.connection.connect()
 
-    def _sync_job(self) -> None:
-        """Start a new trace when the job was (re-)attached. Only a call through the session
+    def sync_job(self) -> None:
+        """Start a new trace when the job was (re-)attached. Only a call through the world
         can attach one, so this asks the ranks only after such calls."""
-        if self.trace is not None and self.session.calls == self._calls_seen:
+        if self.trace is not None and self.world.calls == self._calls_seen:
             return
-        described = self.session.run(api.describe_job, timeout=CONNECT_TIMEOUT_S)
-        self._calls_seen = self.session.calls
+        described = self.world.run(api.describe_job, timeout=CONNECT_TIMEOUT_S)
+        self._calls_seen = self.world.calls
         counts = {rank: count for rank, (count, _) in described.items()}
         if len(set(counts.values())) > 1:
             newest = max(counts.values())
@@ -97,8 +122,8 @@ class Stepper:
             if self.trace is not None:
                 self.trace.close()
             infos = {rank: info for rank, (_, info) in described.items()}
-            meta = {"backend": self.session.backend}
-            self.trace = Trace(infos, folder=new_run_folder(), meta=meta)
+            meta = {"backend": self.world.backend}
+            self.trace = Trace(infos, sink=FolderWriter(new_run_folder()), meta=meta)
             self.attach_counts = counts
 
     @contextmanager
@@ -113,14 +138,16 @@ class Stepper:
     def new_trace(self, *, describe: bool = False, **meta) -> None:
         """Start the job's trace afresh (a checkpoint was loaded: a new timeline).
         ``describe``: ask the ranks what they hold now (a pipeline's stages moved)."""
-        self._sync_job()
-        assert self.trace is not None  # _sync_job starts one
+        self.sync_job()
+        assert self.trace is not None  # sync_job starts one
         self.trace.close()
         jobs = self.trace.jobs
         if describe:
-            jobs = {r: info for r, (_, info) in self.session.run(api.describe_job).items()}
+            jobs = {r: info for r, (_, info) in self.world.run(api.describe_job).items()}
         self.trace = Trace(
-            jobs, folder=new_run_folder(), meta={"backend": self.session.backend, **meta}
+            jobs,
+            sink=FolderWriter(new_run_folder()),
+            meta={"backend": self.world.backend, **meta},
         )
 
     def close(self) -> None:
@@ -133,16 +160,16 @@ class Stepper:
         """Every reply, whoever received it: to the run in flight, or (late, from an older
         run) its records to the trace and its rank marked free."""
         for reply in replies:
-            if reply.kind == "error" and reply.error and reply.error.ename == "RelayError":
+            if reply.kind == ReplyKind.ERROR and reply.error and reply.error.ename == "RelayError":
                 self.connection.relay_failed = True  # the next run connects them afresh
             if self.active is not None and reply.id == self.active.id:
                 self.active.handle(reply)
                 continue
             if self.trace is not None and reply.rows:
                 self.ingest(reply)
-            if reply.kind in ("done", "error"):
-                self.session.activity.end_run(reply.rank, reply.id)
-            if reply.kind == "error":
+            if reply.kind in (ReplyKind.DONE, ReplyKind.ERROR):
+                self.world.activity.end_run(reply.rank, reply.id)
+            if reply.kind == ReplyKind.ERROR:
                 self._regroup = True  # its agreement may be left pending in the old group
 
     def ingest(self, reply: RankReply) -> None:
@@ -188,10 +215,14 @@ class Stepper:
     # --- what a Run asks of it (runs.RunHost) ------------------------------------------
     @property
     def ranks(self) -> list[int]:
-        return self.session.ranks
+        return list(self.world.ranks)
 
     def current_step(self) -> int:
-        return self.session.recovery.current_step()
+        """The job's step: the last one recorded, or where a loaded checkpoint left it."""
+        trace = self.trace
+        if trace is None:
+            return 0
+        return trace.last_step or int(trace.meta.get("step") or 0)
 
     def receive(self, timeout: float) -> None:
         assert self.channel is not None  # asked by a run, or by read_late_replies: connected
@@ -207,27 +238,41 @@ class Stepper:
                 self.dispatch(group.replies())
 
     def ranks_finished(self, ranks: Iterable[int]) -> None:
-        self.session.activity.end_runs(ranks)
+        self.world.activity.end_runs(ranks)
 
     def dead_ranks(self, ranks: Iterable[int]) -> dict[int, str]:
         """Ranks whose engine is gone, with the cause (the controller is checked first:
         without it nothing can be asked)."""
-        self.session.check_controller()
-        dead = self.session.dead_ranks(ranks)
-        return self.session.recovery.death_causes(dead) if dead else {}
+        self.world.check_controller()
+        dead = self.world.dead_ranks(ranks)
+        return self.hangs.death_causes(dead) if dead else {}
 
     def stall_limit(self) -> float:
-        return self.session.recovery.stall_limit()
+        """Seconds without a finished step after which a run counts as hung."""
+        if self.hang_timeout is not None:
+            return self.hang_timeout
+        step_s = self.step_s() if self.trace is not None else None
+        return max(HANG_MIN_S, HANG_STEPS * step_s) if step_s else HANG_MIN_S * 2
 
     def hang_report(self):
-        return self.session.recovery.hang_report()
+        return self.hangs.hang_report()
 
     def interrupt_and_wait(self, ranks: list[int], poll: Callable[[], list[int]]) -> list[int]:
-        return self.session.interrupt_and_wait(ranks, poll)
+        return self.world.interrupt_and_wait(ranks, poll)
+
+    def run_in_flight(self) -> bool:
+        """Is a run (the dashboard's) still going? Late replies are read first: a run
+        that ended meanwhile frees its ranks."""
+        self.read_late_replies()
+        return self.active is not None
+
+    def regroup_next(self) -> None:
+        """The ranks rebuild their control group at the next run (their groups changed)."""
+        self._regroup = True
 
     def read_late_replies(self) -> None:
         """Replies that came while no run was waiting (an earlier run's last ones)."""
-        if self.session.activity.stepping() and self.channel is not None:
+        if self.world.activity.stepping() and self.channel is not None:
             self.receive(0)
 
     # --- running -----------------------------------------------------------------------
@@ -238,8 +283,8 @@ class Stepper:
             raise OptionError(f"the number of steps must be at least 1, got {steps}")
         timeout = checked_timeout(timeout)
         self.connect()
-        self.session.check_ready(self.session.client(), self.session.ranks, "step")
-        self._sync_job()
+        self.world.check_ready(self.world.client(), list(self.world.ranks), "step")
+        self.sync_job()
         assert self.channel is not None and self.trace is not None  # connected, synced
         if (
             until is not None
@@ -251,11 +296,11 @@ class Stepper:
                 f"{describe_condition(until)} holds already: the job is at step "
                 f"{self.trace.last_step}"
             )
-        unconnected = set(self.session.ranks) - self.channel.connected
+        unconnected = set(self.world.ranks) - self.channel.connected
         if unconnected:
             raise DtlabError(
                 f"{label_ranks(unconnected)} never connected to the stepping channel; "
-                f"run %dt_launch {self.session.world_size} --restart"
+                f"run %dt_launch {self.world.world_size} --restart"
             )
         self._next_id += 1
         step_s = self.step_s()  # (the last steps' median: read once a run)
@@ -271,8 +316,8 @@ class Stepper:
             watch=self.watch_modules,
             outputs=self.record_outputs,
         )
-        unreachable = self.channel.send(self.session.ranks, message)
-        self.session.activity.start_run(self.session.ranks, run.id)
+        unreachable = self.channel.send(self.world.ranks, message)
+        self.world.activity.start_run(self.world.ranks, run.id)
         self.active, self._regroup = run, False
         if unreachable:  # the others got it: have them stop at once, then report
             self._regroup = True
@@ -301,15 +346,14 @@ class Stepper:
 
     @staticmethod
     def _agree_every(step_s: float | None) -> int:
-        """Steps between agreements (~AGREE_S apart), from the last steps' durations."""
-        return 1 if step_s is None else max(1, min(1000, int(AGREE_S / max(step_s, 1e-4))))
+        """Steps between agreements (~AGREE_S apart), from the last steps' durations (the
+        cadence both ends share: records/wire.py)."""
+        return agree_every(step_s)
 
     @classmethod
     def _failure_grace(cls, step_s: float | None) -> float:
         """After a failure, long enough for the others to reach their next agreement."""
-        if step_s is None:
-            return FAILURE_GRACE_S
-        return max(FAILURE_GRACE_S, 2 * (cls._agree_every(step_s) + 1) * step_s)
+        return failure_grace(step_s, FAILURE_GRACE_S)
 
     def _end(self, run: Run) -> RunResult:
         try:
@@ -381,18 +425,38 @@ class Stepper:
             self.send_pause()
 
     def send_pause(self) -> None:
-        stepping = self.session.activity.stepping()
+        stepping = self.world.activity.stepping()
         if self.channel is not None and stepping:
             self.channel.send(stepping, PauseRequest())
 
     # --- looking closer ----------------------------------------------------------------
+    def require_trace(self) -> Trace:
+        """The attached job's trace, or DtlabError saying how to record steps."""
+        if self.trace is None or self.trace.last_step == 0:
+            since = self.trace.meta.get("step") if self.trace is not None else None
+            if since is not None:
+                raise DtlabError(
+                    f"no steps recorded since the job was rewound to step {since} "
+                    "(a checkpoint was loaded): run %dt_step"
+                )
+            raise DtlabError("no steps recorded yet: attach a job (%dt_demo) and run %dt_step")
+        return self.trace
+
+    def full_records(self, first: int, last: int) -> dict:
+        """``{rank: [StepRecord]}`` of steps ``first..last`` with every per-parameter
+        field, from the ranks' buffers."""
+        return {
+            rank: list(recs)
+            for rank, recs in self.world.run(api.records_between, first, last).items()
+        }
+
     def tensors(self, name: str, what: str, ranks) -> dict:
         """One parameter's gradient or value from each rank, as numpy arrays."""
-        return self.session.run(api.fetch, name, what, ranks=ranks)
+        return self.world.run(api.fetch, name, what, ranks=ranks)
 
     def details(self, step: int, ranks) -> dict:
         """``{rank: StepRecord}`` with the per-parameter tuples, from the ranks' buffers."""
-        found = self.session.run(api.record_at, step, ranks=ranks)
+        found = self.world.run(api.record_at, step, ranks=ranks)
         gone = {rank: kept for rank, (rec, kept) in found.items() if rec is None}
         if gone:
             rank, (first, last) = min(gone.items())

@@ -18,6 +18,9 @@ from dtlab.analysis.divergence import (
 )
 from dtlab.analysis.doctor import all_findings, run_checks
 from dtlab.control.errors import DtlabError, OptionError
+from dtlab.control.rescue import Recovery
+from dtlab.control.stepper import Stepper
+from dtlab.control.world import World
 from dtlab.records import CheckResult, Condition, Evidence, Finding, RunResult
 
 DEFAULT_MAX_STEPS = 100_000
@@ -28,8 +31,10 @@ class Training:
     """Stepping the attached job and reading what it did (``dt.training``; ``dt.step`` is
     ``dt.training.step``)."""
 
-    def __init__(self, session):
-        self.session = session
+    def __init__(self, world: World, stepper: Stepper, recovery: Recovery) -> None:
+        self.world = world
+        self.stepper = stepper
+        self.recovery = recovery
 
     def step(
         self,
@@ -44,9 +49,9 @@ class Training:
         Ctrl-C pauses every rank after the same step (a second Ctrl-C sends SIGINT).
         ``record`` overrides the job's per-parameter recording for these steps.
         """
-        return self.session.recovery.resilient(
+        return self.recovery.resilient(
             num_steps,
-            lambda steps: self.session.stepper.run(
+            lambda steps: self.stepper.run(
                 steps, None, record=record, timeout=timeout, progress=progress
             ),
         )
@@ -64,8 +69,8 @@ class Training:
         holds on any rank, or ``max_steps``; every rank pauses after the same step."""
         cond = parse_condition(condition) if isinstance(condition, str) else condition
         if cond.kind == "diverged":
-            self.session.stepper._sync_job()  # the attached job's trace, made now if need be
-        trace = self.session.trace
+            self.stepper.sync_job()  # the attached job's trace, made now if need be
+        trace = self.stepper.trace
         if (
             cond.kind == "diverged"
             and trace is not None
@@ -75,28 +80,27 @@ class Training:
                 "'diverged' compares replicas, and this job's ranks hold different parameters "
                 "(pipeline stages): there is nothing for them to agree on"
             )
-        return self.session.recovery.resilient(
+        return self.recovery.resilient(
             max_steps,
-            lambda steps: self.session.stepper.run(
+            lambda steps: self.stepper.run(
                 steps, cond, record=record, timeout=timeout, progress=progress
             ),
         )
 
     def pause(self) -> None:
         """Ask a run in progress (the dashboard's) to stop at the next step boundary."""
-        self.session.stepper.pause()
+        self.stepper.pause()
 
     def collectives_may_hang(self) -> bool:
         """A run was ended by SIGINT: a collective it issued may never complete, and
         tearing the process group down would wait for it (relaunch must replace engines)."""
-        stepper = self.session.connected_stepper
-        return stepper is not None and stepper.interrupted
+        return self.stepper.interrupted
 
     def watch_modules(self, on: bool = True) -> None:
         """While on, every rank checks each module's forward output for inf/nan (~20% of a
         step here) and the records name the first module that produced one. Always on
         during ``run_until("nonfinite")``."""
-        self.session.stepper.watch_modules = bool(on)
+        self.stepper.watch_modules = bool(on)
 
     # --- tensors, on request only ------------------------------------------------------
     def grads(self, name: str, ranks=None, step: int | None = None) -> dict:
@@ -111,18 +115,18 @@ class Training:
         return self._tensors(name, "param", ranks, step)
 
     def _tensors(self, name: str, what: str, ranks, step: int | None) -> dict:
-        last = self.session.trace.last_step if self.session.trace is not None else 0
+        last = self.stepper.trace.last_step if self.stepper.trace is not None else 0
         if step is not None and step != last:
             raise OptionError(
                 f"ranks keep only the tensors of the latest step ({last}), not step {step}; "
                 f"use %dt_run --until step>={step} to stop there and look"
             )
-        return self.session.stepper.tensors(name, what, self.session.select(ranks))
+        return self.stepper.tensors(name, what, self.world.select(ranks))
 
     def step_details(self, step: int, ranks=None) -> dict:
         """``{rank: StepRecord}`` of one step with its per-parameter norms and fingerprints,
         fetched from the ranks' buffers (the trace keeps whole-step summaries only)."""
-        return self.session.stepper.details(step, self.session.select(ranks))
+        return self.stepper.details(step, self.world.select(ranks))
 
     # --- findings ----------------------------------------------------------------------
     def divergence(self, kind: str = "param"):
@@ -130,7 +134,7 @@ class Training:
 
         The summaries say at which step; that step's per-parameter records say which
         parameter (fetched from the ranks)."""
-        trace = self.session.require_trace()
+        trace = self.stepper.require_trace()
         step = first_divergent_step(trace.records, kind=kind)
         if step is None:
             return None
@@ -151,7 +155,7 @@ class Training:
     def evidence(self) -> Evidence:
         """What the doctor's checks read: the launch, the trace's summaries, and the
         per-parameter records of the steps where ranks' fingerprints first differ."""
-        trace = self.session.require_trace()
+        trace = self.stepper.require_trace()
         kinds = ("grad", "param", "buffer")
         pipeline = len({info.params for info in trace.jobs.values()}) > 1
         # stages hold different parameters: their fingerprints differ by design
@@ -174,9 +178,9 @@ class Training:
             for rank, rec in found.items():
                 details[rank].append(rec)
         cores: dict[str, int] = {}
-        for facts in self.session.facts.values():  # engines of a host may see different cores
+        for facts in self.world.facts.values():  # engines of a host may see different cores
             cores[facts.host] = max(cores.get(facts.host, 0), facts.num_cpus)
-        now = self.session.run(api.rank_now, timeout=EVIDENCE_TIMEOUT_S)  # env may have changed
+        now = self.world.run(api.rank_now, timeout=EVIDENCE_TIMEOUT_S)  # env may have changed
         return Evidence(
             records=trace.records,
             columns=trace.columns,
@@ -192,7 +196,7 @@ class Training:
     def checks(self) -> list[CheckResult]:
         """Every doctor check on the records so far (kept with the trace)."""
         results = run_checks(self.evidence())
-        self.session.require_trace().keep_checks(results)
+        self.stepper.require_trace().keep_checks(results)
         return results
 
     def doctor(self) -> list[Finding]:

@@ -3,14 +3,18 @@
 Records are frozen dataclasses of plain data (str, int, float, tuples, dicts of str): they
 pickle cheaply through ipyparallel, read back from JSON, and tests build them by hand
 without a cluster. This package imports neither torch nor any notebook library, so both
-ends (agent/ on the ranks, control/ and analysis/ in the notebook) share it.
+ends (agent/ on the ranks, control/ and analysis/ in the notebook) share it. It starts no
+thread: a live Trace's run folder is written by the notebook's
+:mod:`dtlab.control.run_folder_writer`, through the ``FolderSink`` it is given.
 
 ========================  ==================================================================
 module                    holds
 ========================  ==================================================================
 ``records.ranks``         an engine's facts, a rank's plan and self-description, cell output
 ``records.steps``         what a rank measures each optimizer step; conditions, run results
-``records.wire``          the stepping channel's messages (notebook <-> rank), typed
+``records.wire``          the protocol between notebook and ranks: envelope, messages, relay
+                          framing, sidecar messages, agreement cadence
+``records.words``         ``Word``: the base of enums of words (str, written as its text)
 ``records.findings``      the doctor's evidence, each check's verdict, its findings
 ``records.hangs``         what a rank's sidecar says it is doing (stack, collectives)
 ``records.scripts``       where a user's own script stands on every rank
@@ -23,7 +27,7 @@ module                    holds
 ``records.summaries``     one row per step across ranks (the steps a Trace's window left)
 ``records.step_files``    a run folder's rows as Parquet parts
 ``records.trace``         a job's step records by rank, in memory (a window of steps)
-``records.run_folder``    a Trace's run folder: header, journal, parts written on a thread
+``records.run_folder``    a Trace's run folder: its format, header, reader; ``FolderSink``
 ``records.checkpoints``   checkpoint folders on disk: names, manifest, checksums, catalogue
 ========================  ==================================================================
 

@@ -37,47 +37,34 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from dtlab.records.row import NULL_BIT, ROW, row_of
+from dtlab.records.row import MEMORY_FIELDS, NULL_BIT, ROW, ROW_FIELDS, TIME_FIELDS, row_of
 from dtlab.records.steps import StepMemory, StepRecord, StepTimes
 
 MAGIC = b"DTR2"
 OLD_MAGIC = b"DTR1"  # rows without update_rms (ROW_V1): read, never written
 _HEADER = struct.Struct("<4sIII")
-# the row's numbers, by record field (times.* and memory.* go to their own dataclasses)
-ROW_FIELDS = {
-    "step",
-    "time",
-    "loss",
-    "lr",
-    "scale",
-    "skipped",
-    "grad_norm",
-    "grad_fingerprint",
-    "param_fingerprint",
-    "buffer_fingerprint",
-    "num_nonfinite",
-    "micro_batches",
-    "synced_micro_batches",
-    "epoch",
-    "comm_calls",
-    "comm_bytes",
-    "update_rms",
-}
 FIELD_DEFAULTS = {f.name: f.default for f in fields(StepRecord)}
-# a record's fields that travel as extras when they are not at their default
+# a record's fields that travel as extras when they are not at their default: all but the
+# row's numbers (ROW_FIELDS, times.* and memory.*) and the sample indices
 EXTRA_FIELDS = tuple(
-    name for name in FIELD_DEFAULTS if name not in ROW_FIELDS | {"times", "memory", "indices"}
+    name for name in FIELD_DEFAULTS if name not in {*ROW_FIELDS, "times", "memory", "indices"}
 )
 _AT = {name: i for i, name in enumerate(ROW.names or ())}
-_TIMES = tuple(f.name for f in fields(StepTimes))
-_MEMORY = tuple(f.name for f in fields(StepMemory))
-INT_MEMORY = {"cuda_allocated", "cuda_reserved", "cuda_peak"}  # float columns (nan: None)
+# memory fields the row keeps in float columns (nan: None), ints in the record
+INT_MEMORY = {name for name in MEMORY_FIELDS if ROW[name].kind == "f"}
 # where Packed._record finds each field in a row's tuple, and its None bit (0: never None)
-_ROW_AT = tuple((name, _AT[name], NULL_BIT.get(name, 0)) for name in sorted(ROW_FIELDS))
-_MEMORY_AT = tuple((_AT[n], NULL_BIT.get(n, 0), n in INT_MEMORY) for n in _MEMORY)
-_TIMES_AT = tuple(_AT[name] for name in _TIMES)
+_ROW_AT = tuple((name, _AT[name], NULL_BIT.get(name, 0)) for name in ROW_FIELDS)
+# (StepTimes and StepMemory are made from their fields in order: MEMORY_FIELDS, TIME_FIELDS)
+_MEMORY_AT = tuple((_AT[n], NULL_BIT.get(n, 0), n in INT_MEMORY) for n in MEMORY_FIELDS)
+_TIMES_AT = tuple(_AT[name] for name in TIME_FIELDS)
+# fields whose default is nan ("not measured"): read back as math.nan itself, so that the
+# records compare equal (a nan equals only itself)
+_NAN_AT = tuple(
+    (name, _AT[name])
+    for name in ROW_FIELDS
+    if isinstance(default := FIELD_DEFAULTS[name], float) and math.isnan(default)
+)
 _NULLS_AT, _INDICES_AT, _NUM_INDICES_POS = _AT["nulls"], _AT["indices_at"], _AT["num_indices"]
-_UPDATE_AT = _AT["update_rms"]
 # the row before update_rms was added (frames of OLD_MAGIC)
 ROW_V1 = np.dtype([(name, ROW[name]) for name in ROW.names or () if name != "update_rms"])
 
@@ -116,8 +103,9 @@ class Packed:
         found: dict[str, Any] = {
             name: None if nulls & bit else values[at] for name, at, bit in _ROW_AT
         }
-        if math.isnan(values[_UPDATE_AT]):  # the default itself, so that the records compare
-            found["update_rms"] = math.nan
+        for name, at in _NAN_AT:
+            if math.isnan(values[at]):
+                found[name] = math.nan
         memory = StepMemory(
             *(  # type: ignore[arg-type]  # None only where the field may be None
                 None if nulls & bit else (int(values[at]) if whole else values[at])
@@ -371,8 +359,11 @@ def unpack(frame: bytes, rank: int | None = None) -> Packed:
 
 __all__ = [
     "EXTRA_FIELDS",
+    "FIELD_DEFAULTS",
+    "INT_MEMORY",
     "MAGIC",
     "OLD_MAGIC",
+    "ROW_FIELDS",
     "ROW_V1",
     "Frame",
     "Packed",

@@ -1,4 +1,4 @@
-"""A Trace's run folder on disk: writing it as a run goes, reading it back.
+"""A Trace's run folder on disk: its format, and reading it back.
 
 A run folder (``runs/<timestamp>/`` by default, ``DTLAB_RUNS_DIR`` moves it) holds:
 
@@ -9,18 +9,20 @@ A run folder (``runs/<timestamp>/`` by default, ``DTLAB_RUNS_DIR`` moves it) hol
   zstd Parquet parts of at least ``PART_ROWS`` records, merged as they pile up
   (:mod:`dtlab.records.step_files`), and ``steps/journal.bin``: the records since the
   last part, as the ranks sent them (packed rows, :mod:`dtlab.records.packed`, each batch
-  after its length as a little-endian uint32), appended at the end of every run, so a
-  notebook that dies loses no step a run finished; a part is written on a thread of its
-  own from the journal sealed as ``steps/journal-<ns>.bin``, removed once the part holds
-  its rows; ``pd.read_parquet(folder / "steps")`` reads the parts;
+  after its length as a little-endian uint32: :func:`journal_entry`), appended at the end
+  of every run, so a notebook that dies loses no step a run finished; the journal whose
+  rows become a part is sealed first as ``steps/journal-<ns>.bin``, removed once the part
+  holds its rows; ``pd.read_parquet(folder / "steps")`` reads the parts;
 - ``doctor.json``: the last ``%dt_doctor`` results, a list of CheckResult with Findings.
 
 Older folders still load: ``dtlab-trace/2`` (the same parts, a journal of JSON lines in
 ``steps/journal.jsonl``) and ``dtlab-trace/1`` (one JSON line per record in
 ``steps.jsonl``, ~1 KB per rank-step against ~50-100 B as Parquet).
 
-:class:`FolderWriter` is what a live Trace writes through; the functions below it read a
-folder back (``Trace.load`` puts them together).
+A live Trace writes its steps through a :class:`FolderSink`: in the notebook,
+:class:`dtlab.control.run_folder_writer.FolderWriter` (the journal, and parts written while
+the next run goes on). The functions here write the header and ``doctor.json`` and read a
+folder back (``Trace.load`` puts them together); reading needs no writer.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ import json
 import os
 import struct
 import time
+import warnings
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
 from dtlab.records import (
     CheckResult,
@@ -44,7 +47,8 @@ from dtlab.records import (
     StepRecord,
     step_record_from_dict,
 )
-from dtlab.records.packed import Frame, Packed, as_tuples, join, unpack
+from dtlab.records.checkpoints import CheckpointError, open_confined
+from dtlab.records.packed import Frame, Packed, as_tuples, unpack
 from dtlab.records.step_files import RELISTS, StepFiles
 
 FORMAT = "dtlab-trace/3"
@@ -57,6 +61,24 @@ SEALED_GLOB = "journal-*.bin"
 JSON_JOURNAL = "journal.jsonl"  # format 2's
 _LENGTH = struct.Struct("<I")
 RUNS_DIR_ENV = "DTLAB_RUNS_DIR"
+# the most bytes a file of a run folder may hold to be read (larger: refused, never read)
+MAX_HEADER_BYTES = 256 << 20  # trace.json, doctor.json
+MAX_RANKS = 65536  # a trace.json listing more jobs than this is refused
+MAX_JOURNAL_BYTES = 4 << 30  # a journal: PART_ROWS rows and one run's, far below this
+
+
+def read_confined(folder: Path, name: str, most: int) -> bytes:
+    """The bytes of ``folder/name``, opened as checkpoint files are
+    (:func:`dtlab.records.checkpoints.open_confined`: no link followed, a FIFO or device
+    refused, never waited on, at most ``most`` bytes); a refusal is a ValueError naming the
+    file and what it is. FileNotFoundError when it is not there."""
+    try:
+        with open_confined(folder, name, most=most) as f:
+            return f.read()
+    except CheckpointError as e:
+        raise ValueError(
+            str(e).replace("not a checkpoint dtlab wrote", "not a run folder's")
+        ) from None
 
 
 def new_run_folder(root: str | os.PathLike | None = None) -> Path:
@@ -74,100 +96,45 @@ def new_run_folder(root: str | os.PathLike | None = None) -> Path:
 
 
 # --- writing ----------------------------------------------------------------------------
-class FolderWriter:
-    """The records a live Trace puts in its run folder, frame by frame as they came: the
-    frames since the last part (``add``) go to the journal at every ``flush`` (the end of
-    a run), and once there are ``PART_ROWS`` rows of them, to a Parquet part written on a
-    thread of its own."""
+class FolderSink(Protocol):
+    """What a live Trace needs of whatever writes its run folder's steps (the notebook's
+    :class:`dtlab.control.run_folder_writer.FolderWriter`). The Trace writes the header
+    (:func:`write_header`) and hands it every new frame once (``add``)."""
 
-    def __init__(self, folder: Path):
-        self.files = StepFiles(folder)
-        self._pending: list[Frame] = []  # records not yet in a part, frame by frame
-        self._pending_rows = 0
-        self._journaled = 0  # how many of them the journal holds
-        self._part: Future | None = None  # the Parquet part being written, if one is
-
-    def add(self, frame: Frame) -> None:
-        self._pending.append(frame)
-        self._pending_rows += frame.rows
+    @property
+    def folder(self) -> Path:
+        """The run folder."""
+        ...
 
     @property
     def all_on_disk(self) -> bool:
-        """Does the folder hold every frame added (the journal at least)?"""
-        return self._journaled == len(self._pending)
+        """Does the folder hold every frame added (so that it reads them back)?"""
+        ...
+
+    def add(self, frame: Frame) -> None:
+        """A frame of new rows, as it came; on disk at the next ``flush`` at the latest."""
+        ...
 
     def flush(self) -> None:
-        """Append the frames added since the last flush to the journal; once there are
-        PART_ROWS rows of them, start writing them as a part."""
-        if not self._pending:
-            return
-        self._journal()
-        if self._pending_rows >= PART_ROWS:
-            self._write_part()
+        """Put the frames added since the last flush in the folder (the end of a run)."""
+        ...
+
+    def sync(self) -> None:
+        """Wait until what ``flush`` started is in the folder; raise its failure if any."""
+        ...
 
     def close(self) -> None:
         """Write what is left as a part (no journal stays behind), and wait for it."""
-        if self._pending:
-            self._journal()
-            self._write_part()
-        self.sync()
-
-    def sync(self) -> None:
-        """Wait until the part being written (if one is) is in the run folder; a failure
-        to write it is raised here (its rows stay in its sealed journal, which a later
-        load reads)."""
-        part, self._part = self._part, None
-        if part is not None:
-            part.result()
-
-    def _journal(self) -> None:
-        """Append the frames not in the journal yet (as they came)."""
-        self.files.folder.mkdir(parents=True, exist_ok=True)
-        with open(self.files.folder / JOURNAL, "ab") as out:
-            for frame in self._pending[self._journaled :]:
-                out.write(_LENGTH.pack(len(frame.data)) + frame.data)
-        self._journaled = len(self._pending)
-
-    def _write_part(self) -> None:
-        """The journal's rows become a Parquet part, written (and merged) on a thread of
-        its own, so the run that fills a part does not wait for its compression. The
-        journal is sealed first (renamed: its rows stay on disk until the part holds them),
-        and one part is written at a time."""
-        assert self.all_on_disk
-        self.sync()
-        sealed = self.files.folder / SEALED.format(time.time_ns())
-        os.replace(self.files.folder / JOURNAL, sealed)
-        pending, self._pending, self._journaled, self._pending_rows = self._pending, [], 0, 0
-        self._part = _writer().submit(_write_sealed, self.files, pending, sealed)
+        ...
 
 
-_WRITER: ThreadPoolExecutor | None = None
+def journal_entry(data: bytes) -> bytes:
+    """One batch of packed rows as ``steps/journal.bin`` holds it: its length, then it."""
+    return _LENGTH.pack(len(data)) + data
 
 
-def _writer() -> ThreadPoolExecutor:
-    """The thread that writes Parquet parts (one for every trace: parts are written one at
-    a time; Python waits for it at exit, so a part handed to it is finished)."""
-    global _WRITER
-    if _WRITER is None:
-        _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dtlab-parts")
-    return _WRITER
-
-
-def _write_sealed(files: StepFiles, frames: list[Frame], sealed: Path) -> None:
-    files.write(join(frames))
-    sealed.unlink(missing_ok=True)  # its rows are in the part
-
-
-def wait_for_parts() -> None:
-    """Wait until the parts this process has started writing are in their folders."""
-    if _WRITER is not None:
-        _WRITER.submit(lambda: None).result()
-
-
-def write_header(
-    folder: Path, jobs: Mapping[int, JobInfo], meta: Mapping, created: float
-) -> FolderWriter:
-    """Start a run folder: its ``trace.json``; returns the writer of its steps."""
+def write_header(folder: Path, jobs: Mapping[int, JobInfo], meta: Mapping, created: float) -> None:
+    """Start a run folder: its ``trace.json``."""
     folder.mkdir(parents=True, exist_ok=True)
     # the parameter lists once each (data-parallel replicas share one); a job names its
     # list by number: 512 ranks x 300 parameters as dataclasses.asdict took seconds
@@ -193,31 +160,69 @@ def write_header(
         "jobs": fields_of,
         "meta": dict(meta),
     }
-    (folder / "trace.json").write_text(json.dumps(header))
-    return FolderWriter(folder)
+    write_atomic(folder / "trace.json", json.dumps(header).encode())
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """``path`` holds ``data`` whole or is as it was: written under a temporary name in the
+    same folder, then renamed over it (a failed write removes the temporary file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_checks(folder: Path, results: list) -> None:
     """``doctor.json``: ``%dt_doctor``'s results, with each one's outcome (passed, found or
     not checked) for whoever reads the file."""
     data = [{**dataclasses.asdict(r), "outcome": r.outcome} for r in results]
-    (folder / "doctor.json").write_text(json.dumps(data, indent=1, default=str))
+    write_atomic(folder / "doctor.json", json.dumps(data, indent=1, default=str).encode())
 
 
 # --- reading ----------------------------------------------------------------------------
 def read_header(folder: Path) -> tuple[dict, dict[int, JobInfo]]:
     """A run folder's header and its jobs by rank; a ValueError names what is wrong."""
     header_path = folder / "trace.json"
-    if not header_path.is_file():
-        raise ValueError(f"{folder} is not a dtlab run folder: it has no trace.json")
-    header = json.loads(header_path.read_text())
+    try:
+        data = read_confined(folder, "trace.json", MAX_HEADER_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
+        raise ValueError(f"{folder} is not a dtlab run folder: it has no trace.json") from None
+    try:
+        header = json.loads(data.decode())
+    except (UnicodeDecodeError, RecursionError, ValueError) as e:
+        raise ValueError(f"{header_path}: not a dtlab trace header ({type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{header_path}: a {type(header).__name__}, not a trace header")
     if header.get("format") not in FORMATS:
         raise ValueError(
             f"{header_path}: format {header.get('format')!r}, this dtlab reads "
             + " and ".join(map(repr, FORMATS))
         )
     lists = header.get("params") or []
-    jobs = {int(r): job_from_json(j, lists) for r, j in header["jobs"].items()}
+    found = header.get("jobs")
+    if not isinstance(found, dict):
+        raise ValueError(f"{header_path}: field 'jobs' is missing or not a mapping of rank to job")
+    if not isinstance(lists, list):
+        raise ValueError(f"{header_path}: field 'params' is not a list of parameter lists")
+    if len(found) > MAX_RANKS:
+        raise ValueError(
+            f"{header_path}: field 'jobs' lists {len(found)} ranks, more than the {MAX_RANKS} "
+            "a dtlab run holds: refused"
+        )
+    jobs = {}
+    for r, j in found.items():
+        try:
+            if not isinstance(j, dict):
+                raise TypeError(f"a {type(j).__name__}, not a job")
+            jobs[int(r)] = job_from_json(j, lists)
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+            raise ValueError(
+                f"{header_path}: field 'jobs.{str(r)[:40]}': not a job "
+                f"({type(e).__name__}: {str(e)[:200]})"
+            ) from None
     return header, jobs
 
 
@@ -252,6 +257,8 @@ def batches(folder: Path, steps: range | None = None) -> Iterator[Packed]:
     twice (``Trace`` drops repeated steps): a part merged away is read from the part it
     went into, and the journals are read before the parts are listed a second time, so a
     journal that became a part meanwhile is read from that part."""
+    if (folder / "steps").is_symlink():
+        raise ValueError(f"{folder / 'steps'} is a link, not the run's steps folder: refused")
     files = StepFiles(folder)
     read = 0  # the rows of the parts read so far
     for end, batch in files.read_after(0, steps):
@@ -270,8 +277,10 @@ def _journals(folder: Path) -> list[Packed]:
     steps = folder / "steps"
     for _ in range(RELISTS):
         try:
-            journal = steps / JOURNAL
-            newest = list(_batches_in(journal)) if journal.is_file() else []
+            try:
+                newest = list(_batches_in(steps / JOURNAL))
+            except FileNotFoundError:
+                newest = []
             sealed = [b for path in sorted(steps.glob(SEALED_GLOB)) for b in _batches_in(path)]
             return sealed + newest
         except FileNotFoundError:
@@ -283,13 +292,18 @@ def _journals(folder: Path) -> list[Packed]:
 
 
 def _batches_in(journal: Path) -> Iterator[Packed]:
-    data = journal.read_bytes()
+    data = read_confined(journal.parent, journal.name, MAX_JOURNAL_BYTES)
     at = 0
     while at < len(data):
-        if at + _LENGTH.size > len(data):
-            break  # a run killed mid-write leaves half a last entry
-        (size,) = _LENGTH.unpack_from(data, at)
-        if at + _LENGTH.size + size > len(data):
+        size = _LENGTH.unpack_from(data, at)[0] if at + _LENGTH.size <= len(data) else None
+        if size is None or at + _LENGTH.size + size > len(data):
+            # a run killed mid-write leaves half a last entry: dropped, with a word
+            warnings.warn(
+                f"{journal}: byte {at}: a torn last entry ({len(data) - at} bytes) "
+                f"of the run folder {journal.parent.parent} left out",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             break
         try:
             batch = unpack(data[at + _LENGTH.size : at + _LENGTH.size + size])
@@ -323,9 +337,19 @@ def json_records(folder: Path, format: str) -> Iterator[tuple[int, StepRecord]]:
 def read_checks(folder: Path) -> list[CheckResult]:
     """The ``%dt_doctor`` results kept with the run (none if it has no doctor.json)."""
     path = folder / "doctor.json"
-    if not path.is_file():
+    try:
+        checks = json.loads(read_confined(folder, "doctor.json", MAX_HEADER_BYTES).decode())
+        return [_check_from_json(c) for c in checks]
+    except FileNotFoundError:
         return []
-    return [_check_from_json(c) for c in json.loads(path.read_text())]
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+        warnings.warn(
+            f"{path}: not the doctor's results ({type(e).__name__}: {str(e)[:200]}); "
+            "the trace loads without them",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return []
 
 
 def _check_from_json(data: Mapping) -> CheckResult:

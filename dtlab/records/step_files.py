@@ -28,14 +28,12 @@ import json
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
 
 from dtlab.records.packed import EXTRA_FIELDS, Packed, as_tuples
-from dtlab.records.row import NULLABLE, ROW
-from dtlab.records.steps import StepMemory, StepTimes
+from dtlab.records.row import COUNTS, MEMORY_FIELDS, NULL_BIT, ROW, ROW_FIELDS, TIME_FIELDS
 
 MERGE_AT = 8  # parts of one level merged into one of the next
 # parts are not merged past this many rows (~150 MB on disk at 37 B a row): merging costs
@@ -47,52 +45,41 @@ RELISTS = 100  # times a reader lists the parts again when a merge removed one i
 FOLDER = "steps"
 _PART = re.compile(r"^L(\d+)-(\d+)-(\d+)\.parquet$")
 
-# the record's own numbers, one typed column each (the rest goes to ``extra``)
-_SCALARS = {
-    "step": "int64",
-    "time": "float64",
-    "loss": "float64",
-    "lr": "float64",
-    "scale": "float64",
-    "skipped": "bool",
-    "epoch": "int64",
-    "grad_norm": "float64",
-    "update_rms": "float64",
-    "grad_fingerprint": "uint64",
-    "param_fingerprint": "uint64",
-    "buffer_fingerprint": "uint64",
-    "num_nonfinite": "int64",
-    "micro_batches": "int64",
-    "synced_micro_batches": "int64",
-    "comm_calls": "int64",
-    "comm_bytes": "int64",
-}
-# dictionary-encoded columns: those whose values repeat (across data-parallel replicas, or
-# step after step); times, memory and losses rarely repeat, and a dictionary there costs
-# more to write (about twice the CPU) and makes the file larger, not smaller
-_DICTIONARY = [
-    "rank",
-    "step",
-    "lr",
-    "scale",
-    "skipped",
-    "epoch",
-    "grad_fingerprint",
-    "param_fingerprint",
-    "buffer_fingerprint",
-    "num_nonfinite",
-    "micro_batches",
-    "synced_micro_batches",
-    "comm_calls",
-    "comm_bytes",
-    "extra",
-]
-_TIMES = {f.name: "float64" for f in fields(StepTimes)}
-_MEMORY = {f.name: "int64" for f in fields(StepMemory)}
-_BIT = {name: 1 << bit for bit, name in enumerate(NULLABLE)}
-_NULL_AS_MINUS_ONE = {"synced_micro_batches", "comm_calls", "comm_bytes"}
+# The columns are derived from the row (dtlab.records.row: ROW, ROW_FIELDS): the record's
+# own numbers one typed column each (ints as int64, fingerprints uint64, floats float64,
+# None as null), times.* and memory.* (ints), the sample indices as a list column, the rest
+# in ``extra``. What is special:
+# where a part's column order differs from the row's (parts have always had it there)
+_MOVED = {"epoch": "skipped"}  # epoch right after skipped
+# columns whose values rarely repeat step to step or across replicas: not
+# dictionary-encoded (times, memory and losses; a dictionary there costs more to write,
+# about twice the CPU, and makes the file larger, not smaller)
+_UNIQUE = {"time", "loss", "grad_norm", "update_rms"}
 # float columns a part written before them lacks (read as nulls): nan, "not measured"
 _ADDED_LATER = {"update_rms"}
+
+
+def _arrow_kind(column: str) -> str:
+    kind = ROW[column].kind
+    return {"f": "float64", "u": "uint64", "b": "bool"}.get(kind, "int64")
+
+
+def _in_part_order(names: tuple[str, ...]) -> list[str]:
+    order = [n for n in names if n not in _MOVED]
+    for name, after in _MOVED.items():
+        order.insert(order.index(after) + 1, name)
+    return order
+
+
+_SCALARS = {name: _arrow_kind(name) for name in _in_part_order(ROW_FIELDS)}
+_TIMES = {name: "float64" for name in TIME_FIELDS}
+_MEMORY = {name: "int64" for name in MEMORY_FIELDS}
+# dictionary-encoded columns: those whose values repeat (across data-parallel replicas, or
+# step after step)
+_DICTIONARY = ["rank", *(name for name in _SCALARS if name not in _UNIQUE), "extra"]
+_NULL_AS_MINUS_ONE = {n for n in NULL_BIT if n in _SCALARS and ROW[n].kind in "iu"}
+# count columns whose items are extras: (column, field); -1 where the field was None
+_EXTRA_COUNTS = tuple((c, f) for c, f in COUNTS.items() if f in EXTRA_FIELDS)
 
 
 def _pa():
@@ -120,7 +107,7 @@ def table_of(batch: Packed):
 
     def column(name: str, row_name: str, kind: str):
         values = rows[row_name]
-        mask = (nulls & _BIT[name]) != 0 if name in _BIT else None
+        mask = (nulls & NULL_BIT[name]) != 0 if name in NULL_BIT else None
         if kind == "int64" and values.dtype.kind == "f":  # CUDA bytes: nan where None
             values = np.where(mask, 0, values).astype(np.int64) if mask is not None else values
         if kind == "bool":
@@ -152,10 +139,10 @@ def packed_of(table) -> Packed:
         values = table.column(column).combine_chunks()
         missing = values.is_null().to_numpy(zero_copy_only=False)
         if missing.any():
-            if name not in _BIT and name not in _ADDED_LATER:
+            if name not in NULL_BIT and name not in _ADDED_LATER:
                 raise ValueError(f"column {column} has nulls")
-            if name in _BIT:
-                nulls[missing] |= _BIT[name]
+            if name in NULL_BIT:
+                nulls[missing] |= NULL_BIT[name]
         if missing.any():
             values = values.fill_null(False if pa.types.is_boolean(values.type) else 0)
         filled = values.to_numpy(zero_copy_only=False)
@@ -178,7 +165,7 @@ def packed_of(table) -> Packed:
     rows["indices_at"] = offsets[:-1] - offsets[0]
     indices = lists.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
     extras: dict[int, dict] = {}
-    unreached = np.full(n, -1, dtype=np.int32)
+    counts = {c: np.full(n, -1 if f in NULL_BIT else 0, ROW[c]) for c, f in _EXTRA_COUNTS}
     for i, text in enumerate(table.column("extra").to_pylist()):
         if not text:
             continue
@@ -187,12 +174,15 @@ def packed_of(table) -> Packed:
             raise ValueError(f"row {i}: extra {text[:80]!r} is not a step record's")
         found = {name: as_tuples(v) for name, v in found.items()}
         extras[i] = found
-        rows["epoch_starts"][i] = len(found.get("epoch_starts", ()))
-        rows["num_missing"][i] = len(found.get("missing_grads", ()))
-        if found.get("unreached") is not None:
-            unreached[i] = len(found["unreached"])
-    rows["num_unreached"] = unreached
-    nulls[unreached < 0] |= _BIT["unreached"]
+        for column, name in _EXTRA_COUNTS:
+            if name not in NULL_BIT:
+                counts[column][i] = len(found.get(name, ()))
+            elif found.get(name) is not None:  # (None: -1, its bit set below)
+                counts[column][i] = len(found[name])
+    for column, name in _EXTRA_COUNTS:
+        rows[column] = counts[column]
+        if name in NULL_BIT:
+            nulls[counts[column] < 0] |= NULL_BIT[name]
     rows["nulls"] = nulls
     return Packed(rows, indices, extras)
 
@@ -305,11 +295,20 @@ class StepFiles:
                         )
                     break
                 try:
-                    table = pq.read_table(path, schema=_schema(), filters=only)
+                    source = _confined(path)
+                    if (rows := pq.read_metadata(source).num_rows) != count:
+                        raise ValueError(
+                            f"{path}: its name says {count} rows, it holds {rows}: "
+                            "not the part dtlab wrote"
+                        )
+                    table = pq.read_table(source, schema=_schema(), filters=only)
                     batch = packed_of(table)
                 except FileNotFoundError:
                     break  # merged into a part of the next level meanwhile: list again
-                except (OSError, ValueError, TypeError, KeyError) as e:
+                except ValueError as e:
+                    said = str(e) if str(path) in str(e) else None
+                    raise ValueError(said or f"{path}: not a dtlab step file ({e})") from e
+                except (OSError, TypeError, KeyError) as e:
                     raise ValueError(f"{path}: not a dtlab step file ({e})") from e
                 row = first + count
                 yield row, batch
@@ -322,3 +321,20 @@ class StepFiles:
 
     def num_bytes(self) -> int:
         return sum(p[3].stat().st_size for p in self.parts())
+
+
+MAX_PART_BYTES = 16 << 30  # a part larger than this is refused, not read
+
+
+def _confined(path: Path):
+    """A part's bytes, for pyarrow: opened without following a link or waiting on a FIFO
+    (:func:`dtlab.records.checkpoints.open_confined`; a refusal is a ValueError)."""
+    import pyarrow as pa
+
+    from dtlab.records.checkpoints import CheckpointError, open_confined
+
+    try:
+        with open_confined(path.parent, path.name, most=MAX_PART_BYTES) as f:
+            return pa.BufferReader(f.read())
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None

@@ -3,8 +3,10 @@
 A Trace keeps every rank's records as columns (what the doctor reads) and, once a run
 folder holds them, only the last ``window`` steps of them in memory, with one summary row
 per step it let go (:mod:`dtlab.records.summaries`). What the run folder holds and how it
-is written and read: :mod:`dtlab.records.run_folder`. ``Trace.load(folder)`` reads a
-folder back, so another notebook can plot or compare it.
+is read: :mod:`dtlab.records.run_folder`; a live Trace writes it through the sink it is
+made with (``Trace(jobs, sink=FolderWriter(folder))``: the notebook's writer,
+:mod:`dtlab.control.run_folder_writer`). ``Trace.load(folder)`` reads a folder back, with
+no writer, so another notebook can plot or compare it.
 """
 
 from __future__ import annotations
@@ -12,21 +14,31 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
 
-from dtlab.records import JobInfo, ParamInfo, StepRecord
+from dtlab.records import JobInfo, ParamInfo, StepRecord, job_folder
 from dtlab.records import run_folder as disk
 from dtlab.records.columns import StepColumns
 from dtlab.records.dataframe import records_frame
 from dtlab.records.packed import Frame, Packed, frame_rows, join, pack, read_frame
 from dtlab.records.rank_records import RankRecords
-from dtlab.records.run_folder import FORMAT, RUNS_DIR_ENV, FolderWriter, new_run_folder
+from dtlab.records.run_folder import FORMAT, RUNS_DIR_ENV, FolderSink, new_run_folder
+from dtlab.records.step_files import StepFiles
 from dtlab.records.summaries import Summaries, summarize
 
-__all__ = ["FORMAT", "RUNS_DIR_ENV", "WINDOW", "WINDOW_ENV", "Trace", "new_run_folder"]
+__all__ = [
+    "FORMAT",
+    "RUNS_DIR_ENV",
+    "WINDOW",
+    "WINDOW_ENV",
+    "FolderSink",
+    "Trace",
+    "new_run_folder",
+]
 
 WINDOW = 2000  # steps of every rank a Trace with a run folder keeps in memory
 WINDOW_ENV = "DTLAB_WINDOW"  # sets WINDOW (steps; 0: keep every step in memory)
@@ -34,13 +46,14 @@ WINDOW_ENV = "DTLAB_WINDOW"  # sets WINDOW (steps; 0: keep every step in memory)
 
 class Trace:
     """Step records keyed by rank: ``trace.records[rank]`` is a sequence in step order
-    (:class:`RankRecords`: each StepRecord is made when first read)."""
+    (:class:`RankRecords`: each StepRecord is made when first read). ``sink``: what writes
+    its run folder (``sink.folder``; its header is written now), for a live trace."""
 
     def __init__(
         self,
         jobs: Mapping[int, JobInfo],
         *,
-        folder: str | os.PathLike | None = None,
+        sink: FolderSink | None = None,
         meta: Mapping | None = None,
         created: float | None = None,
         window: int | None = None,
@@ -56,10 +69,10 @@ class Trace:
         self.columns = StepColumns()  # the records' numbers, as columns (the doctor's)
         self.records: dict[int, RankRecords] = {rank: self._mine(rank) for rank in self.jobs}
         self.checks: list = []  # the last %dt_doctor results (CheckResult), kept with the run
-        self.folder = Path(folder) if folder is not None else None
-        self._writer: FolderWriter | None = None  # what writes the run folder (a live one)
-        if self.folder is not None:
-            self._writer = disk.write_header(self.folder, self.jobs, self.meta, self.created)
+        self.folder = sink.folder if sink is not None else None
+        self._sink = sink  # what writes the run folder (a live one's, until it is closed)
+        if sink is not None:
+            disk.write_header(sink.folder, self.jobs, self.meta, self.created)
 
     @classmethod
     def empty(cls, ranks) -> Trace:
@@ -128,8 +141,8 @@ class Trace:
         added = [rec for rec in records if mine.append(rec)]
         if added:
             self.columns.extend(rank, added)
-            if self._writer is not None:
-                self._writer.add(read_frame(pack(rank, added).to_bytes()))
+            if self._sink is not None:
+                self._sink.add(read_frame(pack(rank, added).to_bytes()))
 
     def add_packed(self, rank: int, data: bytes) -> None:
         """Append the records of a rank's reply: a frame of packed rows as it came (one that
@@ -183,8 +196,8 @@ class Trace:
     def _keep(self, frame: Frame) -> None:
         """A frame whose rows are all new: to the columns, and to the run folder's queue."""
         self.columns.append_frame(frame)
-        if self._writer is not None:
-            self._writer.add(frame)
+        if self._sink is not None:
+            self._sink.add(frame)
 
     def _records_of(self, rank: int) -> RankRecords:
         mine = self.records.get(rank)
@@ -200,20 +213,20 @@ class Trace:
 
     def flush(self) -> None:
         """Put the records added since the last flush in the run folder: appended to the
-        journal, or, once there are PART_ROWS of them, written as a Parquet part
-        (:class:`~dtlab.records.run_folder.FolderWriter`). The columns take in the new rows
-        now (the end of a run), not at the doctor's first read."""
+        journal, or, once there are PART_ROWS of them, written as a Parquet part (by its
+        sink). The columns take in the new rows now (the end of a run), not at the
+        doctor's first read."""
         self.columns.rows()
-        if self._writer is not None:
-            self._writer.flush()
+        if self._sink is not None:
+            self._sink.flush()
             self._slide()
 
     def sync(self) -> None:
         """Wait until the part being written (if one is) is in the run folder; a failure
         to write it is raised here (its rows stay in its sealed journal, which a later
         load reads)."""
-        if self._writer is not None:
-            self._writer.sync()
+        if self._sink is not None:
+            self._sink.sync()
 
     def _slide(self) -> None:
         """Forget the steps before the last ``window`` once they are all in the run folder
@@ -235,7 +248,7 @@ class Trace:
         if self.folder is None or self._format != FORMAT:
             return False
         # loaded, or closed: nothing waits to be written
-        return self._writer is None or self._writer.all_on_disk
+        return self._sink is None or self._sink.all_on_disk
 
     @property
     def whole(self) -> bool:
@@ -269,9 +282,9 @@ class Trace:
 
     def close(self) -> None:
         """Write what is left as a part (no journal stays behind)."""
-        if self._writer is not None:
-            self._writer.close()
-        self._writer = None
+        if self._sink is not None:
+            self._sink.close()
+        self._sink = None
 
     # --- as data ------------------------------------------------------------------------
     def to_records(self) -> list[dict]:
@@ -307,12 +320,24 @@ class Trace:
         """Keep ``%dt_doctor`` results with the run (``doctor.json`` in its folder)."""
         self.checks = list(results)
         if self.folder is not None:
-            disk.write_checks(self.folder, self.checks)
+            try:
+                disk.write_checks(self.folder, self.checks)
+            except OSError as e:  # a full disk: the results are still here, in memory
+                warnings.warn(
+                    f"dtlab: run folder {self.folder}: doctor.json not written ({e}); "
+                    "the results are kept in memory",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     def save(self, folder: str | os.PathLike) -> Path:
         """Write the whole trace to ``folder`` (a copy; this trace keeps its own folder)."""
         copy = Trace(
-            self.jobs, folder=folder, meta=self.meta, created=self.created, window=self.window
+            self.jobs,
+            sink=_Copy(Path(folder)),
+            meta=self.meta,
+            created=self.created,
+            window=self.window,
         )
         if not self.whole and self.folder is not None:
             self.flush()
@@ -329,9 +354,17 @@ class Trace:
     @classmethod
     def load(cls, folder: str | os.PathLike, *, window: int | None = None) -> Trace:
         """Read a run folder written by dtlab (the last ``window`` steps into memory, as a
-        live Trace keeps them); raises ValueError naming what is wrong."""
+        live Trace keeps them), or a job folder of ``python -m dtlab.run`` (every rank's,
+        every step: :mod:`dtlab.records.job_folder`); raises ValueError naming what is
+        wrong."""
         folder = Path(folder)
-        disk.wait_for_parts()  # parts this process is writing: in the folder first
+        if job_folder.is_job_folder(folder):  # python -m dtlab.run's: a run folder per rank
+            job = job_folder.read_job(folder)
+            trace = cls(job.jobs, meta=job.meta, created=job.created, window=window)
+            trace.folder, trace._format = folder, job_folder.FORMAT  # (all kept in memory)
+            for batch in job.batches():
+                trace._add_mixed(batch)
+            return trace
         header, jobs = disk.read_header(folder)
         trace = cls(jobs, meta=header.get("meta"), created=header.get("created"), window=window)
         trace.folder, trace._format = folder, header["format"]
@@ -344,6 +377,37 @@ class Trace:
             trace.add(rank, [rec])
         trace.checks = disk.read_checks(folder)
         return trace
+
+
+class _Copy:
+    """The sink of a copy :meth:`Trace.save` writes: the same parts a live trace's writer
+    would leave once closed, written at once (no journal: the copy is written whole)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.files = StepFiles(folder)
+        self._pending: list[Frame] = []
+        self._pending_rows = 0
+
+    @property
+    def all_on_disk(self) -> bool:
+        return not self._pending
+
+    def add(self, frame: Frame) -> None:
+        self._pending.append(frame)
+        self._pending_rows += frame.rows
+
+    def flush(self) -> None:
+        if self._pending_rows >= disk.PART_ROWS:
+            self.close()
+
+    def sync(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._pending:
+            self.files.write(join(self._pending))
+        self._pending, self._pending_rows = [], 0
 
 
 def _window() -> int:

@@ -117,8 +117,7 @@ class DtlabMagics(Magics):
         jobs = session.engines.job_ids()
         if jobs:
             title += f", {session.config.launcher} job {', '.join(jobs)}"
-        stepper = session.connected_stepper
-        if stepper is not None and (how := stepper.connection.describe()):
+        if how := session.stepper.connection.describe():
             title += f"; {how}"
         display(status_table(session.status(), session.infos, title))
 

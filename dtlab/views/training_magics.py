@@ -15,9 +15,9 @@ from IPython.core.magic import Magics, line_magic
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from dtlab import demo
 from dtlab.analysis.conditions import parse_condition
 from dtlab.analysis.doctor import all_findings
+from dtlab.control import demo
 from dtlab.control.errors import OptionError, RankError
 from dtlab.control.training import DEFAULT_MAX_STEPS
 from dtlab.records import PlanError
