@@ -18,6 +18,7 @@ one rank is refused on all and no rank's job has changed:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from dtlab.agent import rng
 from dtlab.agent.checkpoint import attempt
 from dtlab.agent.groups import control_group
 from dtlab.agent.rendezvous import identity
-from dtlab.records.checkpoints import CheckpointError, file_problem, read_manifest
+from dtlab.records.checkpoints import CheckpointError, file_problem, open_confined, read_manifest
 
 
 def load(path: str) -> dict:
@@ -39,7 +40,7 @@ def load(path: str) -> dict:
     """
     import torch.distributed.checkpoint as dcp
 
-    from dtlab.agent.dcp_io import SafeFileSystemReader, tensors_only_planner
+    from dtlab.agent.dcp_io import tensors_only_planner
 
     job, me = jobs.current(), identity()
     folder = Path(path)
@@ -50,7 +51,7 @@ def load(path: str) -> dict:
     _agree(error, folder)
     group = control_group()  # None: one process, no collective to make
     read = dict(
-        storage_reader=SafeFileSystemReader(str(folder)),
+        storage_reader=confined_reader(folder, manifest),
         planner=tensors_only_planner(),
         process_group=group,
         no_dist=group is None,
@@ -113,35 +114,72 @@ def _check(job, folder: Path, rank: int, world_size: int):
         raise CheckpointError(f"rank {rank}: {problem}")
     files = manifest["files"]
     mine = [e for i, e in enumerate(files) if i % world_size == rank]
-    # the file this rank unpickles itself is checked here too, whoever checks the rest:
-    # listed, a regular file of its listed size and checksum, before torch.load opens it
+    # the files this rank opens itself are checked here too, whoever checks the rest:
+    # listed, regular files of their listed size and checksum, before anything opens them
     extras_name = f"rank-{source}.pt"
     listed = [e for e in files if e["name"] == extras_name]
     if not listed:
         raise CheckpointError(f"{folder}: the manifest lists no {extras_name}")
-    problems = [p for p in (file_problem(folder, e) for e in [*mine, *listed]) if p]
+    own = {id(e) for e in [*mine, *listed]} | {id(e) for e in files if e["name"] == ".metadata"}
+    # every listed file, whoever reads it: a regular file of its size (no link, FIFO,
+    # folder), so that no rank's DCP read can block or leave the folder
+    problems = [p for p in (file_problem(folder, e, checksum=id(e) in own) for e in files) if p]
     if problems:
         raise CheckpointError("; ".join(dict.fromkeys(problems)))
-    _check_metadata(folder)
-    extras = torch.load(folder / extras_name, weights_only=True)
+    _check_metadata(folder, manifest)
+    with open_confined(folder, extras_name, size=listed[0]["size"]) as f:
+        extras = torch.load(f, weights_only=True)
     if "optimizer" in extras:
         _check_optimizer(extras["optimizer"], job, folder)
     return manifest, extras, position, source
 
 
-def _check_metadata(folder: Path) -> None:
-    """DCP's ``.metadata`` read (with the classes it may hold only) before anything is
-    loaded: one it refuses leaves the job as it was, and says so."""
+def _check_metadata(folder: Path, manifest: dict) -> None:
+    """DCP's ``.metadata`` read (with the classes it may hold only, through the confined
+    opener) before anything is loaded, and every data file it names listed in the
+    manifest: one it refuses leaves the job as it was, and says so."""
     import pickle
 
-    from dtlab.agent.dcp_io import SafeFileSystemReader
-
     try:
-        SafeFileSystemReader(str(folder)).read_metadata()
+        metadata = confined_reader(folder, manifest).read_metadata()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
         raise CheckpointError(
             f"{folder}/.metadata was refused ({e}); nothing was loaded, the job is as it was"
         ) from None
+    listed = {e["name"] for e in manifest["files"]}
+    for info in (metadata.storage_data or {}).values():
+        if info.relative_path not in listed:
+            raise CheckpointError(
+                f"{folder}/.metadata names {info.relative_path!r}, a file the manifest does "
+                "not list: refused; nothing was loaded, the job is as it was"
+            )
+
+
+def confined_reader(folder: Path, manifest: dict):
+    """DCP's reader of ``folder`` that opens only the files the manifest lists, each
+    confined (no link followed, no FIFO waited on, a regular file of its listed size,
+    never read past it: ``records.checkpoints.open_confined``)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from dtlab.agent.dcp_io import SafeFileSystemReader
+
+    sizes = {e["name"]: e["size"] for e in manifest["files"]}
+
+    class ConfinedFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, path, mode: str):
+            path = Path(path)
+            if mode != "rb" or path.parent != folder or path.name not in sizes:
+                raise CheckpointError(
+                    f"{path}: DCP asked for a file the manifest of {folder} does not list "
+                    f"(mode {mode!r}): refused"
+                )
+            with open_confined(folder, path.name, size=sizes[path.name]) as stream:
+                yield stream
+
+    reader = SafeFileSystemReader(str(folder))
+    reader.fs = ConfinedFileSystem()
+    return reader
 
 
 def _check_model(manifest: dict, job, folder: Path, source: int) -> None:

@@ -11,6 +11,10 @@ neither torch nor a cluster. A checkpoint is one folder under the checkpoint roo
                                   tensors and plain data, read with weights_only=True
     .partial-step-0000050-TOKEN/  a save that has not finished (or never will): never loaded
 
+Every file of a checkpoint is read through ``open_confined``: a plain name in the folder,
+no link followed, no FIFO waited on, a regular file of the size the manifest lists, never
+read past it (the notebook's listing, the ranks' checks and DCP's reads alike).
+
 The XXH3-64 checksum finds truncation and corruption at ~10 GB/s (CRC-32 runs at 3, SHA-256
 at 1.4 here); it is no defence against tampering: loading never unpickles arbitrary objects
 instead.
@@ -18,6 +22,8 @@ instead.
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import re
@@ -25,7 +31,7 @@ import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeGuard
+from typing import BinaryIO, TypeGuard
 
 import xxhash
 
@@ -92,11 +98,9 @@ def file_checksum(path: str | os.PathLike, *, limit: int | None = None) -> str:
             while chunk := f.read(_CHUNK):
                 hasher.update(chunk)
         return checksum_text(hasher.intdigest())
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        left = limit + 1
+    path = Path(path)
+    with open_confined(path.parent, path.name) as f:
+        left = limit + 1  # a file that grew after it was opened reads as a mismatch
         while left > 0 and (chunk := f.read(min(_CHUNK, left))):
             hasher.update(chunk)
             left -= len(chunk)
@@ -122,6 +126,130 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+CHOOSE_ANOTHER = "choose another checkpoint (dt.checkpoints() lists them)"
+
+
+def not_regular(path: Path, mode: int) -> str:
+    """What a file that is not a regular file is, in words (for a refusal)."""
+    if stat.S_ISLNK(mode):
+        try:
+            target = os.readlink(path)  # where it points: read from the link, not opened
+        except OSError:
+            target = "?"
+        where = os.path.normpath(os.path.join(path.parent, target))
+        outside = os.path.dirname(where) != os.path.normpath(path.parent)
+        return (
+            f"not a regular file but a link to {target}"
+            + (", outside the checkpoint folder" if outside else "")
+            + " (links are never followed)"
+        )
+    kinds = [
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
+    ]
+    kind = next((word for test, word in kinds if test(mode)), "no regular file")
+    return f"not a regular file but {kind} (only regular files are read)"
+
+
+class _Bounded(io.RawIOBase):
+    """A file descriptor read no further than ``limit`` bytes (what the listing gave):
+    a file that grows after it was checked never reads on without end."""
+
+    def __init__(self, fd: int, limit: int) -> None:
+        super().__init__()
+        self.fd, self.limit = fd, limit
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return os.lseek(self.fd, 0, os.SEEK_CUR)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        if whence == os.SEEK_END:  # the end is the listed end, whatever the file holds
+            offset, whence = self.limit + offset, os.SEEK_SET
+        return os.lseek(self.fd, offset, whence)
+
+    def readinto(self, buffer) -> int:
+        left = self.limit - self.tell()
+        if left <= 0:
+            return 0
+        view = memoryview(buffer).cast("B")
+        return os.readv(self.fd, [view[: min(len(view), left)]])
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self.fd)
+        super().close()
+
+
+def open_confined(
+    folder: str | os.PathLike, name: str, *, size: int | None = None, most: int | None = None
+) -> BinaryIO:
+    """Open ``name``, a plain name directly in ``folder``, for reading, confined: the
+    folder and the file are opened without following a link and without blocking (a
+    FIFO is refused, never waited on); only a regular file is read; with ``size`` it
+    must have exactly that many bytes, with ``most`` at most that many, and it is never
+    read past them. CheckpointError names the file, what is wrong and what to do;
+    FileNotFoundError when it is not there."""
+    folder = Path(folder)
+    path = folder / str(name)
+    if not isinstance(name, str) or not (_FILE_NAME.match(name) or name == MANIFEST):
+        raise CheckpointError(
+            f"{path}: {name!r} is not a plain name inside the checkpoint folder "
+            f"(a path, '..' or an odd character): refused"
+        )
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        where = os.open(folder, flags | os.O_DIRECTORY)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise CheckpointError(
+                f"{folder} is a link or not a folder, not a checkpoint dtlab wrote: refused"
+            ) from None
+        raise
+    try:
+        fd = os.open(name, flags, dir_fd=where)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise type(e)(e.errno, e.strerror, str(path)) from None
+        raise CheckpointError(f"{path} is {not_regular(path, stat.S_IFLNK)}: refused") from None
+    finally:
+        os.close(where)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{path} is {not_regular(path, info.st_mode)}: refused")
+        if size is not None and info.st_size != size:
+            said = "larger than listed" if info.st_size > size else "smaller than listed"
+            raise CheckpointError(
+                f"{path} has {info.st_size} bytes, the manifest says {size} ({said}): refused"
+            )
+        if most is not None and info.st_size > most:
+            raise CheckpointError(
+                f"{path} has {info.st_size} bytes, more than the {most} expected: refused"
+            )
+        os.set_blocking(fd, True)
+        limit = (
+            info.st_size
+            if size is None and most is None
+            else min(x for x in (size, most) if x is not None)
+        )
+        return io.BufferedReader(_Bounded(fd, limit), 1 << 20)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest lists files and shapes: far below this
 # what dtlab writes into a checkpoint folder: one plain name, no path, no leading "."
 # beyond DCP's ".metadata" (so never "..", "/etc/x", "a/../../b")
@@ -134,15 +262,13 @@ def read_manifest(folder: Path) -> dict:
     who can write the checkpoint root can write one). CheckpointError says what is wrong."""
     path = folder / MANIFEST
     try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            raise CheckpointError(f"{path} is not a regular file (a link, device or FIFO): refused")
-        with open(path, "rb") as f:
+        with open_confined(folder, MANIFEST, most=MAX_MANIFEST_BYTES) as f:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
-        if len(raw) > MAX_MANIFEST_BYTES:
-            raise CheckpointError(f"{path} is over {MAX_MANIFEST_BYTES >> 20} MiB: refused")
         manifest = json.loads(raw)
     except FileNotFoundError:
         raise CheckpointError(f"{folder} has no {MANIFEST}: not a complete checkpoint") from None
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}: the checkpoint is corrupt") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} cannot be read ({e}): the checkpoint is corrupt") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -225,12 +351,17 @@ def file_problem(folder: Path, entry: dict, *, checksum: bool = True) -> str | N
     except OSError as e:
         return f"{writer} cannot be read ({e})"
     if not stat.S_ISREG(info.st_mode):
-        return f"{writer} is not a regular file (a link, device or FIFO): refused"
+        return f"{writer} is {not_regular(path, info.st_mode)}: refused"
     if info.st_size != entry["size"]:
-        return f"{writer} has {info.st_size} bytes, the manifest says {entry['size']} (truncated?)"
+        return (
+            f"{writer} has {info.st_size} bytes, the manifest says {entry['size']} "
+            f"({'larger than listed' if info.st_size > entry['size'] else 'truncated?'})"
+        )
     if checksum:
         try:
             found = file_checksum(path, limit=entry["size"])
+        except CheckpointError as e:
+            return f"rank {entry['rank']}'s file {e}"
         except OSError as e:
             return f"{writer} cannot be read ({e})"
         if found != entry["xxh3"]:
