@@ -42,6 +42,14 @@ Stages on each rank:
    and process-wide state it may have changed is as it was before it: the root logger
    (handlers, level: what ``logging.basicConfig`` sets; ``logging.disable``), the
    warning filters, and the garbage collector (``gc.disable()``, thresholds).
+
+``plain=True`` (``python -m dtlab.run``, :mod:`dtlab.agent.batch_run`): the process is the
+script's own, as under plain torchrun, and nothing of the above that makes an engine's
+world is done: its ``init_process_group`` makes the group, its output goes to the
+process's own streams, ``signal.signal`` and ``atexit`` are Python's, its command line
+is the one given, and at its end nothing is put back (the process ends with it). What
+it raised or passed to ``sys.exit`` is kept (``exception``) for the process to end the
+same way.
 """
 
 from __future__ import annotations
@@ -108,17 +116,22 @@ def step_boundary() -> None:
 
 
 class ScriptRun:
-    """One run of one script on this rank."""
+    """One run of one script on this rank (``plain``: in a process of its own, under a
+    launcher; see the module's docstring)."""
 
-    def __init__(self, path: str, argv: list[str], cwd: str | None, record: bool):
+    def __init__(
+        self, path: str, argv: list[str], cwd: str | None, record: bool, plain: bool = False
+    ):
         import greenlet
 
+        self.plain = plain
+        self.exception: BaseException | None = None  # plain: what ended it, if it raised
         self.cwd = os.path.abspath(cwd or os.getcwd())
         if not os.path.isdir(self.cwd):
             raise FileNotFoundError(f"--cwd {cwd!r} is not a folder on this rank")
         self.path = os.path.abspath(os.path.join(self.cwd, path))
         self.code = _compile(self.path)
-        self.argv = [path, *launcher_args(_source(self.path), argv)]
+        self.argv = [path, *(argv if plain else launcher_args(_source(self.path), argv))]
         self.record = record
         self.module = types.ModuleType("__main__")
         self.module.__dict__.update(
@@ -132,7 +145,9 @@ class ScriptRun:
         self._slice_saved: dict[int, object] | None = None
         # its sys.stdout and sys.stderr for its whole run (see the module's docstring);
         # ``streams`` are those it put in their place, if it did (a logger's tee)
-        self.routes = (_Route(self, "stdout"), _Route(self, "stderr"))
+        self.routes = (
+            (sys.stdout, sys.stderr) if plain else (_Route(self, "stdout"), _Route(self, "stderr"))
+        )
         self.streams: tuple | None = None
         self.capture: list[str] | None = None  # while stepped: what it prints goes here
         self.inside = 0  # > 0 while the script runs (``_inside``)
@@ -141,7 +156,7 @@ class ScriptRun:
         self.setup_s: float | None = None
         self.folder = os.path.dirname(self.path)
         # the rank's interactive namespace (%%dt cells): the engine's __main__ module
-        self.engine_ns = getattr(sys.modules.get("__main__"), "__dict__", {})
+        self.engine_ns = {} if plain else getattr(sys.modules.get("__main__"), "__dict__", {})
         self._modules_before = set(sys.modules)
         self._not_own = _not_own_prefixes(self.folder)
         self._process_before = _process_state()
@@ -149,9 +164,11 @@ class ScriptRun:
         self.observer.recording = record
         self.glet = greenlet.greenlet(self._main)
         sys.path.insert(0, self.folder)
-        script_env.install(self.notes, self.folder + os.sep)
+        if not plain:
+            script_env.install(self.notes, self.folder + os.sep)
         script_observe.install(self.observer)
-        signal.signal = self._signal
+        if not plain:
+            signal.signal = self._signal
 
     # --- running -----------------------------------------------------------------------
     @property
@@ -188,6 +205,8 @@ class ScriptRun:
         try:
             exec(self.code, self.module.__dict__)
         except SystemExit as e:
+            if self.plain:
+                self.exception = e
             code = e.code
             if code is None or isinstance(code, int):
                 return Outcome("exited", code or 0)
@@ -197,6 +216,8 @@ class ScriptRun:
 
             if isinstance(e, greenlet.GreenletExit):
                 return Outcome("exited", None, evalue="stopped by dtlab")
+            if self.plain:
+                self.exception = e
             file, line = _script_line(e, self.path)
             return Outcome(
                 "failed", None, type(e).__name__, str(e), _script_traceback(e), file, line
@@ -204,7 +225,8 @@ class ScriptRun:
         return Outcome("finished", 0)
 
     def _pause(self, event):
-        self.engine_ns["script_locals"] = self._locals_here()
+        if not self.plain:  # (no notebook reads them: not looked for at every step)
+            self.engine_ns["script_locals"] = self._locals_here()
         return self.glet.parent.switch(event)
 
     def _locals_here(self) -> dict:
@@ -297,6 +319,11 @@ class ScriptRun:
         return previous
 
     def _finish(self) -> None:
+        if self.plain:  # the process ends with the script: only dtlab's hooks come off
+            script_observe.uninstall()
+            if self.job is not None:
+                self.job.reached.close()
+            return
         with self._inside():  # as at its process's end: its cwd, argv, __main__
             self.notes.extend(script_env.run_exit_handlers())
             try:  # (after them: what they log still goes where the script sent it)

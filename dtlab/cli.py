@@ -1,0 +1,268 @@
+"""``dtlab`` on the command line: the doctor and the report of a run folder, no notebook.
+
+    dtlab doctor RUN_DIR [--explain]   # findings; exit 0 clean, 1 findings, 2 unreadable
+    dtlab report RUN_DIR [--out PATH]  # the HTML report (default RUN_DIR/report.html)
+    python -m dtlab doctor RUN_DIR     # the same
+
+RUN_DIR is a job folder written by ``torchrun ... -m dtlab.run`` (finished, crashed or
+still running: :mod:`dtlab.records.job_folder`) or a notebook's run folder (``runs/<time>/``).
+The doctor is the notebook's (:func:`dtlab.analysis.doctor.run_checks`), on the records as
+written; it also says how each rank's script ended and which ranks reported a hang, and
+counts a failed, killed or hung rank as a finding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dtlab.records.job_folder import JobFolder
+    from dtlab.records.trace import Trace
+
+CLEAN, FOUND, UNREADABLE = 0, 1, 2
+
+
+@dataclass
+class Folder:
+    """A run folder as the commands read it."""
+
+    path: Path
+    trace: Trace
+    job: JobFolder | None = None  # a job folder's (python -m dtlab.run)
+    problems: list[str] = field(default_factory=list)  # ranks failed, killed, hung
+
+
+def load(path: str) -> Folder:
+    """Read RUN_DIR; a ValueError says what is wrong and where."""
+    from dtlab.records import job_folder
+    from dtlab.records.trace import Trace
+
+    folder = Path(path)
+    if not folder.exists():
+        raise ValueError(f"{folder}: no such folder")
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: not a folder (give the run folder, not a file in it)")
+    if not (folder / "trace.json").exists() and not job_folder.is_job_folder(folder):
+        raise ValueError(
+            f"{folder}: not a dtlab run folder (no job.json, no rank-<r>/ folders, no "
+            "trace.json): give the folder python -m dtlab.run wrote, runs/<script>-<time>/"
+        )
+    try:
+        trace = Trace.load(folder)
+        job = job_folder.read_job(folder) if job_folder.is_job_folder(folder) else None
+    except (OSError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{folder}: cannot be read ({e!r})") from None
+    return Folder(folder, trace, job)
+
+
+def evidence_of(found: Folder):
+    from dtlab.records import Evidence
+
+    trace = found.trace
+    if found.job is not None:
+        return found.job.evidence(trace)
+    return Evidence(
+        records=trace.records,
+        columns=trace.columns,
+        history=trace.history.rows(),
+        names=trace.param_names,
+        jobs=dict(trace.jobs),
+    )
+
+
+def checks_of(found: Folder) -> list:
+    from dtlab.analysis.doctor import run_checks
+
+    if found.trace.last_step == 0 and not len(found.trace):
+        return []
+    return run_checks(evidence_of(found))
+
+
+def describe(found: Folder) -> list[str]:
+    """What the folder holds, how each rank ended, its hang reports; ``found.problems``
+    gets the ranks that failed, were killed or hung."""
+    trace, job = found.trace, found.job
+    lines = []
+    steps = {r: (recs[0].step, recs[-1].step) for r, recs in trace.records.items() if len(recs)}
+    if job is not None:
+        script = os.path.basename(str(job.meta.get("script") or "")) or "a script"
+        size = job.world_size or len(job.rank_folders)
+        ranks = f"{size} rank" + ("s" if size != 1 else "")
+        lines.append(f"{found.path}: {script} on {ranks}, {_steps_text(steps, size)}")
+        if job.missing:
+            lines.append(f"no step recorded by rank(s) {_ranks(job.missing)}")
+        lines += _endings(found)
+    else:
+        lines.append(f"{found.path}: a notebook's run folder, {_steps_text(steps, len(steps))}")
+    return lines
+
+
+def _steps_text(steps: dict, size: int) -> str:
+    if not steps:
+        return "no step recorded yet"
+    lasts = {last for _, last in steps.values()}
+    if len(lasts) == 1 and len(steps) == size:
+        first = min(f for f, _ in steps.values())
+        return f"steps {first}-{lasts.pop()} recorded on every rank"
+    return "last step recorded: " + ", ".join(f"rank {r} {last}" for r, (_, last) in steps.items())
+
+
+def _endings(found: Folder) -> list[str]:
+    job = found.job
+    assert job is not None
+    lines = []
+    bad = sorted((o.time, r) for r, o in job.outcomes.items() if o.kind == "failed")
+    first = bad[0][1] if len(bad) > 1 else None
+    for rank in sorted(job.rank_folders):
+        outcome = job.outcomes.get(rank)
+        if outcome is not None:
+            text = outcome.describe()
+            if outcome.bad:
+                found.problems.append(text)
+                if rank == first:
+                    text += " (the first rank to fail)"
+                if outcome.kind == "failed" and outcome.traceback:
+                    text += "\n    " + _last_lines(outcome.traceback, 4)
+            lines.append(text)
+        elif rank in job.jobs or rank in job.ranks:
+            lines.append(f"rank {rank}: {_no_outcome(job, rank)}")
+    for rank, hang in sorted(job.hangs.items()):
+        text = hang.describe()
+        if hang.resumed is None:
+            found.problems.append(text)
+            where = job.rank_folders[rank] / "stacks.txt"
+            text += f"; where its script was ({where}):\n    " + _script_stack(hang.stacks)
+        lines.append(text)
+    return lines
+
+
+def _no_outcome(job, rank: int) -> str:
+    info = job.ranks.get(rank)
+    if info is not None and info.host == socket.gethostname():
+        if _alive(info.pid):
+            return f"still running (pid {info.pid})"
+        return (
+            f"its process (pid {info.pid}) is gone without saying how it ended: killed "
+            "(SIGKILL, out of memory) or crashed in C code"
+        )
+    where = f" on {info.host}" if info is not None else ""
+    return f"no outcome yet{where}: still running, or killed"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"dtlab.run" in f.read()
+    except OSError:
+        return False
+
+
+def _script_stack(stacks: str, n: int = 8) -> str:
+    """The innermost frames of the first thread faulthandler listed after the watchdog's
+    own (``Current thread``): the main thread, where the script runs."""
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stacks)[1:]
+    threads = [b for b in blocks if not b.startswith("Current thread")] or blocks
+    if not threads:
+        return _last_lines(stacks, n)
+    lines = threads[0].strip().splitlines()
+    return "\n    ".join(lines[: n + 1])
+
+
+def _last_lines(text: str, n: int) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return "\n    ".join(lines[-n:])
+
+
+def _ranks(ranks) -> str:
+    from dtlab.analysis.ranks import format_ranks
+
+    return format_ranks(tuple(ranks))
+
+
+def doctor(path: str, explain: bool = False, out=None) -> int:
+    from dtlab.analysis.doctor import all_findings
+    from dtlab.views.reports import checks_table, doctor_summary
+
+    out = out or sys.stdout
+    try:
+        found = load(path)
+        lines = describe(found)
+        results = checks_of(found)
+    except ValueError as e:
+        print(f"dtlab doctor: {e}", file=sys.stderr)
+        return UNREADABLE
+    print("\n".join(lines), file=out)
+    if results:
+        print(doctor_summary(results), file=out)
+        if explain:
+            print(checks_table(results), file=out)
+    else:
+        print("no step to check yet", file=out)
+    return FOUND if all_findings(results) or found.problems else CLEAN
+
+
+def report(path: str, out_path: str | None = None) -> int:
+    from dtlab.analysis.consistency import find_inconsistencies
+    from dtlab.analysis.doctor import all_findings
+    from dtlab.views.html_report import SessionSummary, write_report
+
+    try:
+        found = load(path)
+        describe(found)
+        results = checks_of(found)
+    except ValueError as e:
+        print(f"dtlab report: {e}", file=sys.stderr)
+        return UNREADABLE
+    trace, job = found.trace, found.job
+    infos = dict(job.ranks) if job is not None else {}
+    backends = sorted({i.backend for i in infos.values()}) or ["unknown backend"]
+    summary = SessionSummary(
+        world_size=(job.world_size if job is not None else None) or trace.world_size,
+        backend="/".join(backends),
+        infos=infos,
+        inconsistencies=find_inconsistencies(infos) if infos else [],
+        trace=trace,
+        findings=all_findings(results),
+        checkpoints=(),
+        restarts=(),
+        checks=tuple(results),
+    )
+    target = Path(out_path) if out_path else found.path / "report.html"
+    written = write_report(summary, target)
+    print(written)
+    return CLEAN
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dtlab", description="dtlab on the command line: read a run folder."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser(
+        "doctor",
+        help="print the findings of a run folder (exit 0 clean, 1 findings, 2 unreadable)",
+    )
+    d.add_argument("run_dir", help="a job folder of python -m dtlab.run, or a notebook's")
+    d.add_argument("--explain", action="store_true", help="what each check looked at")
+    r = sub.add_parser("report", help="write the HTML report of a run folder")
+    r.add_argument("run_dir")
+    r.add_argument("--out", default=None, help="the file (default RUN_DIR/report.html)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "doctor":
+            return doctor(args.run_dir, args.explain)
+        return report(args.run_dir, args.out)
+    except BrokenPipeError:  # `dtlab doctor DIR | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return CLEAN
+
+
+if __name__ == "__main__":
+    sys.exit(main())
