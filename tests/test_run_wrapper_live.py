@@ -23,7 +23,7 @@ from dtlab import cli
 from dtlab.analysis.doctor import all_findings
 from dtlab.records import job_folder as jf
 from dtlab.records.trace import Trace
-from tests.conftest import untimed
+from tests.conftest import GLOO_TEARDOWN, TEARDOWN_TRIES, untimed
 
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +31,6 @@ SCRIPTS = ROOT / "tests" / "scripts"
 N = 2
 TIMEOUT_S = 240
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={N}"]
-GLOO_TEARDOWN = "terminate called without an active exception"
 
 
 def env(**more) -> dict:
@@ -72,14 +71,13 @@ def stop(proc: subprocess.Popen) -> list:
 
 
 def run(cmd: list[str], cwd: Path, **more) -> subprocess.CompletedProcess:
-    for _ in range(3):
+    for _ in range(TEARDOWN_TRIES):
         proc = start(cmd, cwd, **more)
         try:
             out, err = proc.communicate(timeout=TIMEOUT_S)
         finally:
             stop(proc)
-        # gloo's teardown sometimes aborts a rank after destroy_process_group (torch's,
-        # not the script's: tests/test_script_live.py); the run is deterministic: again
+        # gloo's teardown abort as the process ends: torch's, not the script's (conftest)
         if GLOO_TEARDOWN not in err:
             break
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

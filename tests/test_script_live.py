@@ -13,7 +13,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 
 from dtlab.agent.threads import thread_env
 from dtlab.control.errors import RankError
-from tests.conftest import rank_threads, untimed
+from tests.conftest import rank_threads, run_torchrun, untimed
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -34,16 +33,7 @@ def torchrun(session, script: str, args: list[str], n: int = 4) -> None:
     env = {**os.environ, **thread_env(rank_threads(session))}
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd = [*run, f"--nproc-per-node={n}", str(SCRIPTS / script), *args]
-    for _ in range(3):
-        done = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S
-        )
-        # gloo's teardown sometimes aborts a rank as it exits after destroy_process_group
-        # (std::terminate in a store thread; seen twice in about 40 runs here): torch's,
-        # not the script's; the run is deterministic, so it is simply run again
-        aborted = "terminate called without an active exception" in done.stderr
-        if done.returncode == 0 or not aborted:
-            break
+    done = run_torchrun(cmd, TORCHRUN_TIMEOUT_S, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
 
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from dtlab.agent.threads import thread_env
-from tests.conftest import rank_threads
+from tests.conftest import rank_threads, run_torchrun
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -31,7 +30,7 @@ def torchrun_logs(session, args: list[str], folder: Path, n: int = 4) -> dict[in
     env = {**os.environ, **thread_env(rank_threads(session))}
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--redirects", "3"]
     cmd = [*run, f"--log-dir={folder}", f"--nproc-per-node={n}", SCRIPT, *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)
+    done = run_torchrun(cmd, TORCHRUN_TIMEOUT_S, log_dir=folder, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     logs = {}
     for r in range(n):
