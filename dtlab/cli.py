@@ -2,6 +2,7 @@
 
     dtlab doctor RUN_DIR [--explain]   # findings; exit 0 clean, 1 findings, 2 unreadable
     dtlab report RUN_DIR [--out PATH]  # the HTML report (default RUN_DIR/report.html)
+    ... --salvage                      # a corrupt journal read up to the corruption, said
     python -m dtlab doctor RUN_DIR     # the same
 
 RUN_DIR is a job folder written by ``torchrun ... -m dtlab.run`` (finished, crashed or
@@ -39,8 +40,9 @@ class Folder:
     problems: list[str] = field(default_factory=list)  # ranks failed, killed, hung
 
 
-def load(path: str) -> Folder:
-    """Read RUN_DIR; a ValueError says what is wrong and where."""
+def load(path: str, salvage: bool = False) -> Folder:
+    """Read RUN_DIR; a ValueError says what is wrong and where (``salvage``: see
+    ``Trace.load``)."""
     from dtlab.records import job_folder
     from dtlab.records.trace import Trace
 
@@ -55,7 +57,7 @@ def load(path: str) -> Folder:
             "trace.json): give the folder python -m dtlab.run wrote, runs/<script>-<time>/"
         )
     try:
-        trace = Trace.load(folder)
+        trace = Trace.load(folder, salvage=salvage)
         job = job_folder.read_job(folder) if job_folder.is_job_folder(folder) else None
     except (OSError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{folder}: cannot be read ({e!r})") from None
@@ -165,13 +167,13 @@ def _alive(pid: int) -> bool:
 
 
 def _script_stack(stacks: str, n: int = 8) -> str:
-    """The innermost frames of the first thread faulthandler listed after the watchdog's
-    own (``Current thread``): the main thread, where the script runs."""
+    """The innermost frames of the main thread, where the script runs: faulthandler lists
+    threads newest first, so it is the last (after the watchdog's own, the engine's, ...)."""
     blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stacks)[1:]
     threads = [b for b in blocks if not b.startswith("Current thread")] or blocks
     if not threads:
         return _last_lines(stacks, n)
-    lines = threads[0].strip().splitlines()
+    lines = threads[-1].strip().splitlines()
     return "\n    ".join(lines[: n + 1])
 
 
@@ -186,13 +188,14 @@ def _ranks(ranks) -> str:
     return format_ranks(tuple(ranks))
 
 
-def doctor(path: str, explain: bool = False, out=None) -> int:
+def doctor(path: str, explain: bool = False, out=None, salvage: bool = False) -> int:
     from dtlab.analysis.doctor import all_findings
     from dtlab.views.reports import checks_table, doctor_summary
+    from dtlab.views.tables import TEXT_WIDTH, wrapped
 
     out = out or sys.stdout
     try:
-        found = load(path)
+        found = load(path, salvage)
         lines = describe(found)
         results = checks_of(found)
     except ValueError as e:
@@ -200,21 +203,21 @@ def doctor(path: str, explain: bool = False, out=None) -> int:
         return UNREADABLE
     print("\n".join(lines), file=out)
     if results:
-        print(doctor_summary(results), file=out)
+        print(wrapped(doctor_summary(results, reasons=not explain)), file=out)
         if explain:
-            print(checks_table(results), file=out)
+            print(checks_table(results).text(TEXT_WIDTH), file=out)
     else:
         print("no step to check yet", file=out)
     return FOUND if all_findings(results) or found.problems else CLEAN
 
 
-def report(path: str, out_path: str | None = None) -> int:
+def report(path: str, out_path: str | None = None, salvage: bool = False) -> int:
     from dtlab.analysis.consistency import find_inconsistencies
     from dtlab.analysis.doctor import all_findings
     from dtlab.views.html_report import SessionSummary, write_report
 
     try:
-        found = load(path)
+        found = load(path, salvage)
         describe(found)
         results = checks_of(found)
     except ValueError as e:
@@ -254,11 +257,17 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("report", help="write the HTML report of a run folder")
     r.add_argument("run_dir")
     r.add_argument("--out", default=None, help="the file (default RUN_DIR/report.html)")
+    for p in (d, r):
+        p.add_argument(
+            "--salvage",
+            action="store_true",
+            help="read a corrupt journal up to the corruption (what is left out is said)",
+        )
     args = parser.parse_args(argv)
     try:
         if args.command == "doctor":
-            return doctor(args.run_dir, args.explain)
-        return report(args.run_dir, args.out)
+            return doctor(args.run_dir, args.explain, salvage=args.salvage)
+        return report(args.run_dir, args.out, salvage=args.salvage)
     except BrokenPipeError:  # `dtlab doctor DIR | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return CLEAN

@@ -271,9 +271,7 @@ def test_a_part_written_on_its_thread_loses_nothing_if_the_notebook_stops_meanwh
     trace.sync()
     (part,) = StepFiles(folder).parts()
     sealed = folder / "steps" / run_folder.SEALED.format(1)
-    sealed.write_bytes(
-        b"".join(len(f.data).to_bytes(4, "little") + f.data for f in frames_of(trace))
-    )
+    sealed.write_bytes(b"".join(run_folder.journal_entry(f.data) for f in frames_of(trace)))
     assert Trace.load(folder).records == trace.records  # both: each record once
     part[3].unlink()
     assert Trace.load(folder).records == trace.records  # the sealed journal alone
@@ -300,12 +298,10 @@ def frames_of(trace: Trace) -> list:
 
 
 def journal_entries(journal) -> int:
-    data, at, count = journal.read_bytes(), 0, 0
-    while at < len(data):
-        at += 4 + int.from_bytes(data[at : at + 4], "little")
-        count += 1
-    assert at == len(data)
-    return count
+    entries = run_folder.journal_entries(journal)
+    at, last = entries[-1]
+    assert at + run_folder.ENTRY_HEADER + len(last) == journal.stat().st_size
+    return len(entries)
 
 
 def test_a_journal_cut_off_mid_write_loses_its_last_entry_and_a_corrupt_one_is_named(tmp_path):
@@ -318,8 +314,9 @@ def test_a_journal_cut_off_mid_write_loses_its_last_entry_and_a_corrupt_one_is_n
     whole = journal.read_bytes()
     journal.write_bytes(whole + whole[:30])  # a third entry, cut off
     assert Trace.load(folder).records == trace.records
-    journal.write_bytes(whole[:4] + b"XXXX" + whole[8:])  # the first entry's magic
-    with pytest.raises(ValueError, match=r"journal.bin: byte 0: not a batch .*not a step-record"):
+    head = run_folder.ENTRY_HEADER
+    journal.write_bytes(whole[:head] + b"XXXX" + whole[head + 4 :])  # the first batch's magic
+    with pytest.raises(ValueError, match=r"journal.bin: byte 0: its \d+-byte batch's checksum"):
         Trace.load(folder)
 
 

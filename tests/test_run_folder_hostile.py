@@ -79,10 +79,157 @@ def test_a_torn_tail_is_dropped_with_a_word(tmp_path):
     folder = tmp_path / "run"
     made(folder)
     journal = folder / "steps" / run_folder.JOURNAL
-    journal.write_bytes(journal.read_bytes()[:-7])
-    with pytest.warns(RuntimeWarning, match="torn last entry"):
-        loaded = Trace.load(folder)
-    assert loaded.last_step == 5
+    whole = journal.read_bytes()
+    last = run_folder.journal_entries(journal)[-1][0]
+    for cut in (7, len(whole) - last - 5):  # the last batch cut short; its header cut short
+        journal.write_bytes(whole[:-cut])
+        with pytest.warns(RuntimeWarning, match=f"byte {last}: a torn last entry") as said:
+            loaded = Trace.load(folder)
+        assert str(journal) in str(said[0].message) and "the 11 entries before it" in str(
+            said[0].message
+        )
+        assert steps_loaded(loaded) == {0: [1, 2, 3, 4, 5, 6], 1: [1, 2, 3, 4, 5]}
+    # appended, never on disk (a crash on a file system that zero-fills): torn too
+    journal.write_bytes(whole[:last] + bytes(len(whole) - last))
+    with pytest.warns(RuntimeWarning, match="zeros"):
+        assert steps_loaded(Trace.load(folder)) == {0: [1, 2, 3, 4, 5, 6], 1: [1, 2, 3, 4, 5]}
+
+
+def entry_starts(journal: Path) -> list[int]:
+    return [at for at, _ in run_folder.journal_entries(journal)]
+
+
+def steps_loaded(trace: Trace) -> dict[int, list[int]]:
+    return {rank: [r.step for r in recs] for rank, recs in trace.records.items()}
+
+
+@pytest.mark.parametrize("where", ["head", "middle"])
+def test_a_garbage_length_is_corruption_not_a_torn_tail(tmp_path, where):
+    """Format 3 took a garbage length for a torn tail and dropped every entry after it
+    with a warning; now the header's checksum names it, and salvage reads what is intact."""
+    folder = tmp_path / "run"
+    made(folder)  # 6 steps x 2 ranks: 12 entries
+    journal = folder / "steps" / run_folder.JOURNAL
+    starts = entry_starts(journal)
+    at = starts[0] if where == "head" else starts[5]
+    data = bytearray(journal.read_bytes())
+    data[at : at + 4] = (0x7FFFFFFF).to_bytes(4, "little")
+    journal.write_bytes(bytes(data))
+    with pytest.raises(run_folder.CorruptJournal) as caught:
+        Trace.load(folder)
+    message = str(caught.value)
+    assert str(journal) in message and f"byte {at}:" in message
+    assert "header whose checksum fails" in message and "2147483647 bytes follow" in message
+    intact = starts.index(at)
+    assert caught.value.intact == intact and "salvage=True" in message
+    assert ("no entry before" if intact == 0 else f"the {intact} entries before") in message
+    assert isinstance(caught.value, ValueError)  # what every caller of Trace.load catches
+    with pytest.warns(RuntimeWarning, match=f"SALVAGED {journal}: byte {at}") as said:
+        salvaged = Trace.load(folder, salvage=True)
+    assert "LEFT OUT" in str(said[0].message)
+    expected = {0: [1, 2, 3], 1: [1, 2]} if where == "middle" else {0: [], 1: []}
+    assert steps_loaded(salvaged) == expected
+
+
+def test_a_flipped_byte_inside_an_entry_is_named_not_read(tmp_path):
+    folder = tmp_path / "run"
+    trace = made(folder)
+    journal = folder / "steps" / run_folder.JOURNAL
+    starts = entry_starts(journal)
+    data = bytearray(journal.read_bytes())
+    data[starts[7] + run_folder.ENTRY_HEADER + 40] ^= 0x01  # one bit of a row's numbers
+    journal.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"byte {starts[7]}: its \\d+-byte batch's checksum"):
+        Trace.load(folder)  # format 3 loaded it, one value silently wrong
+    with pytest.warns(RuntimeWarning, match="SALVAGED"):
+        salvaged = Trace.load(folder, salvage=True)
+    assert steps_loaded(salvaged) == {0: [1, 2, 3, 4], 1: [1, 2, 3]}  # entries 0-6
+    assert salvaged.records[0][2] == trace.records[0][2]
+
+
+def test_a_corrupt_sealed_journal_is_named_and_salvage_reads_the_other_journal(
+    tmp_path, monkeypatch
+):
+    folder = tmp_path / "run"
+    trace = made(folder)
+    steps = folder / "steps"
+    sealed = steps / run_folder.SEALED.format(1)
+    (steps / run_folder.JOURNAL).rename(sealed)  # as a part being written leaves it
+    trace.add(0, [step_record(7, 0)])
+    trace.add(1, [step_record(7, 1)])
+    trace.flush()  # a new journal: step 7
+    data = bytearray(sealed.read_bytes())
+    data[entry_starts(sealed)[2] + 20] ^= 0xFF
+    sealed.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=sealed.name):
+        Trace.load(folder)
+    with pytest.warns(RuntimeWarning, match=sealed.name):
+        salvaged = Trace.load(folder, salvage=True)
+    assert steps_loaded(salvaged) == {0: [1, 7], 1: [1, 7]}
+
+
+def test_a_corrupt_journal_of_a_batch_job_is_named_with_its_rank_folder(tmp_path):
+    from dtlab.agent import rank_folder as rf
+
+    writer = rf.RankFolder(tmp_path / "rank-0", 0)
+    writer.open(job_info(0), {}, 1.0)
+    for step in (1, 2, 3):
+        writer.add(step_record(step))
+        writer.flush()
+    assert json.loads((tmp_path / "rank-0" / "trace.json").read_text())["format"] == (
+        run_folder.FORMAT
+    )
+    journal = writer.journal
+    data = bytearray(journal.read_bytes())
+    data[entry_starts(journal)[1] + 1] ^= 0x10  # the second entry's length
+    journal.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="rank-0/steps/journal.bin: byte \\d+: an entry header"):
+        Trace.load(tmp_path)
+    with pytest.warns(RuntimeWarning, match="SALVAGED"):
+        assert steps_loaded(Trace.load(tmp_path, salvage=True)) == {0: [1]}
+
+
+def test_the_cli_names_the_corruption_and_salvages_on_request(tmp_path, capsys):
+    from dtlab import cli
+
+    folder = tmp_path / "run"
+    made(folder)
+    journal = folder / "steps" / run_folder.JOURNAL
+    data = bytearray(journal.read_bytes())
+    data[entry_starts(journal)[4]] ^= 0x01
+    journal.write_bytes(bytes(data))
+    assert cli.main(["doctor", str(folder)]) == cli.UNREADABLE
+    assert "--salvage" in capsys.readouterr().err
+    with pytest.warns(RuntimeWarning, match="SALVAGED"):
+        assert cli.main(["doctor", str(folder), "--salvage"]) != cli.UNREADABLE
+
+
+def format_3(folder: Path) -> None:
+    """Turn a folder this dtlab wrote into one as format 3 wrote it: each journal entry
+    only its length, then its batch (the writer before checksums), and the header's
+    format "dtlab-trace/3"."""
+    for journal in [*folder.glob("steps/journal*.bin")]:
+        batches = [data for _, data in run_folder.journal_entries(journal)]
+        journal.write_bytes(b"".join(len(d).to_bytes(4, "little") + d for d in batches))
+    header = header_of(folder)
+    (folder / "trace.json").write_text(json.dumps({**header, "format": "dtlab-trace/3"}))
+
+
+def test_a_format_3_folder_still_loads_and_reads_back_old_steps(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_folder, "PART_ROWS", 8)
+    folder = tmp_path / "run"
+    trace = made(folder, steps=6)  # a part of steps 1-4, steps 5-6 in the journal
+    trace.sync()
+    assert StepFiles(folder).parts() and (folder / "steps" / run_folder.JOURNAL).exists()
+    format_3(folder)
+    loaded = Trace.load(folder, window=2)
+    assert loaded.records[0].last_step == 6 and loaded.first_step > 1  # the window slid
+    assert steps_loaded(loaded.read_steps(range(1, 7))) == {0: list(range(1, 7)), 1: [*range(1, 7)]}
+    # a format 3 journal has no checksum: a cut, or a garbage length, is a torn tail, said
+    journal = folder / "steps" / run_folder.JOURNAL
+    journal.write_bytes(journal.read_bytes()[:-3])
+    with pytest.warns(RuntimeWarning, match="torn last entry.*format 3 journals carry no checksum"):
+        assert steps_loaded(Trace.load(folder)) == {0: list(range(1, 7)), 1: [1, 2, 3, 4, 5]}
 
 
 def test_a_part_whose_name_overstates_its_rows_is_named(tmp_path):

@@ -91,16 +91,43 @@ def _bound_socket(address: str, port: int) -> socket.socket:
     return sock
 
 
+def torchrun_env(plan: RankPlan) -> dict[str, str]:
+    """The variables torchrun gives a worker (``LocalElasticAgent._start_workers``), with
+    the values it gives them for the same world: one role, "default", so the role's ranks
+    are the world's; a launch is one run with no restart. A script reads them from the
+    engine's environment as from its own process's (%dt_script, %%dt cells alike).
+
+    ``TORCHELASTIC_USE_AGENT_STORE`` is "True", as torchrun's default (c10d) rendezvous
+    says: the store at MASTER_ADDR:MASTER_PORT (rank 0's, here) is already up, so an
+    ``env://`` rendezvous of the script's own connects to it instead of opening one on
+    that port. Left out, on purpose: ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (torchrun's "1"
+    tears the process down on a NCCL error; the ranks' group is dtlab's, made before any
+    script, and keeps torch's own default), and what only torchrun's own agent reads or
+    names files in its log folder (``TORCHELASTIC_ERROR_FILE``,
+    ``TORCHELASTIC_SIGNALS_TO_HANDLE``). OMP_NUM_THREADS comes from ``thread_env``; on one
+    host MASTER_ADDR is 127.0.0.1 where torchrun says localhost (the same loopback)."""
+    return {
+        "RANK": str(plan.rank),
+        "GROUP_RANK": str(plan.group_rank),
+        "ROLE_RANK": str(plan.rank),
+        "ROLE_NAME": "default",
+        "LOCAL_RANK": str(plan.local_rank),
+        "LOCAL_WORLD_SIZE": str(plan.local_world_size),
+        "WORLD_SIZE": str(plan.world_size),
+        "GROUP_WORLD_SIZE": str(plan.group_world_size),
+        "ROLE_WORLD_SIZE": str(plan.world_size),
+        "MASTER_ADDR": plan.master_addr,
+        "MASTER_PORT": str(plan.master_port),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": plan.run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": str(True),
+    }
+
+
 def _export_env(plan: RankPlan) -> None:
     os.environ.update(plan.env)
-    os.environ.update(
-        RANK=str(plan.rank),
-        WORLD_SIZE=str(plan.world_size),
-        LOCAL_RANK=str(plan.local_rank),
-        LOCAL_WORLD_SIZE=str(plan.local_world_size),
-        MASTER_ADDR=plan.master_addr,
-        MASTER_PORT=str(plan.master_port),
-    )
+    os.environ.update(torchrun_env(plan))
     # for processes the rank starts (DataLoader workers), as torchrun does
     os.environ.update(thread_env(plan.num_threads))
 

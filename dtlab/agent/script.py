@@ -2,8 +2,9 @@
 
 ``%dt_script train.py --lr 3e-4`` calls ``start`` on every rank at once. The script runs
 as ``__main__`` with ``sys.argv = [path, *args]``, its folder first on ``sys.path``, the
-working directory asked for, and the torchrun environment the rank already has (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...). ``script_env`` makes its
+working directory asked for, and the torchrun environment the rank already has (every
+variable torchrun sets: RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK, TORCHELASTIC_RUN_ID...,
+from ``rendezvous.torchrun_env``). ``script_env`` makes its
 ``init_process_group`` return dtlab's group; ``script_observe`` sees its steps.
 
 Where it runs, chosen knowingly: in a greenlet on the engine's **main thread**.
@@ -37,11 +38,18 @@ Stages on each rank:
 2. ``ScriptJob.step`` (the stepping channel's ``job.step``; :mod:`dtlab.agent.script_job`,
    with how the script's model is found): run to the next boundary and return its
    StepRecord; ScriptEnded when the script is over;
-3. at its end: the hooks and patches come off, DataLoader workers are shut down, the
-   modules it imported from its own folder are forgotten (an edit takes effect next run),
-   and process-wide state it may have changed is as it was before it: the root logger
-   (handlers, level: what ``logging.basicConfig`` sets; ``logging.disable``), the
-   warning filters, and the garbage collector (``gc.disable()``, thresholds).
+3. at its end (it finished, failed or exited; ``stop`` ended it; another job was
+   attached in its place, ``detached``): the hooks and patches come off, DataLoader
+   workers are shut down, the modules it imported from its own folder are forgotten (an
+   edit takes effect next run), and process-wide state it may have changed is as it was
+   before it (``_process_state``): the root logger (handlers, level: what
+   ``logging.basicConfig`` sets; ``logging.disable``), the warning filters, the garbage
+   collector (``gc.disable()``, thresholds), ``sys.path`` (the same list, entry for
+   entry), torch's intra-op thread count and the environment variables (added ones
+   removed, changed or removed ones as they were). Under torchrun all of it would die with
+   the script's process; an engine lives on to the next job. While the script is paused
+   it is the script's (a ``%%dt`` cell sees it, and what a cell changes of it then is put
+   back at the end too).
 
 ``plain=True`` (``python -m dtlab.run``, :mod:`dtlab.agent.batch_run`): the process is the
 script's own, as under plain torchrun, and nothing of the above that makes an engine's
@@ -159,7 +167,8 @@ class ScriptRun:
         self.engine_ns = {} if plain else getattr(sys.modules.get("__main__"), "__dict__", {})
         self._modules_before = set(sys.modules)
         self._not_own = _not_own_prefixes(self.folder)
-        self._process_before = _process_state()
+        # (plain: the process ends with the script, nothing is put back)
+        self._process_before = None if plain else _process_state()
         self.observer = step_observer.Observer(self._on_boundary, note=self.notes.append)
         self.observer.recording = record
         self.glet = greenlet.greenlet(self._main)
@@ -188,7 +197,7 @@ class ScriptRun:
             raise ScriptEnded(self.describe_end())
         return event
 
-    def kill(self) -> None:
+    def kill(self, why: str = "stopped by dtlab") -> None:
         if not self.glet.dead and self.glet:
             import greenlet
 
@@ -198,8 +207,19 @@ class ScriptRun:
                 except BaseException:
                     pass
         if self.outcome is None:
-            self.outcome = Outcome("exited", None, evalue="stopped by dtlab")
+            self.outcome = Outcome("exited", None, evalue=why)
             self._finish()
+
+    def detached(self) -> None:
+        """Its job was replaced by another attached job (``ScriptJob.release``): a paused
+        script that nothing can step any more ends now, as ``stop`` ends it (its
+        ``finally`` blocks run, the process is put back as before it). Not from inside
+        the script itself (a script that attaches a job of its own runs on)."""
+        import greenlet
+
+        if self.plain or self.over or greenlet.getcurrent() is self.glet:
+            return
+        self.kill("stopped by dtlab: another job was attached")
 
     def _main(self) -> Outcome:
         try:
@@ -235,7 +255,15 @@ class ScriptRun:
         ``main()``, or a ``Trainer.train_step`` in a module next to it), else the script's
         own innermost frame (a framework's loop, such as HF Trainer's, is not its code),
         else its globals: read, and mutate objects, from ``%%dt``."""
-        frame, fallback = sys._getframe(), None
+        return self._locals_from(sys._getframe())
+
+    def locals_now(self) -> dict:
+        """:meth:`_locals_here` from outside the script (its greenlet is paused): where a
+        connected notebook reads its variables (:mod:`dtlab.agent.batch_engine`)."""
+        return self._locals_from(self.glet.gr_frame)
+
+    def _locals_from(self, frame) -> dict:
+        fallback = None
         while frame is not None:
             file = frame.f_code.co_filename
             if self.is_own(file):
@@ -326,10 +354,8 @@ class ScriptRun:
             return
         with self._inside():  # as at its process's end: its cwd, argv, __main__
             self.notes.extend(script_env.run_exit_handlers())
-            try:  # (after them: what they log still goes where the script sent it)
-                _restore_process_state(self._process_before)
-            except Exception as e:  # noqa: BLE001 - the rest of the clean-up must happen
-                self.notes.append(f"dtlab could not restore the logging or gc state: {e!r}")
+            # (after them: what they log still goes where the script sent it)
+            self.notes.extend(_restore_process_state(self._process_before))
         script_observe.uninstall()
         script_env.uninstall()
         if self.job is not None:
@@ -340,8 +366,6 @@ class ScriptRun:
             shutdown = getattr(it, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
-        if self.folder in sys.path:
-            sys.path.remove(self.folder)
         for name in set(sys.modules) - self._modules_before:
             if self.is_own(getattr(sys.modules[name], "__file__", None) or ""):
                 del sys.modules[name]  # an edit of the script's own modules counts next run
@@ -464,7 +488,8 @@ class _Route(io.TextIOBase):
 
 
 def _process_state() -> dict:
-    """What of the process a script may change for good, and dtlab puts back at its end."""
+    """What of the process a script may change for good, and dtlab puts back at its end
+    (under torchrun all of it dies with the script's process; an engine lives on)."""
     root = logging.getLogger()
     return {
         "root_handlers": list(root.handlers),
@@ -476,10 +501,37 @@ def _process_state() -> dict:
         "warning_filters": list(warnings.filters),
         "gc_enabled": gc.isenabled(),
         "gc_threshold": gc.get_threshold(),
+        # the list object and its entries: a script that inserts its own folders, or
+        # rebinds sys.path, leaves the engine's as it was
+        "sys_path": (sys.path, list(sys.path)),
+        # torch's intra-op threads (dtlab gives each rank its share of the host's cores:
+        # a script's set_num_threads(k) left behind oversubscribes them). Inter-op threads
+        # cannot be put back: torch lets a process set them once, before its first
+        # inter-op work (a second call raises), so a script's set_num_interop_threads
+        # holds for the engine's life, and the same call in a later script raises
+        "torch_threads": torch.get_num_threads(),
+        "environ": dict(os.environ),
     }
 
 
-def _restore_process_state(before: dict) -> None:
+def _restore_process_state(before: dict) -> list[str]:
+    """Put back what ``_process_state`` read; -> a note for each part that could not be."""
+    notes = []
+    for what, restore in (
+        ("the root logger and the warning filters", _restore_logging),
+        ("the garbage collector's settings", _restore_gc),
+        ("sys.path", _restore_sys_path),
+        ("torch's thread count", _restore_threads),
+        ("the environment variables", _restore_environ),
+    ):
+        try:
+            restore(before)
+        except Exception as e:  # noqa: BLE001 - the rest of the clean-up must happen
+            notes.append(f"dtlab could not put back {what} as before the script: {e!r}")
+    return notes
+
+
+def _restore_logging(before: dict) -> None:
     root = logging.getLogger()
     added = [h for h in root.handlers if h not in before["root_handlers"]]
     root.handlers[:] = before["root_handlers"]
@@ -501,8 +553,33 @@ def _restore_process_state(before: dict) -> None:
         if mutated is not None:
             mutated()
             break
+
+
+def _restore_gc(before: dict) -> None:
     gc.set_threshold(*before["gc_threshold"])
     (gc.enable if before["gc_enabled"] else gc.disable)()
+
+
+def _restore_sys_path(before: dict) -> None:
+    path, entries = before["sys_path"]
+    path[:] = entries
+    sys.path = path
+
+
+def _restore_threads(before: dict) -> None:
+    if torch.get_num_threads() != before["torch_threads"]:
+        torch.set_num_threads(before["torch_threads"])
+
+
+def _restore_environ(before: dict) -> None:
+    """Variables the script added are removed, those it changed or removed are as they
+    were (through ``os.environ``, so the C library's environment follows)."""
+    saved = before["environ"]
+    for name in set(os.environ) - set(saved):
+        del os.environ[name]
+    for name, value in saved.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 def _not_own_prefixes(folder: str) -> tuple[str, ...]:

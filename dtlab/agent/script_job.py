@@ -160,6 +160,12 @@ class ScriptJob(JobCore):
         kinds = sorted(set(self.run.observer.data_kinds.values()))
         return " + ".join(kinds) if kinds else "no DataLoader: the script's own code"
 
+    def release(self) -> None:
+        """Another job is attached in its place: nothing can step the script any more,
+        so it ends here, as ``dt.scripts.stop()`` ends it (``ScriptRun.detached``)."""
+        super().release()
+        self.run.detached()
+
     def step(self, record: bool | None = None) -> StepRecord:
         """Run the script to its next optimizer step (where ``finish_step`` records it)."""
         record = self._begin_step(record)

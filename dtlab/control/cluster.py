@@ -29,7 +29,7 @@ import psutil
 from dtlab.control.calls import held_interrupts
 from dtlab.control.config import LaunchConfig
 from dtlab.control.errors import DtlabError, LaunchError
-from dtlab.control.forkserver import EXIT_LOG_ENV
+from dtlab.control.forkserver import ENGINE_LOGS_ENV, EXIT_LOG_ENV, engine_log
 from dtlab.control.launchers import (
     Launcher,
     engine_launcher_class,
@@ -56,6 +56,12 @@ def exit_log_path(cluster: ipp.Cluster) -> str:
     """Where the fork server of a local cluster notes each engine's exit status (the
     cluster's profile directory, owner-only, like its connection files)."""
     return os.path.join(cluster.profile_dir, "security", f"{cluster.cluster_id}-exits.jsonl")
+
+
+def engine_logs_path(cluster: ipp.Cluster) -> str:
+    """The folder where a local cluster's engines write their output, one file each
+    (:func:`dtlab.control.forkserver.engine_log`): the profile's log folder, owner-only."""
+    return os.path.join(cluster.profile_dir, "log", f"{cluster.cluster_id}-engines")
 
 
 def _local_threads(config: LaunchConfig) -> int:
@@ -90,6 +96,8 @@ def make_cluster(config: LaunchConfig) -> ipp.Cluster:
         # core in every rank, and 8 ranks on 2 cores step ~15x slower (docs/design.md)
         env.setdefault("OMP_NUM_THREADS", str(_local_threads(config)))
         env[EXIT_LOG_ENV] = exit_log_path(cluster)  # how engines died
+        os.makedirs(engine_logs_path(cluster), mode=0o700, exist_ok=True)
+        env[ENGINE_LOGS_ENV] = engine_logs_path(cluster)  # what they said last
     cluster.config.EngineLauncher.environment = env
     if config.launcher == Launcher.MPI:
         cluster.config.MPIEngineSetLauncher.mpi_args = mpi_defaults()
@@ -312,10 +320,7 @@ class EngineCluster:
             except Exception:  # a launcher that already died: its processes are reaped below
                 pass
         _reap(procs)
-        try:
-            os.unlink(exit_log_path(self.cluster))
-        except OSError:
-            pass
+        self._remove_logs()
         logger = self.cluster.log
         for handler in getattr(logger, "handlers", ()):  # the log file stays; its fd goes
             handler.close()
@@ -346,6 +351,38 @@ class EngineCluster:
                 client.shutdown(targets="all", hub=False, block=True)
         except Exception:  # engines already gone: nothing to ask
             pass
+
+    def _remove_logs(self) -> None:
+        """The exit log, and the logs of engines that did not die (those of the
+        dead stay, named in the errors that reported them)."""
+        died = set(self.exits())  # (engines stopped with the cluster are not noted)
+        try:
+            os.unlink(exit_log_path(self.cluster))
+        except OSError:
+            pass
+        folder = engine_logs_path(self.cluster)
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            return
+        for name in names:
+            pid = name.removeprefix("engine-").removesuffix(".log")
+            if not (pid.isdigit() and int(pid) in died):
+                try:
+                    os.unlink(os.path.join(folder, name))
+                except OSError:
+                    pass
+        try:
+            os.rmdir(folder)  # (only once empty)
+        except OSError:
+            pass
+
+    def engine_log(self, pid: int) -> str | None:
+        """The file engine ``pid`` wrote its output to (local launcher), if there is one."""
+        if self.config.launcher != Launcher.LOCAL:
+            return None
+        path = engine_log(engine_logs_path(self.cluster), pid)
+        return path if os.path.isfile(path) else None
 
     def exits(self) -> dict[int, int]:
         """``{pid: exit code}`` of engines that exited on their own (local launcher; a

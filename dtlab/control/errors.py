@@ -9,11 +9,14 @@ from collections.abc import Iterable, Mapping
 
 from dtlab.analysis.grouping import group_by_value
 from dtlab.analysis.ranks import label_ranks
-from dtlab.records import CellOutput, RemoteFailure
+from dtlab.records import CellOutput, RemoteFailure, RunResult
 from dtlab.records.errors import InputError
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # IPython's colours in engine tracebacks
 
+# what to do about dead ranks where nobody said better (Hangs.advise does, from what the
+# session can restore: dt.restart() in most states)
+DEAD_HINT = "dead ranks cannot be reused: run %dt_launch again to restart the cluster"
 STUCK_HINT = (
     "still busy after SIGINT: probably blocked in a collective, which SIGINT cannot break; "
     "it is freed when the process-group timeout expires, or run %dt_launch N --restart"
@@ -26,6 +29,25 @@ class DtlabError(Exception):
     def _render_traceback_(self) -> list[str]:
         lines = str(self).splitlines()
         return [f"{type(self).__name__}: {lines[0]}", *lines[1:]]
+
+
+class StepInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run (``dt.step``, ``dt.run_until``, ``%dt_continue``, the runs of
+    a replay or a resume check): every rank was first paused after the same step, then
+    this is raised in the notebook, so that ``for _ in range(100): dt.step(10)`` stops as
+    any Python loop does on Ctrl-C. The job is intact: the next ``dt.step`` goes on from
+    there. ``result`` is the interrupted run's RunResult (``%dt_step`` prints it)."""
+
+    def __init__(self, result: RunResult):
+        self.result = result
+        how = "paused" if result.stopped == "pause" else "stopped"  # ended meanwhile
+        super().__init__(
+            f"Ctrl-C: every rank {how} after step {result.last_step}; the job is intact "
+            "and the next step goes on from there"
+        )
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"KeyboardInterrupt: {self}"]
 
 
 class OptionError(DtlabError, InputError):
@@ -87,6 +109,7 @@ class RankError(DtlabError):
         self.launching = False  # inside a launch, which stops every engine when it fails
         self.report: str | None = None  # why, from the ranks' sidecars (a hang report)
         self.hang = None  # the HangReport itself, when one was taken
+        self.advice: str | None = None  # what brings dead ranks back now (else DEAD_HINT)
         self.finished = tuple(sorted(finished))
         self.stopped = tuple(sorted(stopped))
         self.stuck = tuple(sorted(stuck))
@@ -123,8 +146,8 @@ class RankError(DtlabError):
             )
         elif self.stuck:
             lines.append(f"{label_ranks(self.stuck)} {STUCK_HINT}")
-        if self.dead_ranks:
-            lines.append("dead ranks cannot be reused: run %dt_launch again to restart the cluster")
+        if self.dead_ranks:  # (a failed launch stops everything: launching again is it)
+            lines.append(DEAD_HINT if self.launching else self.advice or DEAD_HINT)
         return lines
 
     def _message(self) -> str:

@@ -15,6 +15,17 @@ Stages:
 Engines die at once on SIGTERM (its default action) and otherwise leave through
 ``os._exit``: a torch-loaded interpreter spends seconds in teardown (8.4 s for 8 stock
 engines here) that buys nothing.
+
+Each engine's output (its file descriptors 1 and 2: what C++ writes, gloo's and c10d's
+errors, "terminate called after throwing ...", NCCL's warnings among them) goes to a log
+of its own, ``$DTLAB_ENGINE_LOGS/engine-<pid>.log``, which the notebook reads when the
+engine dies (:mod:`dtlab.control.hangs`); the fork server repeats the end of a failed
+engine's log in its own output (what a failed launch quotes). ipykernel points descriptor
+2 at a pipe that a thread of the engine drains and forwards: the last words of an engine
+that aborts were still in the pipe when it died (gloo's abort on live ranks reached no
+log; a copy of that thread lost the message in 20 aborts of 20), so once ipykernel has
+set up its streams the engine points descriptor 2 back at its log; Python's
+``sys.stderr`` still reaches the notebook, and descriptor 1 stays ipykernel's.
 Nothing here may create threads, zmq contexts or CUDA state before forking.
 """
 
@@ -32,6 +43,7 @@ from typing import BinaryIO
 
 ENGINE_INDEX_ENV = "DTLAB_ENGINE_INDEX"
 EXIT_LOG_ENV = "DTLAB_EXIT_LOG"  # a file to note each engine's exit status in (JSON lines)
+ENGINE_LOGS_ENV = "DTLAB_ENGINE_LOGS"  # a folder for each engine's stderr (engine-<pid>.log)
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -116,6 +128,40 @@ def _init_signal(self):
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def engine_log(folder: str, pid: int) -> str:
+    """The file engine ``pid`` writes its stderr to, in the folder ``$DTLAB_ENGINE_LOGS``."""
+    return os.path.join(folder, f"engine-{pid}.log")
+
+
+def _log_output() -> None:
+    """This engine's descriptors 1 and 2 to its own log (none without $DTLAB_ENGINE_LOGS;
+    ipykernel still sends what descriptor 1 gets to the notebook too)."""
+    folder = os.environ.get(ENGINE_LOGS_ENV)
+    if not folder:
+        return
+    try:
+        fd = os.open(engine_log(folder, os.getpid()), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except OSError:
+        return  # the shared launcher output it was going to
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _wrap_redirect_output(redirect_output):
+    """``IPEngine.redirect_output``, then descriptor 2 back to the engine's log: ipykernel
+    points it at a pipe its own thread drains, and what a dying engine wrote last stays
+    in that pipe (``sys.stderr`` still goes to the notebook)."""
+
+    def redirect(self, *args, **kwargs):
+        redirect_output(self, *args, **kwargs)
+        log = getattr(sys.stderr, "_original_stdstream_copy", None)
+        if log is not None and os.environ.get(ENGINE_LOGS_ENV):
+            os.dup2(log, 2)
+
+    return redirect
+
+
 def _run_engine(index: int, engine_argv: list[str]) -> None:
     """Body of a forked child; never returns."""
     code = 1
@@ -125,10 +171,14 @@ def _run_engine(index: int, engine_argv: list[str]) -> None:
         sys.argv = ["ipengine", *engine_argv]  # what the engine's usage messages call it
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        _log_output()
         import ipyparallel.engine.app as engine_app
 
         engine_app.start_nanny = _fork_nanny
         engine_app.IPEngine.init_signal = _init_signal
+        engine_app.IPEngine.redirect_output = _wrap_redirect_output(
+            engine_app.IPEngine.redirect_output
+        )
         engine_app.IPEngine.launch_instance(engine_argv)
         code = 0
     except SystemExit as e:
@@ -201,9 +251,26 @@ def serve(num_engines: int, engine_argv: list[str]) -> int:
         code = os.waitstatus_to_exitcode(status)
         if code and not (stopping and code == -signal.SIGTERM):
             print(f"dtlab fork server: engine {index} (pid {pid}) exited with {code}", flush=True)
+            _echo_last_lines(index, pid)
             exit_code = exit_code or (code if code > 0 else 128 - code)
             _note_exit(pid, index, code)
     return exit_code
+
+
+def _echo_last_lines(index: int, pid: int, most: int = 2048) -> None:
+    """The end of a failed engine's own log, in the fork server's output too: what a
+    launch that fails quotes (an engine that refuses its arguments says why there)."""
+    folder = os.environ.get(ENGINE_LOGS_ENV)
+    if not folder:
+        return
+    try:
+        with open(engine_log(folder, pid), "rb") as log:
+            log.seek(max(0, os.fstat(log.fileno()).st_size - most))
+            tail = log.read(most).decode("utf-8", "replace").splitlines()[-12:]
+    except OSError:
+        return
+    for line in tail:
+        print(f"  engine {index}: {line}", flush=True)
 
 
 def _note_exit(pid: int, index: int, code: int) -> None:

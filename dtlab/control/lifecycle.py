@@ -124,6 +124,9 @@ def _regroup(session: Session, config: LaunchConfig, progress: Progress) -> bool
         world.config = config
         return True
     deadline = time.monotonic() + config.timeout_s
+    # a paused script ends first, on every rank at once (its finally blocks may still use
+    # the group): its group, its environment and thread count are about to be replaced
+    _launch_step(lambda: world.run(api.stop_script, timeout=max(0.1, deadline - time.monotonic())))
     join(world, config, progress, deadline, backend)
     _start_sidecars(session, deadline)
     return True

@@ -7,6 +7,7 @@ has a distinct one, else (host, pid). Only control/ ever sees engine ids.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -117,6 +118,8 @@ def make_plans(
     addr = master_addr(rank_map)
     if threads is None and "OMP_NUM_THREADS" in env:  # --env OMP_NUM_THREADS=K means K
         threads = int(env["OMP_NUM_THREADS"])
+    nodes = list(dict.fromkeys(rank_map.hosts))  # torchrun's GROUP_RANK: rank 0's host is 0
+    run_id = str(uuid.uuid4())  # as torchrun makes one (--standalone, one node)
     plans = {}
     for rank, eid in enumerate(rank_map.engine_ids):
         local_size = rank_map.local_world_sizes[rank]
@@ -132,5 +135,8 @@ def make_plans(
             num_threads=threads_per_rank(threads, facts[eid].num_cpus, local_size),
             timeout_s=timeout_s,
             env=dict(env),
+            group_rank=nodes.index(rank_map.hosts[rank]),
+            group_world_size=len(nodes),
+            run_id=run_id,
         )
     return plans

@@ -72,6 +72,44 @@ class Recovery:
             )
         return event | {"loaded": loaded}
 
+    def advice(self) -> str:
+        """What brings dead ranks back in the session's state now, in words (an error
+        reporting a dead rank says it: ``Hangs.advice``): the restart that works here, or
+        ``%dt_launch`` only where the session cannot be restored."""
+        n = self.world.world_size
+        if self.world.closed or not self.world.renewable:
+            return f"this session cannot replace its engines: run %dt_launch {n} for a new one"
+        if self.world.engines.controller_exited():
+            return f"the ipyparallel controller is gone too: run %dt_launch {n} --restart"
+        if self.checkpointing.job_setup is None and self.scripts.is_current():
+            return (
+                "dead ranks cannot be reused: dt.restart() (%dt_restart) starts fresh engines "
+                "and runs the script again to the step it was at"
+            )
+        if self.checkpointing.job_setup is not None:
+            done = [c for c in self.checkpointing.checkpoints() if c.ok]
+            if done:
+                latest = max(done, key=lambda c: c.created)
+                return (
+                    "dead ranks cannot be reused: dt.restart() (%dt_restart) starts fresh "
+                    f"engines, builds the job again and loads the latest checkpoint (step "
+                    f"{latest.step}); dt.restart(None) starts the job afresh"
+                )
+            return (
+                "dead ranks cannot be reused: dt.restart(None) (%dt_restart --from-checkpoint "
+                "none) starts fresh engines and builds the job afresh (no checkpoint yet)"
+            )
+        lost = (
+            "the job attached goes with them: attach it again, or give dt.set_job_setup(fn) "
+            "so that dt.restart() rebuilds it"
+            if self.stepper.trace is not None
+            else "what the ranks held goes with them"
+        )
+        return (
+            "dead ranks cannot be reused: dt.restart(None) (%dt_restart --from-checkpoint none) "
+            f"starts fresh engines at the same world size; {lost}"
+        )
+
     def auto_restart(self, max_restarts: int, from_checkpoint="latest") -> None:
         """From now on, when ``dt.step`` / ``dt.run_until`` loses a rank or hangs, restart
         (``dt.restart(from_checkpoint)``) and go on to the step it was asked to reach, up

@@ -115,10 +115,11 @@ class FolderWriter:
             self._good = good
             try:
                 for frame in self._pending[self._journaled :]:
-                    entry = memoryview(disk.journal_entry(frame.data))
-                    while entry:
-                        entry = entry[os.write(fd, entry) :]
-                    good += len(disk.journal_entry(b"")) + len(frame.data)
+                    entry = disk.journal_entry(frame.data)
+                    left = memoryview(entry)
+                    while left:
+                        left = left[os.write(fd, left) :]
+                    good += len(entry)
                     self._good = good
                     self._journaled += 1
             except OSError as e:

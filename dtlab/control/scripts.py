@@ -15,6 +15,7 @@ run it to its next optimizer steps; ``continue_(...)`` lets it run to its end.
 from __future__ import annotations
 
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,9 @@ class Scripts:
         self.record = True
         self.on_output: Callable[[str], None] | None = None  # rank 0's, as it comes
         self._shown: dict[int, int] = {}  # characters of each rank's output handed out
+        # held by the call of ``run`` that is starting a script, and what it is starting
+        self._starting = threading.Lock()
+        self._starting_what: tuple[str, float] | None = None  # (path, when it began)
 
     def unshown(self, skip: tuple[int, ...] = (0,)) -> dict[int, str]:
         """What each rank (but ``skip``, whose output went out live) printed since the
@@ -79,10 +83,45 @@ class Scripts:
         on_output: Callable[[str], None] | None = None,
     ) -> ScriptStatus:
         """Run ``path`` as torchrun would on every rank, until each is paused at step 0
-        (set-up done, about to make the first optimizer step) or the script ended."""
+        (set-up done, about to make the first optimizer step) or the script ended.
+
+        A script paused from before is ended first and replaced (on each rank, by
+        :func:`dtlab.agent.script.start`). A call made while another is still starting a
+        script (another thread of the notebook, or a callback of that call) is refused:
+        each rank would run the two starts one after the other, the second ending the
+        first, and both calls would report their script paused."""
         if not isinstance(path, str) or not path:
             raise OptionError(f"the script's path must be a non-empty string, got {path!r}")
         argv = [str(a) for a in argv]
+        if not self._starting.acquire(blocking=False):
+            raise DtlabError(self._busy(path))
+        try:
+            self._starting_what = (path, time.monotonic())
+            return self._run(path, argv, cwd, record, timeout, on_output)
+        finally:
+            self._starting_what = None
+            self._starting.release()
+
+    def _busy(self, path: str) -> str:
+        """Why a second ``run`` may not start ``path`` now."""
+        what = self._starting_what
+        running, since = what if what is not None else ("a script", time.monotonic())
+        return (
+            f"cannot start {path}: another call is starting {running} on these ranks "
+            f"(started {time.monotonic() - since:.1f} s ago; it returns once every rank is "
+            "paused at step 0 or the script ended). Wait for that call to return: then "
+            "dt.run_script again replaces the paused script, and dt.scripts.stop() ends it"
+        )
+
+    def _run(
+        self,
+        path: str,
+        argv: list[str],
+        cwd: str | None,
+        record: bool,
+        timeout: float | None,
+        on_output: Callable[[str], None] | None,
+    ) -> ScriptStatus:
         self.stepper.connect()
         self.output, self.on_output, self._shown = {}, on_output, {}
         self.stepper.on_output = self._printed  # steps bring it in their replies

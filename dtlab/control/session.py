@@ -91,6 +91,7 @@ class Session:
         world.run_in_flight = self.stepper.run_in_flight
         world.explain = self.hangs.explain_failure
         world.ask_hang = self.hangs.hang_report
+        self.hangs.advice = self.recovery.advice  # what a dead rank's error says to do
         world.closing += [self.stepper.reset, self.hangs.stop_sidecars]
         world.renewed.append(self.hangs.restart_sidecars)
 

@@ -152,7 +152,10 @@ class World:
                 )
                 for r in dead
             }
-            raise RankError(what, failures)
+            error = RankError(what, failures)
+            self.last_hang = None  # (an earlier call's)
+            self.explain(error)  # how they died, what the others do, what brings them back
+            raise error
         refusal = self.activity.refusal(
             ranks,
             what,
@@ -330,6 +333,11 @@ class World:
         return states
 
     # --- lifetime ---------------------------------------------------------------------
+    @property
+    def renewable(self) -> bool:
+        """Can ``renew`` replace the engines (a session dtlab launched)?"""
+        return self._start is not None
+
     def renew(self, progress: Progress | None = None) -> None:
         """Replace every engine with a fresh process (same config and world size, at the
         thread count the ranks ran at) and rejoin them; this World stays the one the

@@ -6,7 +6,7 @@ run folder per rank under one job folder::
 
     <job>/job.json          {"format": "dtlab-job/1", "created", "world_size", "script",
                              "argv", "record", "hang_timeout_s", ...}: rank 0's, at its start
-    <job>/rank-<r>/         a run folder (:mod:`dtlab.records.run_folder`, format 3) of rank
+    <job>/rank-<r>/         a run folder (:mod:`dtlab.records.run_folder`, format 4) of rank
                             r alone: ``trace.json`` (its JobInfo; its RankInfo, initial
                             fingerprints and host cores under ``meta``), ``steps/`` (the
                             journal, appended every second or so, and Parquet parts)
@@ -162,6 +162,7 @@ class JobFolder:
     outcomes: dict[int, RankOutcome] = field(default_factory=dict)
     hangs: dict[int, RankHang] = field(default_factory=dict)
     details: dict[int, list[StepRecord]] = field(default_factory=dict)  # first steps, whole
+    formats: dict[int, str] = field(default_factory=dict)  # each rank folder's trace.json's
 
     @property
     def world_size(self) -> int | None:
@@ -174,10 +175,12 @@ class JobFolder:
         size = self.world_size or 0
         return [r for r in range(size) if r not in self.jobs]
 
-    def batches(self) -> Iterator[Packed]:
-        """Every rank's rows, rank by rank (each its own run folder's parts and journal)."""
+    def batches(self, *, salvage: bool = False) -> Iterator[Packed]:
+        """Every rank's rows, rank by rank (each its own run folder's parts and journal;
+        ``salvage``: a corrupt journal read up to the corruption, warned of)."""
         for rank in sorted(self.jobs):
-            yield from disk.batches(self.rank_folders[rank])
+            format = self.formats.get(rank, disk.FORMAT)
+            yield from disk.batches(self.rank_folders[rank], format=format, salvage=salvage)
 
     def evidence(self, trace) -> Evidence:
         """What the doctor's checks read (as ``Training.evidence`` gathers it from live
@@ -236,6 +239,7 @@ def _read_rank(job: JobFolder, rank: int, path: Path) -> None:
         if set(jobs) != {rank}:
             raise ValueError(f"{path / 'trace.json'}: holds ranks {sorted(jobs)}, not {rank}")
         job.jobs[rank] = jobs[rank]
+        job.formats[rank] = header["format"]
         created = header.get("created")
         if isinstance(created, (int, float)) and not job.meta.get("created"):
             job.created = min(job.created or float(created), float(created))

@@ -36,6 +36,11 @@ class RankPlan:
     num_threads: int
     timeout_s: float
     env: dict[str, str] = field(default_factory=dict)
+    # torchrun's node numbering: this rank's host among the job's hosts (in the order of
+    # their first rank), and how many hosts there are (GROUP_RANK, GROUP_WORLD_SIZE)
+    group_rank: int = 0
+    group_world_size: int = 1
+    run_id: str = "none"  # one id per launch, the same on every rank (TORCHELASTIC_RUN_ID)
 
 
 @dataclass(frozen=True)

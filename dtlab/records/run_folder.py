@@ -2,20 +2,37 @@
 
 A run folder (``runs/<timestamp>/`` by default, ``DTLAB_RUNS_DIR`` moves it) holds:
 
-- ``trace.json``: ``{"format": "dtlab-trace/3", "created": <epoch s>, "world_size": N,
+- ``trace.json``: ``{"format": "dtlab-trace/4", "created": <epoch s>, "world_size": N,
   "params": [[ParamInfo, ...], ...], "jobs": {"<rank>": JobInfo}, "meta": {...}}``, each
   job's ``params`` the number of its list in ``params`` (replicas share one);
 - ``steps/``: the step records (summaries: the per-parameter tuples stay on the ranks) as
   zstd Parquet parts of at least ``PART_ROWS`` records, merged as they pile up
   (:mod:`dtlab.records.step_files`), and ``steps/journal.bin``: the records since the
-  last part, as the ranks sent them (packed rows, :mod:`dtlab.records.packed`, each batch
-  after its length as a little-endian uint32: :func:`journal_entry`), appended at the end
-  of every run, so a notebook that dies loses no step a run finished; the journal whose
-  rows become a part is sealed first as ``steps/journal-<ns>.bin``, removed once the part
-  holds its rows; ``pd.read_parquet(folder / "steps")`` reads the parts;
+  last part, as the ranks sent them (packed rows, :mod:`dtlab.records.packed`), appended
+  at the end of every run, so a notebook that dies loses no step a run finished; the
+  journal whose rows become a part is sealed first as ``steps/journal-<ns>.bin``, removed
+  once the part holds its rows; ``pd.read_parquet(folder / "steps")`` reads the parts;
 - ``doctor.json``: the last ``%dt_doctor`` results, a list of CheckResult with Findings.
 
-Older folders still load: ``dtlab-trace/2`` (the same parts, a journal of JSON lines in
+A journal entry (:func:`journal_entry`, the one encoder; :func:`journal_entries`, the one
+reader) is a 12-byte header, three little-endian uint32: the batch's length, the CRC-32
+(``zlib.crc32``) of the batch, the CRC-32 of those 8 bytes; then the batch. So the
+reader tells the two ways a journal goes wrong apart:
+
+- a *torn tail*: the last entry is cut short (its header, or its batch running past the
+  end of the file), or the file ends in zeros from an entry on (written, never on disk):
+  what a run killed mid-append leaves. The entries before it are read, with a warning
+  naming the file and the byte;
+- *corruption*: a header whose checksum fails (a garbage length, at the head or in the
+  middle), or a batch whose checksum fails or that is not a batch of records: a
+  :class:`CorruptJournal` (a ValueError) names the file, the byte, what is wrong and how
+  many entries before it are intact. ``Trace.load(folder, salvage=True)`` (``dtlab doctor
+  --salvage``) reads those, and the other journals and parts, and warns of what it left
+  out: no record is ever dropped without a word.
+
+Older folders still load: ``dtlab-trace/3`` (the same, but an entry's header is only its
+length: a garbage length there cannot be told from a torn tail, and is warned about as
+one), ``dtlab-trace/2`` (the same parts, a journal of JSON lines in
 ``steps/journal.jsonl``) and ``dtlab-trace/1`` (one JSON line per record in
 ``steps.jsonl``, ~1 KB per rank-step against ~50-100 B as Parquet).
 
@@ -33,6 +50,7 @@ import os
 import struct
 import time
 import warnings
+import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Protocol
@@ -51,15 +69,21 @@ from dtlab.records.checkpoints import CheckpointError, open_confined
 from dtlab.records.packed import Frame, Packed, as_tuples, unpack
 from dtlab.records.step_files import RELISTS, StepFiles
 
-FORMAT = "dtlab-trace/3"
-FORMATS = ("dtlab-trace/1", "dtlab-trace/2", FORMAT)  # what Trace.load reads
+FORMAT = "dtlab-trace/4"
+FORMAT_3 = "dtlab-trace/3"  # journal entries without checksums: read, never written
+FORMATS = ("dtlab-trace/1", "dtlab-trace/2", FORMAT_3, FORMAT)  # what Trace.load reads
+PACKED_FORMATS = (FORMAT_3, FORMAT)  # a journal of packed rows (older ones: JSON lines)
 PART_ROWS = 65536  # records kept in the journal before they become a Parquet part
 JOURNAL = "journal.bin"
 # a journal whose rows a part being written holds (journal-<ns>.bin): gone once it is written
 SEALED = "journal-{:020d}.bin"
 SEALED_GLOB = "journal-*.bin"
 JSON_JOURNAL = "journal.jsonl"  # format 2's
-_LENGTH = struct.Struct("<I")
+_LENGTH = struct.Struct("<I")  # format 3's entry header: the batch's length
+# format 4's: the batch's length and CRC-32, then the CRC-32 of those 8 bytes
+_HEAD = struct.Struct("<II")
+_HEAD_CRC = struct.Struct("<I")
+ENTRY_HEADER = _HEAD.size + _HEAD_CRC.size  # bytes an entry holds besides its batch
 RUNS_DIR_ENV = "DTLAB_RUNS_DIR"
 # the most bytes a file of a run folder may hold to be read (larger: refused, never read)
 MAX_HEADER_BYTES = 256 << 20  # trace.json, doctor.json
@@ -129,8 +153,10 @@ class FolderSink(Protocol):
 
 
 def journal_entry(data: bytes) -> bytes:
-    """One batch of packed rows as ``steps/journal.bin`` holds it: its length, then it."""
-    return _LENGTH.pack(len(data)) + data
+    """One batch of packed rows as ``steps/journal.bin`` holds it: its header (length,
+    CRC-32 of the batch, CRC-32 of those), then it. Every writer's one encoder."""
+    head = _HEAD.pack(len(data), zlib.crc32(data))
+    return head + _HEAD_CRC.pack(zlib.crc32(head)) + data
 
 
 def write_header(folder: Path, jobs: Mapping[int, JobInfo], meta: Mapping, created: float) -> None:
@@ -247,10 +273,30 @@ def job_from_json(data: Mapping, param_lists: list | None = None) -> JobInfo:
     return JobInfo(**fields)
 
 
-def batches(folder: Path, steps: range | None = None) -> Iterator[Packed]:
-    """Every row of a run folder (format 3) that may hold ``steps``: its parts, then the
-    records since the last part (a journal sealed for a part that was being written when
-    the notebook stopped, then the journal), batch by batch.
+class CorruptJournal(ValueError):
+    """A journal entry that is not what a writer wrote, and not a torn tail: ``journal``,
+    the byte ``at`` which the entry starts, ``what`` is wrong, and how many entries before
+    it are ``intact`` (``Trace.load(folder, salvage=True)`` reads them)."""
+
+    def __init__(self, journal: Path, at: int, what: str, intact: int):
+        self.journal, self.at, self.what, self.intact = journal, at, what, intact
+        super().__init__(
+            f"{journal}: byte {at}: {what}. The journal is corrupt there (this is not a "
+            f"torn last entry, which a kill leaves); {_entries(intact)} before byte {at} "
+            f"{'are' if intact > 1 else 'is'} intact: Trace.load(folder, salvage=True) "
+            "(dtlab doctor|report --salvage) reads them and the rest of the run folder, "
+            "and says what it leaves out"
+        )
+
+
+def batches(
+    folder: Path, steps: range | None = None, *, format: str = FORMAT, salvage: bool = False
+) -> Iterator[Packed]:
+    """Every row of a run folder (format 3 or 4: ``format``, its header's) that may hold
+    ``steps``: its parts, then the records since the last part (a journal sealed for a part
+    that was being written when the notebook stopped, then the journal), batch by batch.
+    A corrupt journal raises :class:`CorruptJournal`; ``salvage``: its entries before the
+    corruption are read instead, with a warning.
 
     A second notebook may read a folder while the one running the job writes it: parts
     are merged, journals sealed and turned into parts. No row is left out, and one may come
@@ -264,13 +310,13 @@ def batches(folder: Path, steps: range | None = None) -> Iterator[Packed]:
     for end, batch in files.read_after(0, steps):
         read = end
         yield batch
-    held = _journals(folder)
+    held = _journals(folder, format, salvage) if format in PACKED_FORMATS else []
     for _, batch in files.read_after(read, steps):
         yield batch
     yield from held
 
 
-def _journals(folder: Path) -> list[Packed]:
+def _journals(folder: Path, format: str, salvage: bool) -> list[Packed]:
     """The journals' batches, read at one moment: the journal first (the newest rows: it
     is sealed by a rename, and a new one starts at the next run), then the sealed ones
     (each a part once written), returned oldest first; read again if one went meanwhile."""
@@ -278,10 +324,14 @@ def _journals(folder: Path) -> list[Packed]:
     for _ in range(RELISTS):
         try:
             try:
-                newest = list(_batches_in(steps / JOURNAL))
+                newest = _batches_in(steps / JOURNAL, format, salvage)
             except FileNotFoundError:
                 newest = []
-            sealed = [b for path in sorted(steps.glob(SEALED_GLOB)) for b in _batches_in(path)]
+            sealed = [
+                b
+                for path in sorted(steps.glob(SEALED_GLOB))
+                for b in _batches_in(path, format, salvage)
+            ]
             return sealed + newest
         except FileNotFoundError:
             continue
@@ -291,26 +341,110 @@ def _journals(folder: Path) -> list[Packed]:
     )
 
 
-def _batches_in(journal: Path) -> Iterator[Packed]:
-    data = read_confined(journal.parent, journal.name, MAX_JOURNAL_BYTES)
-    at = 0
-    while at < len(data):
-        size = _LENGTH.unpack_from(data, at)[0] if at + _LENGTH.size <= len(data) else None
-        if size is None or at + _LENGTH.size + size > len(data):
-            # a run killed mid-write leaves half a last entry: dropped, with a word
-            warnings.warn(
-                f"{journal}: byte {at}: a torn last entry ({len(data) - at} bytes) "
-                f"of the run folder {journal.parent.parent} left out",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            break
+def _batches_in(journal: Path, format: str, salvage: bool) -> list[Packed]:
+    found = []
+    for number, (at, data) in enumerate(journal_entries(journal, format, salvage=salvage)):
         try:
-            batch = unpack(data[at + _LENGTH.size : at + _LENGTH.size + size])
+            found.append(unpack(data))
         except ValueError as e:
-            raise ValueError(f"{journal}: byte {at}: not a batch of step records ({e})") from e
-        yield batch
-        at += _LENGTH.size + size
+            what = f"not a batch of step records ({e})"
+            _corrupt(journal, at, what, number, salvage, e)
+            break
+    return found
+
+
+def journal_entries(
+    journal: Path, format: str = FORMAT, *, salvage: bool = False
+) -> list[tuple[int, bytes]]:
+    """The batches a journal holds, each with the byte its entry starts at: the one reader
+    of the entries :func:`journal_entry` writes (``format``: the run folder's; format 3's
+    entries are only a length). Every whole entry up to a torn tail, which is warned of;
+    a corrupt entry raises :class:`CorruptJournal`, or with ``salvage`` ends the list
+    there, warned of."""
+    data = read_confined(journal.parent, journal.name, MAX_JOURNAL_BYTES)
+    found: list[tuple[int, bytes]] = []
+    at, end = 0, len(data)
+    old = format == FORMAT_3
+    head = _LENGTH.size if old else ENTRY_HEADER
+    while at < end:
+        if at + head > end:
+            _torn(journal, at, end, "its header cut short", len(found), old)
+            break
+        if old:
+            (size,) = _LENGTH.unpack_from(data, at)
+        else:
+            size, crc = _HEAD.unpack_from(data, at)
+            (said,) = _HEAD_CRC.unpack_from(data, at + _HEAD.size)
+            if said != zlib.crc32(data[at : at + _HEAD.size]):
+                if not any(data[at:]):
+                    _torn(journal, at, end, "zeros: appended, never on disk", len(found), old)
+                else:
+                    what = (
+                        f"an entry header whose checksum fails (a corrupt length: it says "
+                        f"{size} bytes follow, {end - at - head} do)"
+                    )
+                    _corrupt(journal, at, what, len(found), salvage)
+                break
+        if at + head + size > end:
+            cut = f"its batch of {size} bytes cut short at {end - at - head}"
+            _torn(journal, at, end, cut, len(found), old)
+            break
+        batch = data[at + head : at + head + size]
+        if not old and zlib.crc32(batch) != crc:
+            what = f"its {size}-byte batch's checksum fails (bytes inside the entry changed)"
+            _corrupt(journal, at, what, len(found), salvage)
+            break
+        found.append((at, batch))
+        at += head + size
+    return found
+
+
+def _torn(journal: Path, at: int, end: int, how: str, intact: int, old: bool) -> None:
+    """A run killed mid-append leaves half a last entry: left out, with a word."""
+    caveat = (
+        " (format 3 journals carry no checksum: a corrupt length there looks the same)"
+        if old
+        else ""
+    )
+    warnings.warn(
+        f"{journal}: byte {at}: a torn last entry ({end - at} bytes, {how}) of the run "
+        f"folder {journal.parent.parent} left out; {_entries(intact)} before it "
+        f"read{caveat}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _corrupt(
+    journal: Path,
+    at: int,
+    what: str,
+    intact: int,
+    salvage: bool,
+    cause: BaseException | None = None,
+) -> None:
+    """A corrupt entry: raised, or (``salvage``) the journal read up to it, said loudly."""
+    error = CorruptJournal(journal, at, what, intact)
+    if not salvage:
+        raise error from cause
+    warnings.warn(
+        f"dtlab: SALVAGED {journal}: byte {at}: {what}. Only {_entries(intact)} before "
+        f"byte {at} read; every record from there to its end "
+        f"({_size(journal) - at} bytes) is LEFT OUT of the loaded trace",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _entries(count: int) -> str:
+    return {0: "no entry", 1: "the 1 entry"}.get(count, f"the {count} entries")
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.lstat().st_size
+    except OSError:
+        return 0
 
 
 def json_records(folder: Path, format: str) -> Iterator[tuple[int, StepRecord]]:

@@ -1,4 +1,4 @@
-"""A run folder's step records as Parquet files (trace formats ``dtlab-trace/2`` and ``/3``).
+"""A run folder's step records as Parquet files (trace formats ``dtlab-trace/2`` to ``/4``).
 
 ``<run>/steps/`` holds parts named ``L<level>-<first>-<count>.parquet``. Each
 :meth:`StepFiles.write` (a Trace's journal once it holds ``PART_ROWS`` rows,

@@ -64,6 +64,7 @@ class Trace:
         self.history = Summaries()  # one row per step the window left behind
         self.first_step = 1  # the first step whose records are in memory
         self._format = FORMAT  # how its run folder holds the records (a loaded one's own)
+        self._salvage = False  # a loaded one's: read corrupt journals up to the corruption
         self.meta = dict(meta or {})
         self.created = time.time() if created is None else created
         self.columns = StepColumns()  # the records' numbers, as columns (the doctor's)
@@ -245,7 +246,7 @@ class Trace:
 
     def _all_on_disk(self) -> bool:
         """Does the run folder hold every record in memory (in a form read_steps reads)?"""
-        if self.folder is None or self._format != FORMAT:
+        if self.folder is None or self._format not in disk.PACKED_FORMATS:
             return False
         # loaded, or closed: nothing waits to be written
         return self._sink is None or self._sink.all_on_disk
@@ -268,13 +269,17 @@ class Trace:
         the window holds them, else read back from the run folder."""
         steps = range(max(steps.start, 1), steps.stop)
         part = Trace(self.jobs, meta=self.meta, created=self.created)
-        if steps.start >= self.first_step or self.folder is None or self._format != FORMAT:
+        if (
+            steps.start >= self.first_step
+            or self.folder is None
+            or self._format not in disk.PACKED_FORMATS
+        ):
             for rank, recs in self.records.items():
                 part.add(rank, recs.between(steps.start, steps.stop))
             return part
         self.flush()  # what is in memory, in the folder too
         self.sync()
-        for batch in disk.batches(self.folder, steps):
+        for batch in disk.batches(self.folder, steps, format=self._format, salvage=self._salvage):
             part._add_mixed(
                 batch.take((batch.rows["step"] >= steps.start) & (batch.rows["step"] < steps.stop))
             )
@@ -342,7 +347,10 @@ class Trace:
         if not self.whole and self.folder is not None:
             self.flush()
             self.sync()
-            for batch in disk.batches(self.folder, range(1, self.last_step + 1)):
+            everything = range(1, self.last_step + 1)
+            for batch in disk.batches(
+                self.folder, everything, format=self._format, salvage=self._salvage
+            ):
                 copy._add_mixed(batch)
                 copy.flush()  # part by part: the copy's window bounds its memory too
         for rank, recs in self.records.items():
@@ -352,25 +360,30 @@ class Trace:
         return Path(folder)
 
     @classmethod
-    def load(cls, folder: str | os.PathLike, *, window: int | None = None) -> Trace:
+    def load(
+        cls, folder: str | os.PathLike, *, window: int | None = None, salvage: bool = False
+    ) -> Trace:
         """Read a run folder written by dtlab (the last ``window`` steps into memory, as a
         live Trace keeps them), or a job folder of ``python -m dtlab.run`` (every rank's,
         every step: :mod:`dtlab.records.job_folder`); raises ValueError naming what is
-        wrong."""
+        wrong. ``salvage``: a corrupt journal (:class:`dtlab.records.run_folder.
+        CorruptJournal`) is read up to the corruption, with a warning saying what is left
+        out, instead of raising."""
         folder = Path(folder)
         if job_folder.is_job_folder(folder):  # python -m dtlab.run's: a run folder per rank
             job = job_folder.read_job(folder)
             trace = cls(job.jobs, meta=job.meta, created=job.created, window=window)
             trace.folder, trace._format = folder, job_folder.FORMAT  # (all kept in memory)
-            for batch in job.batches():
+            for batch in job.batches(salvage=salvage):
                 trace._add_mixed(batch)
             return trace
         header, jobs = disk.read_header(folder)
         trace = cls(jobs, meta=header.get("meta"), created=header.get("created"), window=window)
         trace.folder, trace._format = folder, header["format"]
+        trace._salvage = salvage
         if header["format"] != "dtlab-trace/1":
             # parts, then the records since the last part (a repeat is ignored)
-            for batch in disk.batches(folder):
+            for batch in disk.batches(folder, format=header["format"], salvage=salvage):
                 trace._add_mixed(batch)
                 trace._slide()  # a long run's parts, one by one, in bounded memory
         for rank, rec in disk.json_records(folder, header["format"]):

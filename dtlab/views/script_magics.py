@@ -9,19 +9,59 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from dtlab.control.errors import RankError
+from dtlab.control.errors import OptionError, RankError, StepInterrupted
 from dtlab.views.cells import collate
 from dtlab.views.magic_support import current_session, dtlab_magics, seconds
 from dtlab.views.progress import delayed_progress
 from dtlab.views.reports import run_summary, script_summary
 
 USAGE_ERRORS = {"FileNotFoundError", "IsADirectoryError", "ValueError", "ScriptWorldError"}
+
+
+def split_line(line: str) -> list[str]:
+    """``%dt_script``'s line as a shell splits a command line: quotes group words
+    (``"dir with space/train me.py"``, ``--name 'a b'``), a backslash escapes the next
+    character (``dir\\ with\\ space/train.py``), and neither is kept; so the script gets
+    the ``sys.argv`` it gets from ``torchrun`` on the same line."""
+    try:
+        return shlex.split(line)
+    except ValueError:  # shlex says only "No closing quotation" / "No escaped character"
+        pass
+    quote, at = _open_quote(line)
+    if quote is None:
+        raise OptionError(
+            "%dt_script's line ends with a backslash, which escapes nothing: remove it, "
+            "or write \\\\ for a backslash"
+        )
+    shown = line[at:] if len(line) - at <= 40 else line[at : at + 37] + "..."
+    raise OptionError(
+        f"%dt_script's line has a {quote} that is never closed, at character {at + 1} "
+        f"({shown}): close it, or write \\{quote} for the character itself"
+    )
+
+
+def _open_quote(line: str) -> tuple[str | None, int]:
+    """The quote a POSIX shell would still be inside at the line's end, and where it
+    opened; (None, -1) if none (then the line ends with a lone backslash)."""
+    quote, at, i = None, -1, 0
+    while i < len(line):
+        c = line[i]
+        if c == "\\" and quote != "'":  # escapes the next character, but inside '...'
+            i += 2
+            continue
+        if quote is None and c in "'\"":
+            quote, at = c, i
+        elif c == quote:
+            quote, at = None, -1
+        i += 1
+    return quote, at
 
 
 def _rank0_output(text: str) -> None:
@@ -65,7 +105,7 @@ class ScriptMagics(Magics):
         """Run your own torchrun script, unchanged, on every rank; it pauses at step 0 (just
         before its first optimizer step updates the weights), then %dt_step / %dt_run /
         %dt_continue drive it and %%dt cells see its globals as `script`."""
-        args = parse_argstring(self.dt_script, line)
+        args = self.dt_script.parser.parse_args(split_line(line))
         session = current_session()
         try:
             status = session.run_script(
@@ -92,7 +132,12 @@ class ScriptMagics(Magics):
         """Let the paused script run free to its end; Ctrl-C pauses every rank again."""
         args = parse_argstring(self.dt_continue, line)
         session = current_session()
-        result = session.continue_script(timeout=args.timeout, progress=delayed_progress())
+        try:
+            result = session.continue_script(timeout=args.timeout, progress=delayed_progress())
+        except StepInterrupted as e:  # Ctrl-C: the ranks paused; said, then the cell ends
+            show_other_ranks(session)
+            print(run_summary(e.result, session.trace))
+            raise
         show_other_ranks(session)
         print(run_summary(result, session.trace))
         if result.stopped == "ended":
