@@ -112,7 +112,10 @@ def test_ranks_that_diverged_are_saved_apart_and_stay_diverged(dt):
     dt.step(1)
     original = {r: rec.param_fingerprint for r, rec in dt.trace.at(3).items()}
     assert original[2] != original[0] == original[1] == original[3]
+    before = dt.trace.folder
     dt.load_checkpoint(saved.step)
+    # the new timeline names the one before it (the report draws both)
+    assert dt.trace.meta["before"] == str(before.resolve()) and dt.trace.meta["step"] == 2
     dt.step(1)
     assert {r: rec.param_fingerprint for r, rec in dt.trace.at(3).items()} == original
 

@@ -331,3 +331,45 @@ def test_the_dashboard_of_many_ranks_is_bands_and_the_ranks_that_stand_out():
         titles[0] == "Loss: 1 rank standing out" and titles[2] == "Memory (RSS): none standing out"
     )
     assert sum(t.showlegend is not False for t in fig.data if "median" in t.name) == 1
+
+
+# --- what a person sees: no empty plot, whole steps ---------------------------------------
+
+
+def test_a_spread_of_zero_everywhere_says_identical_on_every_rank_on_a_sane_axis():
+    from dtlab.views.plots import figure_for
+
+    trace = healthy_trace(num_ranks=4, num_steps=12)  # DDP: one gradient norm on all ranks
+    fig = figure_for(trace, "spread")
+    assert fig.layout.title.text == "Gradient norm spread across ranks: identical on every rank"
+    (note,) = fig.layout.annotations
+    assert "identical on every rank at all 12 steps" in note.text
+    assert tuple(fig.layout.yaxis.range) == (0, 1)  # not plotly's -1..1 around a flat 0
+    assert fig.layout.yaxis.rangemode == "nonnegative"
+    assert list(fig.data[0].y) == [0.0] * 12  # the line is still there, at 0
+
+
+def test_a_spread_that_varies_is_drawn_plainly_and_one_rank_is_said():
+    from dtlab.views.plots import figure_for
+
+    norms = lambda r, s: (1.0 + r, 2.0)  # noqa: E731
+    fig = figure_for(trace_of(2, 12, grad_norms=norms), "spread")
+    assert fig.layout.title.text == "Gradient norm spread across ranks"
+    assert not fig.layout.annotations and fig.layout.yaxis.range is None
+    assert fig.layout.yaxis.rangemode == "nonnegative"  # a spread is never below 0
+    alone = figure_for(healthy_trace(num_ranks=1, num_steps=5), "spread")
+    assert alone.layout.title.text.endswith(": one rank")
+    assert "nothing to compare" in alone.layout.annotations[0].text
+    off = grad_norm_spread_figure([])
+    assert "recording off" in off.layout.annotations[0].text
+
+
+def test_step_axes_tick_whole_steps():
+    few = loss_figure(trace_of(2, 5, loss=lambda r, s: s))  # plotly would tick 1.5, 2, 2.5...
+    assert few.layout.xaxis.dtick == 1
+    many = loss_figure(trace_of(2, 31, loss=lambda r, s: s))  # plotly's own: 5, 10, 15...
+    assert many.layout.xaxis.dtick is None
+    for fig in (memory_figure(trace_of(2, 5)), dashboard_figure(trace_of(2, 5))):
+        assert all(axis.dtick == 1 for axis in fig.select_xaxes())
+    bars = time_breakdown_figure(trace_of(2, 5))  # x is ranks, not steps: left alone
+    assert bars.layout.xaxis.dtick is None

@@ -67,3 +67,56 @@ def test_a_session_report_names_ranks_findings_checkpoints_and_keeps_secrets_out
     assert board == dt.trace.folder / "tensorboard"
     assert sorted(p.name for p in board.iterdir()) == ["rank0", "rank1", "rank2", "rank3"]
     assert all(any(p.iterdir()) for p in board.iterdir())  # an event file in each
+
+
+def recorded(folder, steps, **meta):
+    """A closed trace in a run folder, of a healthy 2-rank job over ``steps``."""
+    from dtlab.control.run_folder_writer import FolderWriter
+    from dtlab.records.trace import Trace
+    from tests.fakes import job_info, step_record
+
+    trace = Trace({r: job_info(r) for r in (0, 1)}, sink=FolderWriter(folder), meta=meta)
+    for rank in (0, 1):
+        trace.add(rank, [step_record(s, rank) for s in steps])
+    trace.close()
+    return trace
+
+
+def test_the_reports_loss_figure_has_every_step_on_whole_step_ticks(tmp_path):
+    """31 steps; then the job rewound to the checkpoint of step 26 and stepped 5 more:
+    the live trace holds steps 27-31 only, and the report said "31 steps recorded" over
+    a figure of 5 steps ticked 27, 27.5, 28..."""
+    from dtlab.views.html_report import (
+        SessionSummary,
+        earlier_timelines,
+        report_figures,
+        write_report,
+    )
+
+    first = recorded(tmp_path / "first", range(1, 32))
+    loss = report_figures(first)[0]
+    assert loss.layout.title.text == "Loss per rank"
+    assert [list(t.x) for t in loss.data] == [list(range(1, 32))] * 2
+    assert loss.layout.xaxis.dtick is None  # 31 steps: plotly ticks 5, 10, ... (whole)
+    now = recorded(tmp_path / "now", range(27, 32), step=26, before=str(first.folder))
+    summary = SessionSummary(2, "gloo", {}, [], now, [], [], [])
+    page = write_report(summary, tmp_path / "report.html").read_text()
+    assert "steps 27-31 recorded since the job was rewound to step 26" in page
+    assert f"before that, up to step 31: {first.folder}" in page
+    assert page.count("Plotly.newPlot") == 3
+    earlier, unread = earlier_timelines(now)
+    assert [t.folder for t in earlier] == [first.folder] and unread == []
+    loss = report_figures(now, earlier)[0]
+    drawn = {t.name: list(t.x) for t in loss.data}
+    assert drawn == {
+        "rank 0 (steps 1-31, before)": list(range(1, 32)),
+        "rank 1 (steps 1-31, before)": list(range(1, 32)),
+        "rank 0": list(range(27, 32)),
+        "rank 1": list(range(27, 32)),
+    }
+    assert loss.layout.title.text.endswith("and the job's earlier ones (dotted)")
+    just_now = report_figures(now)[0]  # 5 steps: every one ticked, none at 27.5
+    assert just_now.layout.xaxis.dtick == 1
+    gone = recorded(tmp_path / "gone", range(27, 32), step=26, before=str(tmp_path / "nowhere"))
+    page = write_report(SessionSummary(2, "gloo", {}, [], gone, [], [], []), tmp_path / "g.html")
+    assert "could not be read" in page.read_text()

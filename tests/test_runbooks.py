@@ -6,6 +6,7 @@ from ast import literal_eval
 
 import pytest
 
+from tests.test_doctor_text import unwrapped
 from tests.test_notebooks import descendants, execute, text_of
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -32,10 +33,11 @@ def run_clean(name: str) -> list:
 
 
 def texts(code: list, start: str) -> list[str]:
-    """The text output of every cell whose source starts with ``start``, in order."""
+    """The text output of every cell whose source starts with ``start``, in order (the
+    doctor's summary with its lines as they were before wrapping: ``unwrapped``)."""
     found = [text_of(c) for c in code if c.source.startswith(start)]
     assert found, f"no cell starts with {start!r}"
-    return found
+    return [unwrapped(t) for t in found] if start.startswith("%dt_doctor") else found
 
 
 def figures(code: list, start: str) -> list[dict]:

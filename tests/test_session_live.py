@@ -11,8 +11,15 @@ import ipyparallel as ipp
 import pytest
 
 import dtlab
+from dtlab import demo
 from dtlab.control.cluster import cluster_log_path, running
-from dtlab.control.errors import DtlabError, LaunchError, RankError, RankTimeoutError
+from dtlab.control.errors import (
+    DtlabError,
+    LaunchError,
+    RankError,
+    RankTimeoutError,
+    StepInterrupted,
+)
 from tests.conftest import default_threads, quiet, signal_when_exists
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
@@ -126,6 +133,66 @@ def test_ctrl_c_interrupts_the_ranks(live2, tmp_path):
     assert ctrl_c.sent, "the ranks never started the cell"
     assert e.value.reason == "interrupted" and e.value.stopped == (0, 1)
     assert live2.status() == {0: "idle", 1: "idle"}
+
+
+SLOW_FROM = """
+import time
+from dtlab.agent.job import current
+_job = current()
+_inner = _job.loss_fn
+def _slow(model, batch):
+    step = current().step_count + 1
+    if step >= {slow}:  # slow steps: the ranks then agree (pause?) every few steps
+        time.sleep(0.25)
+    if step in {flags}:  # the notebook's Ctrl-C comes once both ranks are here
+        open({folder!r} + f'/step{{step}}-rank{{rank}}', 'w').close()
+    return _inner(model, batch)
+_job.loss_fn = _slow
+"""
+
+
+def ctrl_c_at(folder: Path, step: int):
+    """SIGINT to this process (Ctrl-C in the notebook) once both ranks began ``step``."""
+    paths = [folder / f"step{step}-rank{rank}" for rank in (0, 1)]
+    return signal_when_exists(paths, os.getpid(), signal.SIGINT, timeout=200)
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_a_loop_of_steps_with_every_rank_paused(live2, tmp_path, ip, capsys):
+    dt = live2
+    demo.attach(dt)
+    dt.execute(SLOW_FROM.format(slow=11, flags=(23, 43), folder=str(tmp_path)))
+    ctrl_c = ctrl_c_at(tmp_path, 23)  # in the third call: steps 21-30
+    calls = 0
+    with pytest.raises(KeyboardInterrupt) as e:
+        for _ in range(6):  # (a loop that Ctrl-C does not stop ends, and the test fails)
+            calls += 1
+            dt.step(10)
+    assert ctrl_c.sent, "the ranks never reached step 23"
+    assert isinstance(e.value, StepInterrupted), repr(e.value)  # not a stray SIGINT
+    assert calls == 3  # the loop stopped in the call the Ctrl-C came in
+    paused = e.value.result
+    assert paused.stopped == "pause" and 23 <= paused.last_step < 30, paused
+    assert {recs[-1].step for recs in dt.trace.records.values()} == {paused.last_step}
+    assert dt.status() == {0: "idle", 1: "idle"}
+    assert str(e.value).startswith(f"Ctrl-C: every rank paused after step {paused.last_step}")
+    # the session goes on from there
+    assert dt.step(1).last_step == paused.last_step + 1
+    for _ in range(42 - dt.trace.last_step):  # up to step 42, one step a call
+        dt.step(1)
+    # %dt_step says what the run did, then the KeyboardInterrupt ends the cell
+    capsys.readouterr()
+    ctrl_c = ctrl_c_at(tmp_path, 43)
+    with pytest.raises(KeyboardInterrupt) as e:
+        ip.run_line_magic("dt_step", "20")
+    assert ctrl_c.sent and isinstance(e.value, StepInterrupted)
+    last = e.value.result.last_step
+    assert 43 <= last < 62
+    out = capsys.readouterr().out
+    assert f"steps 43-{last} in " in out
+    assert "paused (every rank stopped after the same step)" in out
+    assert {recs[-1].step for recs in dt.trace.records.values()} == {last}
+    assert dt.step(1).last_step == last + 1
 
 
 def test_dead_rank_is_named_quickly(cluster_cleanup, capfd):

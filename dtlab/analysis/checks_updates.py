@@ -27,6 +27,7 @@ import warnings
 
 import numpy as np
 
+from dtlab.analysis.doctor import PIPELINE_WHY
 from dtlab.analysis.evidence import shape_of
 from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.registry import check
@@ -81,8 +82,10 @@ def check_update_size(evidence: Evidence) -> CheckResult:
             TITLE,
             (),
             looked,
-            "not checked: every rank holds parameters no other rank does (pipeline "
-            "stages), so no two updates are comparable",
+            f"not checked: {PIPELINE_WHY}"  # as the checks of replicas say it
+            if evidence.is_pipeline
+            else "not checked: every rank holds parameters no other rank does, so no two "
+            "updates are comparable",
             checked=False,
         )
     column = {int(r): j for j, r in enumerate(ranks)}

@@ -17,10 +17,11 @@ from dtlab.analysis.ranks import label_ranks
 from dtlab.analysis.registry import RegisteredCheck, registered
 from dtlab.records import CheckResult, Evidence, Finding
 
+# why a check of replicas cannot look at a pipeline (said once for all of them)
 PIPELINE_WHY = (
-    "a pipeline with one stage per rank: each parameter lives on one rank, every "
-    "stage reads the same batches and waits for its neighbours, so there is no "
-    "replica to compare; %dt_partition shows the stages' balance"
+    "a pipeline with one stage per rank has no replica to compare: each parameter lives "
+    "on one rank, and every stage reads the same batches and waits for its neighbours; "
+    "%dt_partition shows the stages' balance"
 )
 
 

@@ -33,7 +33,7 @@ from dtlab.control.calls import counted_interrupts
 from dtlab.control.channel import Channel
 from dtlab.control.config import checked_timeout
 from dtlab.control.connection import CONNECT_TIMEOUT_S, Connection
-from dtlab.control.errors import DtlabError, OptionError
+from dtlab.control.errors import DtlabError, OptionError, RankError, StepInterrupted
 from dtlab.control.hangs import Hangs
 from dtlab.control.run_folder_writer import FolderWriter
 from dtlab.control.runs import FAILURE_GRACE_S, POLL_S, Run
@@ -139,15 +139,21 @@ class Stepper:
         """Start the job's trace afresh (a checkpoint was loaded: a new timeline).
         ``describe``: ask the ranks what they hold now (a pipeline's stages moved)."""
         self.sync_job()
-        assert self.trace is not None  # sync_job starts one
-        self.trace.close()
-        jobs = self.trace.jobs
+        old = self.trace
+        assert old is not None  # sync_job starts one
+        old.close()
+        jobs = old.jobs
         if describe:
             jobs = {r: info for r, (_, info) in self.world.run(api.describe_job).items()}
+        # the timeline before, for whoever shows the job's whole history (the report):
+        # the run folder of the last one that recorded a step
+        before = (
+            str(old.folder.resolve()) if old.last_step and old.folder else old.meta.get("before")
+        )
         self.trace = Trace(
             jobs,
             sink=FolderWriter(new_run_folder()),
-            meta={"backend": self.world.backend, **meta},
+            meta={"backend": self.world.backend, **meta} | ({"before": before} if before else {}),
         )
 
     def close(self) -> None:
@@ -358,6 +364,9 @@ class Stepper:
     def _end(self, run: Run) -> RunResult:
         try:
             return run.result()  # may wait for late replies: they must still reach the run
+        except RankError as e:
+            self.hangs.advise(e)  # dead ranks: what brings them back
+            raise
         finally:
             self.active = None
             if run.failures or run.pending or run.error_stops:
@@ -378,7 +387,11 @@ class Stepper:
         timeout: float | None = None,
         progress: Progress | None = None,
     ) -> RunResult:
-        """Step every rank ``steps`` times or until ``until`` holds on some rank."""
+        """Step every rank ``steps`` times or until ``until`` holds on some rank.
+
+        Ctrl-C asks every rank to pause after the step it is in (a second one sends them
+        SIGINT); once they have, StepInterrupted (a KeyboardInterrupt) is raised here, so
+        the caller's code stops too."""
         with counted_interrupts() as interrupts:  # before the start: no Ctrl-C is lost
             run = self._start(steps, until, record, timeout)
             phase, total = _progress_of(run, steps, until)
@@ -391,7 +404,10 @@ class Stepper:
             except BaseException:  # never leave ranks stepping unattended
                 self._abandon()
                 raise
-            return self._end(run)
+            result = self._end(run)
+        if interrupts[0]:  # (also when the run ended by itself meanwhile: a press is kept)
+            raise StepInterrupted(result)
+        return result
 
     async def run_async(
         self,

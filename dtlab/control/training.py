@@ -46,8 +46,10 @@ class Training:
     ) -> RunResult:
         """Run ``num_steps`` optimizer steps on every rank; returns when all are done.
 
-        Ctrl-C pauses every rank after the same step (a second Ctrl-C sends SIGINT).
-        ``record`` overrides the job's per-parameter recording for these steps.
+        Ctrl-C pauses every rank after the same step, then raises StepInterrupted (a
+        KeyboardInterrupt, so a loop of calls stops; its ``result`` is this run's); a
+        second Ctrl-C sends SIGINT. ``record`` overrides the job's per-parameter
+        recording for these steps.
         """
         return self.recovery.resilient(
             num_steps,
@@ -66,7 +68,8 @@ class Training:
         progress: Callable[[str, int, int], None] | None = None,
     ) -> RunResult:
         """Step until ``condition`` (e.g. ``"loss>5"``, ``"nonfinite"``, ``"diverged"``)
-        holds on any rank, or ``max_steps``; every rank pauses after the same step."""
+        holds on any rank, or ``max_steps``; every rank pauses after the same step.
+        Ctrl-C: as for :meth:`step`."""
         cond = parse_condition(condition) if isinstance(condition, str) else condition
         if cond.kind == "diverged":
             self.stepper.sync_job()  # the attached job's trace, made now if need be

@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 
 from dtlab.records.checkpoints import CheckpointInfo
 from dtlab.records.trace import Trace
-from dtlab.views.figures import _layout, _line, _loss, _ranks, _series
+from dtlab.views.figures import _layout, _line, _loss, _ranks, _series, step_ticks
 
 MARKERS = {
     "complete": ("diamond", "#2a9d8f"),
@@ -60,14 +60,8 @@ def checkpoint_loss_figure(
         )
     )
     # "closest": a click then lands on the marker, not on every trace at that step
-    return _layout(
-        fig,
-        "Loss per rank and checkpoints (click one to select it)",
-        "step",
-        "loss",
-        420,
-        hovermode="closest",
-    )
+    title = "Loss per rank and checkpoints (click one to select it)"
+    return step_ticks(_layout(fig, title, "step", "loss", 420, hovermode="closest"))
 
 
 def replay_figure(
@@ -94,4 +88,4 @@ def replay_figure(
         title = f"Original (solid) vs replay (dashed): they part at step {first_difference}"
     else:
         title = "Original (solid) vs replay (dashed): identical"
-    return _layout(fig, title, "step", "loss", 420)
+    return step_ticks(_layout(fig, title, "step", "loss", 420))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
+from dtlab.control.errors import StepInterrupted
 from dtlab.records.checkpoints import CheckpointInfo
 from dtlab.records.trace import Trace
 from dtlab.views.checkpoint_figures import checkpoint_loss_figure, replay_figure
@@ -44,7 +45,7 @@ class CheckpointBrowser(Panel):
     def _guarded(self, action) -> None:
         try:
             action()
-        except Exception as e:  # a widget callback's error would otherwise vanish
+        except (Exception, StepInterrupted) as e:  # a callback's error would otherwise vanish
             self.output.append_stdout(f"{type(e).__name__}: {e}\n")
 
     # --- what it shows ------------------------------------------------------------------

@@ -8,7 +8,8 @@ Conventions shared by every figure:
 
 - rank ``r`` has colour ``rank_color(r)`` everywhere and its legend entry is ``"rank r"``;
 - x is the step; each line is evenly downsampled to at most ``max_points`` points, first and
-  last step kept, so 8 ranks x many steps stays light in the browser;
+  last step kept, so 8 ranks x many steps stays light in the browser; a step axis ticks
+  whole steps (``step_ticks``: plotly's own would tick 27.5 on a few steps);
 - an empty trace gives a figure of the same structure with empty traces, never an error.
 
 The dashboard is one figure with three panels (one figure, not three: each FigureWidget
@@ -122,6 +123,20 @@ def _layout(
     return fig
 
 
+STEP_TICKS_BELOW = 10  # steps an axis spans up to which it ticks every step
+
+
+def step_ticks(fig: go.Figure) -> go.Figure:
+    """Tick the step axes (every x axis of ``fig``) at whole steps. Plotly aims at ~10
+    ticks, so an axis of a few steps gets fractional ones (27.5); one of up to
+    STEP_TICKS_BELOW steps ticks every step, a longer one keeps plotly's (whole: 1, 2, 5,
+    10...). Called again after the data changed (the live dashboard)."""
+    steps = [x for t in fig.data if t.x is not None for x in t.x if x is not None]
+    few = not steps or max(steps) - min(steps) <= STEP_TICKS_BELOW
+    fig.update_xaxes(dtick=1 if few else None)
+    return fig
+
+
 def _run_label(trace: Trace, default: str) -> str:
     return trace.folder.name if trace.folder is not None else default
 
@@ -173,17 +188,36 @@ def _grouped(
     )
 
 
-def loss_figure(trace: Trace, other: Trace | None = None, *, max_points: int = 2000) -> go.Figure:
-    """Loss per rank; ``other`` (a second run) is overlaid dashed as ``"rank r (other)"``.
-    Past GROUP_ABOVE ranks: a band, the median and the ranks that stand out."""
+def loss_figure(
+    trace: Trace,
+    other: Trace | None = None,
+    *,
+    earlier: Sequence[Trace] = (),
+    max_points: int = 2000,
+) -> go.Figure:
+    """Loss per rank; ``other`` (a second run) is overlaid dashed as ``"rank r (other)"``;
+    ``earlier``, the same job's timelines before this one (a checkpoint loaded, a restart,
+    stages moved: ``dtlab.views.html_report.earlier_timelines``), dotted under it, so that
+    every step recorded is drawn. Past GROUP_ABOVE ranks: a band, the median and the ranks
+    that stand out (this timeline only)."""
     fig = go.Figure()
     if len(_ranks(trace)) > GROUP_ABOVE and other is None:
         said = _grouped(fig, trace, "loss", 1.0, max_points)
-        return _layout(fig, f"Loss: {said}", "step", "loss", 420)
+        return step_ticks(_layout(fig, f"Loss: {said}", "step", "loss", 420))
+    for before in reversed(earlier):  # oldest first, under this timeline's lines
+        steps = f"steps {_first_step(before)}-{before.last_step}"
+        theirs = before.columns.by_rank()
+        for rank in _ranks(before):
+            x, y = _rows_series(theirs.get(rank), "loss", 1.0, max_points)
+            line = _line(x, y, rank, suffix=f" ({steps}, before)", dash="dot", opacity=0.6)
+            fig.add_trace(line.update(legendgroup=f"rank {rank}"))
     mine = trace.columns.by_rank()
     for rank in _ranks(trace):
-        fig.add_trace(_line(*_rows_series(mine.get(rank), "loss", 1.0, max_points), rank))
+        x, y = _rows_series(mine.get(rank), "loss", 1.0, max_points)
+        fig.add_trace(_line(x, y, rank, legendgroup=f"rank {rank}"))
     title = "Loss per rank"
+    if earlier:
+        title = "Loss per rank: this timeline (solid) and the job's earlier ones (dotted)"
     if other is not None:
         theirs = other.columns.by_rank()
         for rank in _ranks(other):
@@ -191,7 +225,14 @@ def loss_figure(trace: Trace, other: Trace | None = None, *, max_points: int = 2
             fig.add_trace(_line(x, y, rank, suffix=" (other)", dash="dash"))
         this, that = _run_label(trace, "this run"), _run_label(other, "other run")
         title = f"Loss per rank: {this} (solid) vs {that} (dashed)"
-    return _layout(fig, title, "step", "loss", 420)
+    return step_ticks(_layout(fig, title, "step", "loss", 420))
+
+
+def _first_step(trace: Trace) -> int:
+    """The first step a trace recorded (one after the checkpoint it was rewound to)."""
+    older = trace.history.rows()["step"]  # the steps its window let go, if any
+    steps = older if len(older) else trace.columns.rows()["step"]
+    return int(steps[0]) if len(steps) else trace.first_step
 
 
 def _loss(rec: StepRecord) -> float:
@@ -283,13 +324,13 @@ def memory_figure(trace: Trace, *, field: str = "rss", max_points: int = 2000) -
     fig = go.Figure()
     if len(_ranks(trace)) > GROUP_ABOVE:
         said = _grouped(fig, trace, field, MIB, max_points)
-        return _layout(fig, f"Memory: {field}, {said}", "step", f"{field} (MiB)", 420)
+        return step_ticks(_layout(fig, f"Memory: {field}, {said}", "step", f"{field} (MiB)", 420))
     mine = trace.columns.by_rank()
     for rank in _ranks(trace):
         x, y = _rows_series(mine.get(rank), field, MIB, max_points)
         if x or rank not in mine:
             fig.add_trace(_line(x, y, rank))
-    return _layout(fig, f"Memory per rank: {field}", "step", f"{field} (MiB)", 420)
+    return step_ticks(_layout(fig, f"Memory per rank: {field}", "step", f"{field} (MiB)", 420))
 
 
 def time_breakdown_figure(trace: Trace, *, step: int | None = None) -> go.Figure:
@@ -319,13 +360,29 @@ def time_breakdown_figure(trace: Trace, *, step: int | None = None) -> go.Figure
 
 
 def grad_norm_spread_figure(
-    spread: Iterable[tuple[int, float]], *, max_points: int = 2000
+    spread: Iterable[tuple[int, float]], *, num_ranks: int | None = None, max_points: int = 2000
 ) -> go.Figure:
-    """Spread of the total gradient norm across ranks, from ``(step, spread)`` pairs."""
+    """Spread of the total gradient norm across ranks, from ``(step, spread)`` pairs
+    (``num_ranks``: how many were compared). A spread of 0 at every step (DDP: the ranks
+    hold one gradient) is said, as the dashboard says it, instead of drawn alone as a
+    flat line on an axis from -1 to 1; a spread is never below 0."""
     pairs = sorted(spread)
     x, y = downsample([s for s, _ in pairs], [v for _, v in pairs], max_points)
     fig = go.Figure(go.Scatter(x=x, y=y, mode="lines", name="spread"))
-    return _layout(fig, "Gradient norm spread across ranks", "step", "spread (L2 norm)", 380)
+    title = "Gradient norm spread across ranks"
+    note = ""
+    if num_ranks == 1:
+        title, note = f"{title}: one rank", "one rank: nothing to compare its gradient norm with"
+    elif not pairs:
+        note = "no step where every rank recorded its gradient norm (recording off?)"
+    elif all(v == 0 for _, v in pairs):
+        title += ": identical on every rank"
+        note = f"the total gradient norm is identical on every rank at all {len(pairs)} steps"
+    fig.update_yaxes(rangemode="nonnegative")
+    if note:
+        fig.update_yaxes(range=[0, 1])  # (plotly's for a flat 0: -1 to 1)
+        fig.add_annotation(text=note, xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False)
+    return step_ticks(_layout(fig, title, "step", "spread (L2 norm)", 380))
 
 
 def dashboard_series(trace: Trace, max_points: int = 2000) -> list[tuple[list, list]]:
@@ -383,7 +440,7 @@ def dashboard_figure(trace: Trace, *, max_points: int = 2000) -> go.Figure:
             fig.add_trace(
                 _line(x, y, rank, legendgroup=f"rank {rank}", showlegend=row == 1), row=row, col=1
             )
-    return _dashboard_layout(fig, "Training per rank")
+    return step_ticks(_dashboard_layout(fig, "Training per rank"))
 
 
 def _grouped_dashboard(trace: Trace, max_points: int) -> go.Figure:
@@ -400,7 +457,8 @@ def _grouped_dashboard(trace: Trace, max_points: int) -> go.Figure:
         said = _grouped(fig, trace, *_DASHBOARD_COLUMNS[panel], max_points, row=row)
         note = fig.layout.annotations[row - 1]
         note.text = f"{note.text}: {said.rpartition(', ')[2]}"  # "none standing out"
-    return _dashboard_layout(fig, f"Training: {len(_ranks(trace))} ranks as a band and a median")
+    title = f"Training: {len(_ranks(trace))} ranks as a band and a median"
+    return step_ticks(_dashboard_layout(fig, title))
 
 
 def _dashboard_layout(fig: go.Figure, title: str) -> go.Figure:

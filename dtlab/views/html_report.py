@@ -18,6 +18,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from dtlab.records.trace import Trace
 from dtlab.views.tables import Table
 
 _STYLE = """body{font-family:system-ui,sans-serif;margin:24px;color:#222}
@@ -55,9 +56,53 @@ class SessionSummary:
     checks: Sequence = ()  # the doctor's CheckResults, each with its outcome
 
 
+MAX_EARLIER = 8  # earlier timelines of the job a report draws, newest first
+
+
+def earlier_timelines(trace: Trace) -> tuple[list[Trace], list[str]]:
+    """The job's timelines before ``trace``, newest first (up to MAX_EARLIER): each time a
+    checkpoint was loaded, the job restarted or its stages moved, a new trace began, its
+    meta naming the run folder before (``before``). Also what could not be read, said."""
+    found: list[Trace] = []
+    problems: list[str] = []
+    folder = trace.meta.get("before")
+    while isinstance(folder, str) and len(found) < MAX_EARLIER:
+        try:
+            earlier = Trace.load(folder)
+        except (OSError, ValueError) as e:
+            problems.append(f"the steps before this timeline ({folder}) could not be read: {e}")
+            break
+        found.append(earlier)
+        folder = earlier.meta.get("before")
+    return found, problems
+
+
+def report_figures(trace: Trace, earlier: Sequence[Trace] = ()) -> list[go.Figure]:
+    """The report's figures of a stepped trace: the loss over every step recorded (the
+    job's ``earlier`` timelines too), memory, and where the last step's time went."""
+    from dtlab.views.figures import loss_figure, memory_figure, time_breakdown_figure
+
+    loss = loss_figure(trace, earlier=earlier)
+    return [loss, memory_figure(trace), time_breakdown_figure(trace)]
+
+
+def _recorded(trace: Trace, earlier: Sequence[Trace]) -> str:
+    """Which steps the report holds, and where they are."""
+    since = trace.meta.get("step")
+    if isinstance(since, int) and since > 0:  # rewound: this timeline began after it
+        line = (
+            f"steps {since + 1}-{trace.last_step} recorded since the job was rewound to "
+            f"step {since}; run folder {trace.folder}"
+        )
+    else:
+        line = f"{trace.last_step} steps recorded; run folder {trace.folder}"
+    for before in earlier:
+        line += f"; before that, up to step {before.last_step}: {before.folder}"
+    return line
+
+
 def write_report(summary: SessionSummary, path: str | Path) -> Path:
     """Write the report of ``summary`` to ``path`` (.html)."""
-    from dtlab.views.figures import loss_figure, memory_figure, time_breakdown_figure
     from dtlab.views.reports import checkpoints_table, checks_table, findings_table
     from dtlab.views.tables import rank_table
 
@@ -67,8 +112,10 @@ def write_report(summary: SessionSummary, path: str | Path) -> Path:
         f"{summary.world_size} ranks, {summary.backend}, written "
         f"{time.strftime('%Y-%m-%d %H:%M:%S')}"
     ]
+    earlier: list[Trace] = []
     if stepped:
-        lines.append(f"{trace.last_step} steps recorded; run folder {trace.folder}")
+        earlier, unread = earlier_timelines(trace)
+        lines += [_recorded(trace, earlier), *unread]
     tables = [rank_table(summary.infos, summary.inconsistencies, title="ranks")]
     if stepped:
         tables.append(findings_table(summary.findings))
@@ -81,9 +128,7 @@ def write_report(summary: SessionSummary, path: str | Path) -> Path:
             for e in summary.restarts
         )
         tables.append(Table("restarts", ("when", "from step", "why"), rows))
-    figures = (
-        [loss_figure(trace), memory_figure(trace), time_breakdown_figure(trace)] if stepped else []
-    )
+    figures = report_figures(trace, earlier) if stepped else []
     path = Path(path)
     path.write_text(report_html("dtlab session report", lines, tables, figures))
     return path

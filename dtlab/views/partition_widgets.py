@@ -18,6 +18,7 @@ import html
 import ipywidgets as widgets
 
 from dtlab.analysis.balance import predict_balance
+from dtlab.control.errors import StepInterrupted
 from dtlab.records import Plan, PlanError
 from dtlab.views.panels import Panel
 from dtlab.views.partition_figures import balance_figure, stage_colour
@@ -92,7 +93,7 @@ class PartitionEditor(Panel):
     def _guarded(self, action) -> None:
         try:
             action()
-        except Exception as e:  # a widget callback's error would otherwise vanish
+        except (Exception, StepInterrupted) as e:  # a callback's error would otherwise vanish
             self.status.value = f"<b>{html.escape(type(e).__name__)}</b>: {html.escape(str(e))}"
             self.output.append_stdout(f"{type(e).__name__}: {e}\n")
 

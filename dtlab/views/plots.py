@@ -35,7 +35,8 @@ def figure_for(
     if kind == "memory":
         return figures.memory_figure(trace, field=field)
     if kind == "spread":
-        return figures.grad_norm_spread_figure(grad_norm_spread(trace.records))
+        spread = grad_norm_spread(trace.records)
+        return figures.grad_norm_spread_figure(spread, num_ranks=len(trace.ranks))
     step = trace.last_step if step is None else step
     if kind == "times":
         return figures.time_breakdown_figure(trace, step=step)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from dtlab.analysis.conditions import describe_condition
 from dtlab.analysis.evidence import ranked
@@ -122,9 +123,12 @@ def findings_table(findings: Sequence[Finding]) -> Table:
     return Table("findings", headers, rows, notes)
 
 
-def doctor_summary(results: Sequence) -> str:
+def doctor_summary(results: Sequence, *, reasons: bool = True) -> str:
     """How many checks passed, found something or could not look, then the findings
-    ranked, most severe first. "every check passed" only when every check looked."""
+    ranked, most severe first. "every check passed" only when every check looked. The
+    checks that could not look follow, those sharing a reason in one line (a pipeline's
+    five checks of replicas); ``reasons=False`` names them only (a table says why).
+    One line per item: ``wrapped`` fits it to a width."""
     findings = ranked([f for r in results for f in r.findings])
     passed = [r for r in results if r.outcome == "passed"]
     unchecked = [r for r in results if r.outcome == "not checked"]
@@ -152,12 +156,49 @@ def doctor_summary(results: Sequence) -> str:
     for r in results:
         if r.check == "earlier_steps":  # a long run: the window has moved
             lines.append(f"earlier steps: read from {r.looked_at}")
-    for r in unchecked:
-        why = r.passed_because.removeprefix("not checked: ")
-        lines.append(
-            f"not checked: {r.check}: {why}" + (f" (to check: {r.needs})" if r.needs else "")
-        )
+    if unchecked and not reasons:
+        names = ", ".join(r.check for r in unchecked)
+        lines.append(f"not checked: {names} (the table below says why)")
+    elif unchecked:
+        for group in unchecked_groups(unchecked):
+            lines.append(f"not checked: {', '.join(group.checks)}: {group.because}")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Unchecked:
+    """Checks that could not look for one reason (``%dt_doctor`` says it once)."""
+
+    checks: tuple[str, ...]  # in report order
+    why: str  # the reason, without "not checked: "
+    needs: str  # what would let them look, or ""
+    looked_at: str  # what they read (the same for all, or "")
+
+    @property
+    def because(self) -> str:
+        return self.why + (f" (to check: {self.needs})" if self.needs else "")
+
+
+def unchecked_groups(results: Sequence) -> list[Unchecked]:
+    """The checks of ``results`` that could not look, grouped by their reason and what
+    would let them look, each group where its first check stands."""
+    groups: dict[tuple[str, str], list] = {}
+    for r in results:
+        if r.outcome == "not checked":
+            groups.setdefault((_why_not(r), r.needs), []).append(r)
+    return [
+        Unchecked(
+            tuple(r.check for r in members),
+            why,
+            needs,
+            members[0].looked_at if len({r.looked_at for r in members}) == 1 else "",
+        )
+        for (why, needs), members in groups.items()
+    ]
+
+
+def _why_not(result) -> str:
+    return result.passed_because.removeprefix("not checked: ")
 
 
 def _since(f: Finding) -> str:
@@ -174,19 +215,24 @@ def _since_column(f: Finding) -> str:
 
 
 def checks_table(results: Sequence) -> Table:
-    """What each check read, and its verdict or why it passed (``%dt_doctor --explain``)."""
-    rows = tuple(
-        (
-            r.check,
-            r.verdict,
-            r.looked_at,
-            "; ".join(f.summary for f in r.findings)
-            if r.findings
-            else r.passed_because + (f" (to check: {r.needs})" if r.needs else ""),
-        )
-        for r in results
-    )
-    return Table("checks", ("check", "verdict", "looked at", "why"), rows)
+    """What each check read, and its verdict or why it passed (``%dt_doctor --explain``).
+    Checks that could not look for the same reason share one row (a pipeline's checks
+    of replicas), where the first of them stands."""
+    groups = {group.checks[0]: group for group in unchecked_groups(results)}
+    grouped = {name for group in groups.values() for name in group.checks}
+    rows = []
+    for r in results:
+        if r.check in groups:
+            g = groups[r.check]
+            rows.append((", ".join(g.checks), "not checked", g.looked_at, g.because))
+        elif r.check not in grouped:
+            why = (
+                "; ".join(f.summary for f in r.findings)
+                if r.findings
+                else r.passed_because + (f" (to check: {r.needs})" if r.needs else "")
+            )
+            rows.append((r.check, r.verdict, r.looked_at, why))
+    return Table("checks", ("check", "verdict", "looked at", "why"), tuple(rows))
 
 
 def checkpoints_table(infos: Sequence) -> Table:

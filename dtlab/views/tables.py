@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -10,6 +11,29 @@ from dtlab.analysis.consistency import Inconsistency
 from dtlab.records import RankInfo
 
 _CELL = "text-align:left;vertical-align:top;white-space:normal;max-width:48em"
+# Plain text a person reads is wrapped here, between words: a notebook's output area (and
+# a terminal) breaks a longer line wherever it runs out of room, inside a word.
+TEXT_WIDTH = 88
+INDENT = "    "  # a wrapped line's continuation
+
+
+def wrapped(text: str, width: int = TEXT_WIDTH) -> str:
+    """Each line of ``text`` longer than ``width`` wrapped between words, its continuation
+    indented by INDENT more than the line; a word longer than the width stays whole."""
+    lines = []
+    for line in text.splitlines():
+        if len(line) <= width:
+            lines.append(line)
+            continue
+        lead = line[: len(line) - len(line.lstrip())]
+        lines += textwrap.wrap(
+            line,
+            width,
+            subsequent_indent=lead + INDENT,
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -21,17 +45,23 @@ class Table:
     warnings: tuple[str, ...] = field(default_factory=tuple)  # shown under it, flagged
 
     def __str__(self) -> str:
+        return self.text()
+
+    def text(self, width: int | None = None) -> str:
+        """The table as plain text: a row per line, or with ``width`` (e.g. TEXT_WIDTH)
+        its widest columns narrowed until a line fits, their cells wrapped between words
+        onto more lines (the notes and warnings too)."""
         widths = [
             max([len(h), *(len(row[i]) for row in self.rows)]) for i, h in enumerate(self.headers)
         ]
-
-        def line(cells) -> str:
-            return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+        if width is not None:
+            widths = _narrowed(widths, width - 2 * (len(widths) - 1))
 
         lines = [self.title] if self.title else []
-        lines += [line(self.headers), *(line(row) for row in self.rows)]
-        lines += [f"WARNING: {w}" for w in self.warnings]
-        lines += list(self.notes)
+        for cells in (self.headers, *self.rows):
+            lines += _row_lines(cells, widths)
+        said = [f"WARNING: {w}" for w in self.warnings] + list(self.notes)
+        lines += said if width is None else [wrapped(line, width) for line in said]
         return "\n".join(lines)
 
     def _repr_pretty_(self, printer, cycle) -> None:
@@ -61,6 +91,36 @@ class Table:
             else ""
         )
         return f'<div class="dtlab-table">{title}{table}{listing}</div>'
+
+
+def _narrowed(widths: list[int], room: int, least: int = 12) -> list[int]:
+    """Column widths that fit ``room`` characters: every column wider than a common cap is
+    cut to it (the narrow ones keep theirs); never under ``least`` (then a line is longer)."""
+    if sum(widths) <= room:
+        return widths
+    cap = max(widths)
+    while cap > least and sum(min(w, cap) for w in widths) > room:
+        cap -= 1
+    return [min(w, cap) for w in widths]
+
+
+def _row_lines(cells: Sequence[str], widths: Sequence[int]) -> list[str]:
+    """One row, its cells side by side, on as many lines as its longest cell needs."""
+    parts = [_cell_lines(c, w) for c, w in zip(cells, widths, strict=True)]
+    return [
+        "  ".join(
+            (part[i] if i < len(part) else "").ljust(w)
+            for part, w in zip(parts, widths, strict=True)
+        ).rstrip()
+        for i in range(max(len(part) for part in parts))
+    ]
+
+
+def _cell_lines(cell: str, width: int) -> list[str]:
+    """A cell's text on lines of at most ``width`` (a longer word stays whole)."""
+    if len(cell) <= width:
+        return [cell]
+    return textwrap.wrap(cell, width, break_long_words=False, break_on_hyphens=False) or [""]
 
 
 def _v(value) -> str:

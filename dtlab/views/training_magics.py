@@ -18,9 +18,9 @@ from IPython.display import display
 from dtlab.analysis.conditions import parse_condition
 from dtlab.analysis.doctor import all_findings
 from dtlab.control import demo
-from dtlab.control.errors import OptionError, RankError
+from dtlab.control.errors import OptionError, RankError, StepInterrupted
 from dtlab.control.training import DEFAULT_MAX_STEPS
-from dtlab.records import PlanError
+from dtlab.records import PlanError, RunResult
 from dtlab.records.trace import Trace
 from dtlab.views.magic_support import current_session, dtlab_magics, seconds
 from dtlab.views.partition_magics import plan_from_text
@@ -36,6 +36,7 @@ from dtlab.views.reports import (
     script_summary,
 )
 from dtlab.views.script_magics import show_other_ranks
+from dtlab.views.tables import wrapped
 
 
 def _automatic_restarts(session, before: int) -> None:
@@ -59,6 +60,27 @@ def _config_items(pairs: list[str]) -> dict:
             except ValueError:
                 raise UsageError(f"--set {key}: {value!r} is not a number") from None
     return config
+
+
+def _said(session, before: int, run) -> RunResult:
+    """``run()``'s RunResult, after saying what it did (``_say``). On Ctrl-C (the ranks
+    paused) that is said too, then the KeyboardInterrupt ends the cell."""
+    try:
+        result = run()
+    except StepInterrupted as e:
+        _say(session, before, e.result)
+        raise
+    _say(session, before, result)
+    return result
+
+
+def _say(session, before: int, result: RunResult) -> None:
+    """The automatic restarts a run made, a script's other ranks' output, the summary
+    line and a script's end."""
+    _automatic_restarts(session, before)
+    show_other_ranks(session)  # a script's; rank 0's came as it printed
+    print(run_summary(result, session.trace))  # dt.step() / dt.run_until() return it
+    _script_end(session, result)
 
 
 def _script_end(session, result) -> None:
@@ -155,17 +177,16 @@ class TrainingMagics(Magics):
         if args.num_steps < 1:
             raise UsageError(f"the number of steps must be at least 1, got {args.num_steps}")
         session = current_session()
-        before = len(session.restarts)
-        result = session.step(
-            args.num_steps,
-            record=False if args.no_record else None,
-            timeout=args.timeout,
-            progress=delayed_progress(),
+        _said(
+            session,
+            len(session.restarts),
+            lambda: session.step(
+                args.num_steps,
+                record=False if args.no_record else None,
+                timeout=args.timeout,
+                progress=delayed_progress(),
+            ),
         )
-        _automatic_restarts(session, before)
-        show_other_ranks(session)  # a script's; rank 0's came as it printed
-        print(run_summary(result, session.trace))  # dt.step() / dt.run_until() return it
-        _script_end(session, result)
 
     @line_magic
     @magic_arguments()
@@ -188,14 +209,16 @@ class TrainingMagics(Magics):
         if args.max_steps < 1:
             raise UsageError(f"--max-steps must be at least 1, got {args.max_steps}")
         session = current_session()
-        before = len(session.restarts)
-        result = session.run_until(
-            condition, max_steps=args.max_steps, timeout=args.timeout, progress=delayed_progress()
+        _said(
+            session,
+            len(session.restarts),
+            lambda: session.run_until(
+                condition,
+                max_steps=args.max_steps,
+                timeout=args.timeout,
+                progress=delayed_progress(),
+            ),
         )
-        _automatic_restarts(session, before)
-        show_other_ranks(session)  # a script's; rank 0's came as it printed
-        print(run_summary(result, session.trace))  # dt.step() / dt.run_until() return it
-        _script_end(session, result)
 
     @line_magic
     def dt_findings(self, line):
@@ -214,7 +237,8 @@ class TrainingMagics(Magics):
         args = parse_argstring(self.dt_doctor, line)
         results = current_session().checks()
         findings = all_findings(results)
-        print(doctor_summary(results))
+        # with --explain the table says why a check could not look: said once, there
+        print(wrapped(doctor_summary(results, reasons=not args.explain)))
         if findings:
             display(findings_table(findings))
         if args.explain:

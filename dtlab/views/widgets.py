@@ -134,7 +134,12 @@ class Dashboard(Panel):
     def refresh(self, force: bool = True) -> None:
         """Redraw the figure from the trace (one batched update)."""
         from dtlab.analysis.rank_groups import GROUP_ABOVE
-        from dtlab.views.figures import dashboard_figure, dashboard_series, dashboard_titles
+        from dtlab.views.figures import (
+            dashboard_figure,
+            dashboard_series,
+            dashboard_titles,
+            step_ticks,
+        )
 
         now = time.monotonic()
         trace = self.session.trace
@@ -155,6 +160,7 @@ class Dashboard(Panel):
                 line.x, line.y = x, y
             for note, title in zip(self.figure.layout.annotations, titles, strict=False):
                 note.text = title
+            step_ticks(self.figure)  # every step while few, plotly's ticks past that
         self._draw()
 
     def _draw(self) -> None:
