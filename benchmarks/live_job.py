@@ -10,7 +10,9 @@ a busy machine hits them all:
 - torchrun: ``torchrun --standalone --nproc-per-node N script_job.py``;
 - dtlab.run, recording off: ``torchrun ... -m dtlab.run --no-record script_job.py`` (the
   hooks still time each phase and count micro-batches; loss, LR and memory are written);
-- dtlab.run, recording on: the same with per-parameter norms and fingerprints.
+- dtlab.run, recording on: the same with per-parameter norms and fingerprints;
+- dtlab.run, recording on, no engine (``--no-connect``): what each rank's ipyparallel
+  engine (the thread a notebook connects to; idle here) adds to the line above.
 
 Every rank writes its records into a job folder (under a temporary folder here). Each run
 reports the median of its per-step times after a warm-up (rank 0), and the spread over
@@ -31,15 +33,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "script_job.py"
-MODES = ("torchrun", "record off", "record on")
+MODES = ("torchrun", "record off", "record on", "record on, no engine")
 
 
 def run_once(mode: str, n: int, steps: int, tmp: Path, rep: int) -> float:
     out = tmp / f"{mode.replace(' ', '-')}-{n}-{rep}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
     if mode != "torchrun":
-        cmd += ["-m", "dtlab.run", "--run-dir", str(tmp / f"job-{mode[-3:]}-{n}-{rep}")]
+        folder = tmp / f"job-{mode.replace(' ', '-').replace(',', '')}-{n}-{rep}"
+        cmd += ["-m", "dtlab.run", "--run-dir", str(folder)]
         cmd += ["--no-record"] if mode == "record off" else []
+        cmd += ["--no-connect"] if mode.endswith("no engine") else []
     cmd += [str(SCRIPT), "--steps", str(steps), "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -79,23 +83,29 @@ def main() -> None:
     args = ap.parse_args()
     results = [measure(n, args.repeats, args.steps) for n in args.ranks]
     print(
-        f"\n{'N':>3} {'torchrun ms':>16} {'off ms':>16} {'on ms':>16} "
-        f"{'off ratio':>18} {'on ratio':>18}"
+        "\n| N | "
+        + " | ".join(f"{m} ms" for m in MODES)
+        + " | "
+        + " | ".join(f"{m} / torchrun" for m in MODES[1:])
+        + " |"
     )
+    print("|---" * (2 * len(MODES)) + "|")
     for r in results:
 
         def cell(v):
-            return f"{statistics.median(v):6.1f} ({min(v):.0f}-{max(v):.0f})"
+            return f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
 
         def ratio(mode, r=r):
             lo, hi = r[mode]["ratio_range"]
             return f"{r[mode]['ratio']:.3f} ({lo:.2f}-{hi:.2f})"
 
         ms = r["ms"]
-        print(
-            f"{r['ranks']:>3} {cell(ms['torchrun']):>16} {cell(ms['record off']):>16} "
-            f"{cell(ms['record on']):>16} {ratio('record off'):>18} {ratio('record on'):>18}"
-        )
+        cells = [cell(ms[m]) for m in MODES] + [ratio(m) for m in MODES[1:]]
+        print(f"| {r['ranks']} | " + " | ".join(cells) + " |")
+    print(
+        "\nmedian ms per step (range over repeats); ratios: median / median torchrun "
+        "(range of the per-repeat ratios)"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

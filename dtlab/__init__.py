@@ -49,6 +49,15 @@ def attach(model, optimizer=None, data=None, loss_fn=None, **options):
     return attach_on_rank(model, optimizer, data, loss_fn, **options)
 
 
+def connect(run_dir, **options):
+    """Connect this notebook to a running job started by ``torchrun ... -m dtlab.run``,
+    from its job folder: pause it at a step, look inside, let it go on
+    (:mod:`dtlab.control.connect`; read-only once the job has ended)."""
+    from dtlab.control.connect import connect as connect_to
+
+    return connect_to(run_dir, **options)
+
+
 def step_boundary() -> None:
     """In a script run by ``%dt_script``: a step boundary here (for loops with several
     optimizers, where the first one's steps would be the boundaries otherwise). Does

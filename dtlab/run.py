@@ -20,7 +20,8 @@ import os
 import sys
 
 USAGE = """\
-usage: python -m dtlab.run [--run-dir DIR] [--no-record] [--hang-timeout S] SCRIPT [ARGS...]
+usage: python -m dtlab.run [--run-dir DIR] [--no-record] [--hang-timeout S]
+                          [--listen ADDR | --no-connect] SCRIPT [ARGS...]
 
 Runs SCRIPT with ARGS on this rank as the launcher (torchrun, deepspeed) would, recording
 every optimizer step into a job folder; `dtlab doctor DIR` reads it.
@@ -29,6 +30,10 @@ every optimizer step into a job folder; `dtlab doctor DIR` reads it.
   --no-record        no per-parameter statistics (losses, LR, times and memory are kept)
   --hang-timeout S   a rank that makes no step for S seconds writes its stacks into the
                      folder (default 600; 0: never)
+  --listen ADDR      where the job's ipyparallel controller listens for a notebook
+                     (`dtlab.connect(DIR)`; default 127.0.0.1: this host only; 0.0.0.0 or
+                     an address of this host to connect from another)
+  --no-connect       no controller, no engines: the job cannot be connected to
 """
 
 
@@ -40,9 +45,10 @@ def parse(argv: list[str]):
     """-> (Options, the script's arguments): dtlab.run's options come before SCRIPT; what
     follows it is the script's, untouched. A ``--local_rank=N`` given to dtlab.run (the
     deepspeed launcher's) goes first to the script, as that launcher passes it."""
-    from dtlab.agent.batch_run import DEFAULT_HANG_TIMEOUT_S, Options
+    from dtlab.agent.batch_run import DEFAULT_HANG_TIMEOUT_S, DEFAULT_LISTEN, Options
 
     run_dir, record, hang, local_rank = None, True, DEFAULT_HANG_TIMEOUT_S, []
+    listen: str | None = DEFAULT_LISTEN
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -80,6 +86,14 @@ def parse(argv: list[str]):
                 raise UsageError(f"--hang-timeout {text!r}: give seconds (0: off)") from None
             if not hang >= 0:
                 raise UsageError(f"--hang-timeout {text!r}: give seconds >= 0 (0: off)")
+        elif name == "--listen":
+            listen = take().strip()
+            if not listen:
+                raise UsageError("--listen needs an address (127.0.0.1, 0.0.0.0, a host's)")
+        elif name == "--no-connect":
+            if eq:
+                raise UsageError("--no-connect takes no value")
+            listen = None
         elif name in ("--local_rank", "--local-rank"):
             local_rank = [f"{name}={take()}"]
         else:
@@ -88,7 +102,7 @@ def parse(argv: list[str]):
     if i >= len(argv):
         raise UsageError("no SCRIPT given")
     script, args = argv[i], [*local_rank, *argv[i + 1 :]]
-    return Options(script, args, run_dir, record, hang)
+    return Options(script, args, run_dir, record, hang, listen)
 
 
 def _print_usage() -> int:

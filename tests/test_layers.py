@@ -120,7 +120,7 @@ CONTROL_FLOORS = {
         "checkpointing", "comm_bench", "partitions", "replays", "rescue", "scripts",
         "training",
     },
-    "entry": {"demo", "lifecycle", "session"},
+    "entry": {"connect", "demo", "lifecycle", "session"},
 }  # fmt: skip
 FLOOR_ORDER = list(CONTROL_FLOORS)
 

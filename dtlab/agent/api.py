@@ -20,6 +20,8 @@ Scripts (control/scripts.py)
     start_script, script_status, stop_script, deepspeed_save, deepspeed_load_next
 Hangs and communication (control/hangs.py, control/comm_bench.py)
     start_sidecar, bandwidth_sweep
+A job started by ``torchrun -m dtlab.run`` (control/connect.py; on the engine's thread)
+    job_where, job_claim, job_hold_at, job_renew, job_release, job_run_code, job_stacks
 
 The stepping channel (``serve``) and the sidecar carry further requests of their own; their
 messages are typed in :mod:`dtlab.records.wire`.
@@ -250,3 +252,49 @@ def bandwidth_sweep(sizes: list[int], iters: int, warmup: int, dtype: str):
     from dtlab.agent.bandwidth import sweep
 
     return sweep(sizes, iters=iters, warmup=warmup, dtype=dtype)
+
+
+# --- a job started by torchrun -m dtlab.run (agent/batch_engine.py) -----------------------
+
+
+def job_where():
+    from dtlab.agent.batch_engine import where
+
+    return where()
+
+
+def job_claim(token: str, lease_s: float):
+    from dtlab.agent.batch_engine import claim
+
+    return claim(token, lease_s)
+
+
+def job_hold_at(token: str, step: int | None, lease_s: float):
+    from dtlab.agent.batch_engine import hold_at
+
+    return hold_at(token, step, lease_s)
+
+
+def job_renew(token: str, lease_s: float):
+    from dtlab.agent.batch_engine import renew
+
+    return renew(token, lease_s)
+
+
+def job_release(token: str) -> None:
+    from dtlab.agent.batch_engine import release
+
+    release(token)
+
+
+def job_run_code(token: str, code: str) -> tuple[str, str]:
+    from dtlab.agent.batch_engine import run_code
+
+    return run_code(token, code)
+
+
+def job_stacks() -> str:
+    """Every thread's Python stack on this rank, now (the script's while it runs)."""
+    from dtlab.agent.batch_engine import stacks
+
+    return stacks()

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtlab.agent import batch_engine
 from dtlab.agent.rank_folder import RankFolder, Watchdog
 from dtlab.agent.state import RANK
 from dtlab.records import job_folder as jf
@@ -39,6 +40,7 @@ from dtlab.records.run_folder import RUNS_DIR_ENV
 
 FOLDER_KEY = "dtlab/run/job-folder"  # the store key rank 0 names the job folder under
 DEFAULT_HANG_TIMEOUT_S = 600.0
+DEFAULT_LISTEN = "127.0.0.1"  # where the job's controller listens: this host only
 
 
 class RunDirInUse(RuntimeError):
@@ -52,6 +54,7 @@ class Options:
     run_dir: str | None = None  # the job folder; None: a new one under runs/
     record: bool = True  # per-parameter statistics (--no-record: only what a step costs)
     hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S  # 0: no watchdog
+    listen: str | None = DEFAULT_LISTEN  # the controller's address; None: not connectable
     started: float = field(default_factory=time.time)
 
 
@@ -65,6 +68,7 @@ class _Run:
     folder: Path | None = None  # the job folder, once known
     writer: RankFolder | None = None
     watchdog: Watchdog | None = None
+    engine: Any = None  # batch_engine.EngineStart, once the rank's engine is up
     script: Any = None  # the ScriptRun
     pid: int = field(default_factory=os.getpid)  # the rank's (not a worker it forked)
     ended: bool = False  # outcome written
@@ -112,6 +116,8 @@ def _drive(state: _Run) -> None:
     except Exception as e:  # noqa: BLE001 - dtlab's failure, not the script's
         _say(f"recording is off for this run on rank {state.rank}: {e!r}")
         state.writer = None
+    if state.options.listen is not None:
+        _connectable(state)
     writer, watchdog = state.writer, state.watchdog
     while True:
         try:
@@ -130,6 +136,35 @@ def _drive(state: _Run) -> None:
                 writer = state.writer = None
         if watchdog is not None:
             watchdog.beat(rec.step)
+        if state.engine is not None:
+            batch_engine.boundary(job.step_count, script, writer, watchdog)
+
+
+def _connectable(state: _Run) -> None:
+    """At the first step: this rank an ipyparallel engine (rank 0 starts the controller),
+    so a notebook can connect (``dtlab.connect``); if that fails the job runs on."""
+    if state.folder is None:
+        return
+    try:
+        state.engine = batch_engine.start(
+            state.folder, state.rank, state.options.listen or DEFAULT_LISTEN, _store(state)
+        )
+    except Exception as e:  # noqa: BLE001 - the job runs on, unconnectable
+        _say(f"rank {state.rank} cannot be connected to (the job runs on): {e}")
+        return
+    if state.rank == 0:
+        _say(f"connect with dtlab.connect({str(state.folder)!r}) or %dt_connect")
+
+
+def _store(state: _Run):
+    """The process group's store (the script's group is up at its first step), if any."""
+    import torch.distributed as dist
+
+    if state.world > 1 and dist.is_available() and dist.is_initialized():
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    return None
 
 
 def _run_on(script) -> None:
@@ -167,6 +202,7 @@ def _finish(state: _Run, signum: int | None) -> None:
     state.ended = True
     if state.watchdog is not None:
         state.watchdog.stop(wait_s=1.0)
+    batch_engine.stop(state.engine)
     script = state.script
     job = getattr(script, "job", None)
     writer = state.writer

@@ -137,6 +137,7 @@ class DtlabMagics(Magics):
 def register(ipython) -> None:
     from dtlab.views.checkpoint_magics import CheckpointMagics
     from dtlab.views.comm_magics import CommMagics
+    from dtlab.views.connect_magics import ConnectMagics
     from dtlab.views.partition_magics import PartitionMagics
     from dtlab.views.recovery_magics import RecoveryMagics
     from dtlab.views.script_magics import ScriptMagics
@@ -149,6 +150,7 @@ def register(ipython) -> None:
     ipython.register_magics(PartitionMagics)
     ipython.register_magics(CommMagics)
     ipython.register_magics(ScriptMagics)
+    ipython.register_magics(ConnectMagics)
     from dtlab.control.session import Session
 
     html = ipython.display_formatter.formatters["text/html"]

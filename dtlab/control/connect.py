@@ -1,0 +1,386 @@
+"""A notebook connected to a job it did not launch: ``torchrun ... -m dtlab.run train.py``.
+
+``dtlab.connect(run_dir)`` reads the job folder, connects an ipyparallel client to the
+controller the job started (its connection file in ``<run_dir>/ipython/security``,
+owner-only), finds each rank's engine and claims the job for this notebook. From then on:
+
+- ``pause()`` holds every rank after the same optimizer step: each rank is asked where it
+  is (its engine answers on a thread of its own, even mid-step), told to hold after one
+  step past the furthest, and asked again if one had already gone past it;
+- ``step(n)`` lets them run n steps and hold again; ``continue_()`` lets them run on;
+- ``run_code(code)`` runs ``%%dt`` code on held ranks with ``script_locals`` (the
+  script's variables where it holds); ``stacks()`` every thread's stack, at any time;
+- ``trace``/``doctor()`` read every step recorded since the job began, from its folder;
+- ``disconnect()`` continues a held job first; the job runs on with nothing lost.
+
+A hold and a claim are leased (:mod:`dtlab.agent.batch_engine`): a thread renews them; a
+notebook that dies stops renewing, and the job goes on by itself ``lease_s`` later. A
+second notebook is refused while one is connected. A job that has ended opens read-only.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+from dtlab.agent import api
+from dtlab.analysis.ranks import label_ranks
+from dtlab.control.errors import DtlabError, OptionError
+from dtlab.records import job_folder as jf
+from dtlab.records.trace import Trace
+
+PROFILE = "ipython"
+CLIENT_FILE = "security/ipcontroller-job-client.json"
+LEASE_S = 60.0
+CONNECT_TIMEOUT_S = 30.0
+PAUSE_TIMEOUT_S = 120.0
+CALL_TIMEOUT_S = 30.0
+POLL_S = 0.02
+HOW_TO_START = (
+    "start the job with `torchrun --nproc-per-node N -m dtlab.run train.py ARGS` (or "
+    "`deepspeed --module dtlab.run train.py ARGS`) to connect to it"
+)
+
+
+class ConnectError(DtlabError):
+    """The job cannot be connected to (said why, and what to do)."""
+
+
+_current: ConnectedJob | None = None  # the job this notebook connected to last
+
+
+def current_or_none() -> ConnectedJob | None:
+    return None if _current is None or _current.closed else _current
+
+
+def connect(
+    run_dir: str | os.PathLike,
+    *,
+    timeout: float = CONNECT_TIMEOUT_S,
+    lease_s: float = LEASE_S,
+) -> ConnectedJob:
+    """Connect this notebook to the running job whose folder is ``run_dir`` (read-only
+    when the job has ended)."""
+    global _current
+    folder = Path(run_dir).expanduser().absolute()
+    job = _read_job(folder)
+    if _ended(folder, job.world_size):
+        _current = ConnectedJob(folder, job.world_size, None, {}, read_only=True)
+        return _current
+    client = _client(folder, timeout)
+    try:
+        engines = _engines(client, job.world_size, timeout, folder)
+        connected = ConnectedJob(folder, job.world_size, client, engines, lease_s=lease_s)
+        connected._claim()
+    except BaseException:
+        client.close()
+        raise
+    _current = connected
+    return connected
+
+
+def _read_job(folder: Path):
+    if not folder.is_dir():
+        raise ConnectError(f"{folder}: no such folder (give the job folder dtlab.run printed)")
+    if not jf.is_job_folder(folder):
+        what = "a notebook's run folder" if (folder / "trace.json").exists() else "not a job folder"
+        raise ConnectError(f"{folder}: {what}, no {jf.JOB_FILE} of a torchrun job; {HOW_TO_START}")
+    try:
+        return jf.read_job(folder)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConnectError(f"{folder}: cannot read the job folder ({e})") from None
+
+
+def _outcome_of(folder: Path, rank: int) -> Path:
+    return jf.rank_folder(folder, rank) / jf.OUTCOME_FILE
+
+
+def _ended(folder: Path, world_size: int) -> bool:
+    return all(_outcome_of(folder, r).exists() for r in range(world_size))
+
+
+def _client(folder: Path, timeout: float):
+    import ipyparallel as ipp
+
+    path = folder / PROFILE / CLIENT_FILE
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        raise ConnectError(
+            f"{folder}: the job has no controller to connect to (no {PROFILE}/{CLIENT_FILE}): "
+            "it was started with --no-connect, or has not made its first step yet (the "
+            "controller starts then: wait and connect again)"
+        ) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ConnectError(f"{path}: not a regular file; it is not read")
+    if info.st_uid != os.getuid():
+        raise ConnectError(f"{path} belongs to uid {info.st_uid}, not you: it is not read")
+    if info.st_mode & 0o077:
+        raise ConnectError(
+            f"{path} is readable by others (mode {stat.filemode(info.st_mode)}): whoever reads "
+            f"it can run code in the job. `chmod 600 {path}` and connect again"
+        )
+    try:
+        return ipp.Client(str(path), timeout=timeout)
+    except (TimeoutError, OSError) as e:
+        raise ConnectError(
+            f"the job's controller ({path}) does not answer within {timeout:g} s ({e}): the "
+            "job has ended or its rank 0 is gone; `dtlab doctor` reads its folder"
+        ) from None
+
+
+def _engines(client, world_size: int, timeout: float, folder: Path) -> dict[int, int]:
+    """rank -> engine id, once every rank's engine has registered."""
+    deadline = time.monotonic() + timeout
+    found: dict[int, int] = {}
+    asked: set[int] = set()
+    while len(found) < world_size:
+        for eid in client.ids:
+            if eid not in asked:
+                asked.add(eid)
+                where = client[eid].apply_sync(api.job_where)
+                found[where.rank] = eid
+        if len(found) >= world_size:
+            break
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(world_size)) - set(found))
+            raise ConnectError(
+                f"{label_ranks(missing)} of the job in {folder} did not register within "
+                f"{timeout:g} s (a rank that died or could not start its engine says so in "
+                "its log); `dtlab doctor` reads what the folder holds"
+            )
+        time.sleep(0.05)
+    return found
+
+
+class ConnectedJob:
+    """This notebook's connection to a ``dtlab.run`` job (see the module's docstring)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        world_size: int,
+        client: Any,
+        engines: dict[int, int],
+        *,
+        lease_s: float = LEASE_S,
+        read_only: bool = False,
+    ):
+        self.folder = folder
+        self.world_size = world_size
+        self.read_only = read_only
+        self.lease_s = lease_s
+        self._client = client
+        self._engines = engines
+        self._token = uuid.uuid4().hex
+        self._held: int | None = None  # the step every rank holds after, while paused
+        self._closed = read_only
+        self._renewer: threading.Thread | None = None
+        self._stop_renewing = threading.Event()
+
+    def __repr__(self) -> str:
+        state = (
+            "ended, read-only"
+            if self.read_only
+            else "disconnected"
+            if self._closed
+            else f"paused after step {self._held}"
+            if self._held is not None
+            else "running"
+        )
+        return f"<dtlab ConnectedJob: {self.world_size} ranks, {state}, {self.folder}>"
+
+    def __enter__(self) -> ConnectedJob:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.disconnect()
+
+    # --- where the job is --------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Disconnected (a read-only view of an ended job is never closed)."""
+        return self._closed and not self.read_only
+
+    @property
+    def paused_at(self) -> int | None:
+        """The step every rank holds after (None: running)."""
+        return self._held
+
+    def where(self) -> dict[int, Any]:
+        """{rank: Where} (its last step, the step it holds after, if it does)."""
+        return self._call(api.job_where)
+
+    def stacks(self) -> dict[int, str]:
+        """Every thread's Python stack on each rank, now (running, held or hung)."""
+        return self._call(api.job_stacks)
+
+    # --- holding -----------------------------------------------------------------------
+    def pause(self, timeout: float = PAUSE_TIMEOUT_S) -> int:
+        """Hold every rank after the same optimizer step; -> that step."""
+        self._live()
+        if self._held is not None:
+            return self._held
+        deadline = time.monotonic() + timeout
+        target = max(w.step for w in self.where().values()) + 1
+        for _ in range(20):
+            said = self._call(api.job_hold_at, self._token, target, self.lease_s)
+            ahead = max(w.step for w in said.values())
+            if ahead < target:
+                break
+            target = ahead + 1  # a rank went past it before hearing: one step later
+        self._held = self._waited(target, deadline)
+        return self._held
+
+    def step(self, n: int = 1, timeout: float = PAUSE_TIMEOUT_S) -> int:
+        """Let every rank make ``n`` more steps and hold again; -> the step held at."""
+        self._live()
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise OptionError(f"step(n={n!r}): give a whole number of steps >= 1")
+        start = self._held if self._held is not None else self.pause(timeout)
+        deadline = time.monotonic() + timeout
+        self._held = None
+        self._call(api.job_hold_at, self._token, start + n, self.lease_s)
+        self._held = self._waited(start + n, deadline)
+        return self._held
+
+    def continue_(self) -> None:
+        """Let the job run on (still connected)."""
+        self._live()
+        self._call(api.job_hold_at, self._token, None, self.lease_s)
+        self._held = None
+
+    resume = continue_
+
+    def run_code(self, code: str, ranks: list[int] | None = None) -> dict[int, tuple[str, str]]:
+        """``%%dt`` on held ranks: ``code`` with the script's variables as
+        ``script_locals``; -> {rank: (stdout, stderr)}."""
+        self._live()
+        if self._held is None:
+            raise DtlabError("the job is running: pause it first (dt.pause())")
+        return self._call(api.job_run_code, self._token, code, ranks=ranks)
+
+    def _waited(self, step: int, deadline: float) -> int:
+        """Every rank held after ``step``; else the hold is called off (a rank that gets
+        there later runs on) and the error says why."""
+        try:
+            return self._wait_held(step, deadline)
+        except BaseException:
+            try:
+                self._call(api.job_hold_at, self._token, None, self.lease_s, timeout=5.0)
+            except DtlabError:
+                pass
+            raise
+
+    def _wait_held(self, step: int, deadline: float) -> int:
+        while True:
+            where = self.where()
+            if all(w.held == step for w in where.values()):
+                return step
+            past = {r: w.step for r, w in where.items() if w.step > step}
+            if past:
+                raise DtlabError(f"{label_ranks(sorted(past))} went past step {step}: {past}")
+            ended = [r for r in where if _outcome_of(self.folder, r).exists()]
+            if ended:
+                raise DtlabError(
+                    f"{label_ranks(ended)} ended before step {step}: the job is over "
+                    "(dt.trace and dt.doctor() read its folder)"
+                )
+            if time.monotonic() > deadline:
+                behind = {r: w.step for r, w in where.items() if w.held != step}
+                raise DtlabError(
+                    f"not every rank reached step {step} in time: {label_ranks(sorted(behind))} "
+                    f"at steps {behind}. A rank inside a step that long may be hung: "
+                    "dt.stacks() shows where each rank is; dt.continue_() lets the others on"
+                )
+            time.sleep(POLL_S)
+
+    # --- records -----------------------------------------------------------------------
+    @property
+    def trace(self) -> Trace:
+        """Every step recorded so far on every rank, read from the job folder now."""
+        return Trace.load(self.folder)
+
+    def doctor(self) -> list:
+        """The doctor's checks over every step recorded since the job began."""
+        from dtlab.analysis.doctor import run_checks
+
+        trace = self.trace
+        if not len(trace):
+            return []
+        return run_checks(jf.read_job(self.folder).evidence(trace))
+
+    # --- leaving -----------------------------------------------------------------------
+    def disconnect(self) -> None:
+        """Continue the job if it is held, release it, close the connection."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_renewing.set()
+        try:
+            self._call(api.job_release, self._token, timeout=10.0)
+        except DtlabError as e:
+            warnings.warn(f"dtlab: disconnecting: {e}", stacklevel=2)
+        finally:
+            self._held = None
+            self._client.close()
+
+    # --- calls ---------------------------------------------------------------------------
+    def _claim(self) -> None:
+        try:
+            self._call(api.job_claim, self._token, self.lease_s)
+        except DtlabError as e:
+            if "PermissionError" in str(e):
+                self._call(api.job_release, self._token)
+                raise ConnectError(
+                    f"another notebook is connected to the job in {self.folder}: disconnect "
+                    f"it (dt.disconnect()), or wait {self.lease_s:g} s if it died"
+                ) from None
+            raise
+        self._renewer = threading.Thread(target=self._renew, name="dtlab-lease", daemon=True)
+        self._renewer.start()
+
+    def _renew(self) -> None:
+        while not self._stop_renewing.wait(self.lease_s / 4):
+            try:
+                self._call(api.job_renew, self._token, self.lease_s, timeout=self.lease_s / 4)
+            except Exception:  # noqa: BLE001 - the next call says what is wrong
+                pass
+
+    def _live(self) -> None:
+        if self.read_only:
+            raise DtlabError(
+                f"the job in {self.folder} has ended: its records are read-only "
+                "(dt.trace, dt.doctor())"
+            )
+        if self._closed:
+            raise DtlabError("disconnected from the job: dtlab.connect(run_dir) again")
+
+    def _call(self, fn, *args, ranks: list[int] | None = None, timeout: float = CALL_TIMEOUT_S):
+        """``fn(*args)`` on each rank's engine -> {rank: value}; a rank's failure is a
+        DtlabError naming it."""
+        if self._client is None:
+            raise DtlabError(f"the job in {self.folder} has ended: nothing runs there now")
+        chosen = sorted(self._engines) if ranks is None else sorted(set(ranks))
+        bad = [r for r in chosen if r not in self._engines]
+        if bad:
+            raise OptionError(f"{label_ranks(bad)} not in this job (0-{self.world_size - 1})")
+        pending = {r: self._client[self._engines[r]].apply_async(fn, *args) for r in chosen}
+        results, failed = {}, {}
+        for r, ar in pending.items():
+            try:
+                results[r] = ar.get(timeout=timeout)
+            except TimeoutError:
+                failed[r] = f"no answer within {timeout:g} s"
+            except Exception as e:  # noqa: BLE001 - a RemoteError says the rank's own
+                failed[r] = f"{getattr(e, 'ename', type(e).__name__)}: {getattr(e, 'evalue', e)}"
+        if failed:
+            said = "; ".join(f"rank {r}: {text}" for r, text in sorted(failed.items()))
+            raise DtlabError(f"{fn.__name__}: {said}")
+        return results

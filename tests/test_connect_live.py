@@ -1,0 +1,244 @@
+"""``dtlab.connect(run_dir)``: a notebook (this test process) connects to a job that
+``torchrun -m dtlab.run`` started in the background, pauses it at the same step on every
+rank, reads and changes the script's variables, lets it go on and leaves it running.
+
+Each test starts real ``torchrun --standalone --nproc-per-node 2`` jobs as subprocesses in a
+session of their own, with a hard timeout, and kills them by pid at the end whatever happened
+(tests/test_run_wrapper_live.py: ``start``/``stop``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from IPython.core.error import UsageError
+
+import dtlab
+from dtlab.analysis.doctor import all_findings
+from dtlab.control.connect import ConnectedJob, ConnectError
+from dtlab.control.errors import DtlabError
+from tests.conftest import GLOO_TEARDOWN, untimed
+from tests.test_run_wrapper_live import SCRIPTS, TORCHRUN, N, losses, run, start, stop
+
+pytestmark = pytest.mark.timeout(600)
+WRAP = [*TORCHRUN, "-m", "dtlab.run"]
+LONG = "100000"  # steps: the job runs until a test changes that
+
+
+def connected(
+    run_dir: Path, proc: subprocess.Popen, timeout: float = 120, **options
+) -> ConnectedJob:
+    """Connect once the job's controller is up (its first step); fail if the job ended."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return dtlab.connect(run_dir, timeout=20, **options)
+        except ConnectError as e:
+            if proc.poll() is not None:
+                raise AssertionError(
+                    f"the job ended before it could be connected to: {e}"
+                ) from None
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return out, err
+
+
+def test_connect_pause_change_continue_disconnect_reconnect_and_run_to_the_end(tmp_path):
+    run_dir = tmp_path / "job"
+    script = str(SCRIPTS / "ddp_sampler.py")
+    proc = start(
+        [*WRAP, "--run-dir", str(run_dir), script, "--steps", LONG, "--out", "dtlab"], tmp_path
+    )
+    try:
+        dt = connected(run_dir, proc)
+        held = dt.pause()
+        where = dt.where()
+        assert {w.held for w in where.values()} == {held}  # every rank after the same step
+        assert {w.step for w in where.values()} == {held}
+        # held inside optimizer step `held` (its gradients made, its update not yet, as
+        # under %dt_script): the script's own counter has counted the steps before it
+        code = "print(script_locals['step'], script_locals['args'].steps, rank)"
+        said = dt.run_code(code)
+        assert said == {r: (f"{held - 1} {LONG} {r}\n", "") for r in range(N)}
+        # the steps are still recorded from the folder: every step up to the hold, on every rank
+        trace = dt.trace
+        assert {r: [rec.step for rec in recs][-1] for r, recs in trace.records.items()} == {
+            r: held for r in range(N)
+        }
+        assert {r: len(recs) for r, recs in trace.records.items()} == {r: held for r in range(N)}
+        found = untimed(all_findings(dt.doctor()))
+        assert found == [], [f.summary for f in found]
+        assert dt.step(3) == held + 3
+        end = held + 3 + 20
+        dt.run_code(f"script_locals['args'].steps = {end}")  # the job now ends there
+        assert dt.run_code("print(script_locals['args'].steps)")[1] == (f"{end}\n", "")
+        dt.continue_()
+        assert dt.paused_at is None
+        dt.disconnect()
+        with pytest.raises(DtlabError, match="disconnected"):
+            dt.pause()
+        again = dtlab.connect(run_dir, timeout=20)  # while it runs, or read-only if it ended
+        again.disconnect()
+        out, err = finish(proc)
+    finally:
+        stop(proc)
+    # gloo's teardown abort at exit is torch's (conftest); what the job did is checked next
+    assert proc.returncode == 0 or GLOO_TEARDOWN in err, err[-3000:]
+    ours = losses(tmp_path / "dtlab")
+    assert {r: len(v) for r, v in ours.items()} == {r: end for r in range(N)}
+    plain = run([*TORCHRUN, script, "--steps", str(end), "--out", "torchrun"], tmp_path)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert ours == losses(tmp_path / "torchrun")  # bit for bit, as if never paused
+    assert out == plain.stdout  # nothing of dtlab's on the script's stdout
+    ended = dtlab.connect(run_dir)
+    assert ended.read_only and len(ended.trace.records[0]) == end
+    with pytest.raises(DtlabError, match="has ended"):
+        ended.pause()
+
+
+def test_one_notebook_at_a_time_and_a_dead_notebook_leaves_the_job_running(tmp_path, ip, capsys):
+    run_dir = tmp_path / "job"
+    script = str(SCRIPTS / "ddp_sampler.py")
+    proc = start([*WRAP, "--run-dir", str(run_dir), script, "--steps", LONG], tmp_path)
+    notebook = None
+    try:
+        first = connected(run_dir, proc, lease_s=4.0)
+        with pytest.raises(ConnectError, match="another notebook is connected"):
+            dtlab.connect(run_dir, timeout=20)
+        first.disconnect()
+        ip.run_line_magic("dt_connect", str(run_dir))  # the same from a notebook's cell
+        said = capsys.readouterr().out
+        assert f"{run_dir}: ddp_sampler.py on 2 ranks, " in said and "running" in said
+        assert ip.user_ns["dt"].paused_at is None and ip.user_ns["dt"].where()[1].step > 0
+        ip.run_line_magic("dt_disconnect", "")
+        assert f"disconnected; the job in {run_dir} runs on" in capsys.readouterr().out
+        with pytest.raises(UsageError, match="no such folder"):
+            ip.run_line_magic("dt_connect", str(tmp_path / "nowhere"))
+        # a notebook that pauses the job and dies (SIGKILL, no disconnect)
+        code = (
+            "import dtlab, os, sys\n"
+            f"dt = dtlab.connect({str(run_dir)!r}, timeout=20, lease_s=4.0)\n"
+            "print(dt.pause(), flush=True)\n"
+            "os.kill(os.getpid(), 9)\n"
+        )
+        notebook = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+            cwd=Path(__file__).resolve().parent.parent,
+        )  # fmt: skip
+        assert notebook.returncode == -9, notebook.stderr[-2000:]
+        held = int(notebook.stdout.split()[0])
+        # the job holds, then goes on by itself once the dead notebook's lease ends
+        after = connected(run_dir, proc, timeout=60)
+        deadline = time.monotonic() + 60
+        while min(w.step for w in after.where().values()) <= held + 5:
+            assert time.monotonic() < deadline, after.where()
+            time.sleep(0.2)
+        assert "the notebook stopped answering" in _stderr_so_far(proc)
+        after.disconnect()
+    finally:
+        stop(proc)
+
+
+def _stderr_so_far(proc: subprocess.Popen) -> str:
+    """What the job wrote to stderr so far (it keeps running: read without waiting)."""
+    os.set_blocking(proc.stderr.fileno(), False)
+    try:
+        return proc.stderr.read() or ""
+    finally:
+        os.set_blocking(proc.stderr.fileno(), True)
+
+
+def test_what_cannot_be_connected_to_says_why(tmp_path):
+    with pytest.raises(ConnectError, match="no such folder"):
+        dtlab.connect(tmp_path / "nothing")
+    with pytest.raises(ConnectError, match="not a job folder.*-m dtlab.run"):
+        dtlab.connect(tmp_path)
+    # a job started with --no-connect: recorded, but nothing to connect to
+    quiet = tmp_path / "quiet"
+    done = run(
+        [*WRAP, "--no-connect", "--run-dir", str(quiet), str(SCRIPTS / "ddp_sampler.py")], tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (quiet / "ipython").exists()
+    ended = dtlab.connect(quiet)  # it ended: read-only, its records readable
+    assert ended.read_only and len(ended.trace.records[1]) == 8
+    (quiet / "rank-1" / "outcome.json").unlink()  # as if rank 1 still ran
+    with pytest.raises(ConnectError, match="--no-connect"):
+        dtlab.connect(quiet)
+
+
+def test_a_connection_file_others_can_read_and_a_gone_controller_are_refused(tmp_path):
+    run_dir = tmp_path / "job"
+    proc = start(
+        [*WRAP, "--run-dir", str(run_dir), str(SCRIPTS / "ddp_sampler.py"), "--steps", LONG],
+        tmp_path,
+    )
+    try:
+        connected(run_dir, proc).disconnect()
+        security = run_dir / "ipython" / "security"
+        client_file = security / "ipcontroller-job-client.json"
+        assert oct(client_file.stat().st_mode & 0o777) == "0o600"
+        assert oct((run_dir / "ipython").stat().st_mode & 0o777) == "0o700"
+        assert oct((run_dir / "rank-1" / ".engine.json").stat().st_mode & 0o777) == "0o600"
+        client_file.chmod(0o644)
+        with pytest.raises(ConnectError, match="readable by others.*chmod 600"):
+            dtlab.connect(run_dir)
+        client_file.chmod(0o600)
+        below = psutil.Process(proc.pid).children(recursive=True)
+        parts = {p.pid: p for p in below if "ipyparallel.controller" in " ".join(p.cmdline())}
+        main = [p for p in parts.values() if p.ppid() not in parts]  # (its schedulers below)
+        assert len(main) == 1  # started by rank 0, under the job
+        main[0].kill()  # by its pid; what it orphans is killed at the end, by pid too
+        main[0].wait(30)
+        with pytest.raises(ConnectError, match="does not answer"):
+            dtlab.connect(run_dir, timeout=3)
+        assert proc.poll() is None  # the job itself runs on
+    finally:
+        stop(proc)
+        for part in locals().get("parts", {}).values():
+            try:
+                part.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def test_a_hung_job_shows_its_hang_report_first_and_its_stacks(tmp_path, ip, capsys):
+    """Rank 1 stops stepping after step 3, rank 0 waits in DDP's all-reduce: connecting
+    says so first; a pause cannot be reached and says where to look; the stacks show it."""
+    run_dir = tmp_path / "job"
+    script = str(SCRIPTS / "batch_faults.py")
+    cmd = [*WRAP, "--run-dir", str(run_dir), "--hang-timeout", "2", script, "--hang-rank", "1"]
+    proc = start(cmd, tmp_path)
+    try:
+        reports = [run_dir / f"rank-{r}" / "hang.json" for r in range(N)]
+        deadline = time.monotonic() + 120
+        while not all(p.exists() for p in reports):
+            assert proc.poll() is None and time.monotonic() < deadline, "no hang report"
+            time.sleep(0.2)
+        ip.run_line_magic("dt_connect", str(run_dir))
+        said = capsys.readouterr().out
+        assert "rank 1 made no step for 2 s after step 3" in said
+        assert said.index("made no step") < said.index("<dtlab ConnectedJob")
+        dt = ip.user_ns["dt"]
+        with pytest.raises(DtlabError, match=r"not every rank reached step 4.*dt\.stacks\(\)"):
+            dt.pause(timeout=3)
+        assert {w.at for w in dt.where().values()} == {None}  # the hold is called off
+        stacks = dt.stacks()
+        source = Path(script).read_text().splitlines()
+        line = 1 + next(i for i, text in enumerate(source) if "time.sleep(0.2)" in text)
+        assert f'batch_faults.py", line {line} in <module>' in stacks[1]
+        assert "in backward" in stacks[0]  # waiting in DDP's all-reduce
+        dt.disconnect()
+    finally:
+        stop(proc)
