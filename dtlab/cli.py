@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -117,6 +116,8 @@ def _steps_text(steps: dict, size: int) -> str:
 
 
 def _endings(found: Folder) -> list[str]:
+    from dtlab.views.reports import last_lines, script_stack
+
     job = found.job
     assert job is not None
     lines = []
@@ -131,7 +132,7 @@ def _endings(found: Folder) -> list[str]:
                 if rank == first:
                     text += " (the first rank to fail)"
                 if outcome.kind == "failed" and outcome.traceback:
-                    text += "\n    " + _last_lines(outcome.traceback, 4)
+                    text += "\n    " + last_lines(outcome.traceback, 4)
             lines.append(text)
         elif rank in job.jobs or rank in job.ranks:
             lines.append(f"rank {rank}: {_no_outcome(job, rank)}")
@@ -140,7 +141,7 @@ def _endings(found: Folder) -> list[str]:
         if hang.resumed is None:
             found.problems.append(text)
             where = job.rank_folders[rank] / "stacks.txt"
-            text += f"; where its script was ({where}):\n    " + _script_stack(hang.stacks)
+            text += f"; where its script was ({where}):\n    " + script_stack(hang.stacks)
         lines.append(text)
     return lines
 
@@ -164,22 +165,6 @@ def _alive(pid: int) -> bool:
             return b"dtlab.run" in f.read()
     except OSError:
         return False
-
-
-def _script_stack(stacks: str, n: int = 8) -> str:
-    """The innermost frames of the main thread, where the script runs: faulthandler lists
-    threads newest first, so it is the last (after the watchdog's own, the engine's, ...)."""
-    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stacks)[1:]
-    threads = [b for b in blocks if not b.startswith("Current thread")] or blocks
-    if not threads:
-        return _last_lines(stacks, n)
-    lines = threads[-1].strip().splitlines()
-    return "\n    ".join(lines[: n + 1])
-
-
-def _last_lines(text: str, n: int) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return "\n    ".join(lines[-n:])
 
 
 def _ranks(ranks) -> str:

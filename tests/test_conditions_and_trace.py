@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from dtlab.agent.stepping import _RunState, condition_holds
-from dtlab.analysis.conditions import describe_condition, parse_condition
+from dtlab.agent.stepping import _RunState
+from dtlab.analysis.conditions import condition_holds, describe_condition, parse_condition
 from dtlab.control.run_folder_writer import FolderWriter
 from dtlab.records import Condition, run_folder, step_record_from_dict, step_record_to_dict
 from dtlab.records.packed import pack

@@ -20,7 +20,6 @@ import pytest
 from IPython.core.error import UsageError
 
 import dtlab
-from dtlab.analysis.doctor import all_findings
 from dtlab.control.connect import ConnectedJob, ConnectError
 from dtlab.control.errors import DtlabError
 from tests.conftest import GLOO_TEARDOWN, untimed
@@ -77,9 +76,9 @@ def test_connect_pause_change_continue_disconnect_reconnect_and_run_to_the_end(t
             r: held for r in range(N)
         }
         assert {r: len(recs) for r, recs in trace.records.items()} == {r: held for r in range(N)}
-        found = untimed(all_findings(dt.doctor()))
+        found = untimed(dt.doctor())
         assert found == [], [f.summary for f in found]
-        assert dt.step(3) == held + 3
+        assert dt.step(3).last_step == held + 3
         end = held + 3 + 20
         dt.run_code(f"script_locals['args'].steps = {end}")  # the job now ends there
         assert dt.run_code("print(script_locals['args'].steps)")[1] == (f"{end}\n", "")
@@ -146,6 +145,62 @@ def test_one_notebook_at_a_time_and_a_dead_notebook_leaves_the_job_running(tmp_p
             time.sleep(0.2)
         assert "the notebook stopped answering" in _stderr_so_far(proc)
         after.disconnect()
+    finally:
+        stop(proc)
+
+
+def test_the_magics_act_on_a_connected_job_and_find_its_planted_bug(tmp_path, ip, capsys):
+    """%dt_connect, then the notebook as on a %dt_script job: %dt_pause, %%dt on the held
+    ranks (script_locals, script, a last-line value), %dt_step, %dt_run --until,
+    %dt_stacks, %dt_doctor, %dt_continue, %dt_disconnect; the planted bug (rank 1 steps
+    with 10x the learning rate) found by --until diverged and named by the doctor."""
+    run_dir = tmp_path / "job"
+    script = str(SCRIPTS / "ddp_sampler.py")
+    cmd = [*WRAP, "--run-dir", str(run_dir), script, "--steps", LONG, "--lr-rank", "1"]
+    proc = start(cmd, tmp_path)
+    try:
+        connected(run_dir, proc).disconnect()  # up: its controller answers
+        ip.run_line_magic("dt_connect", str(run_dir))
+        capsys.readouterr()
+        ip.run_line_magic("dt_pause", "")
+        said = capsys.readouterr().out
+        held = ip.user_ns["dt"].paused_at
+        assert f"every rank paused after step {held}; loss " in said, said
+        ip.run_cell_magic("dt", "", "rank, script.__name__, script_locals['args'].lr_rank")
+        said = capsys.readouterr().out
+        assert "(0, '__main__', 1)" in said and "(1, '__main__', 1)" in said, said
+        ip.run_cell_magic("dt", "--ranks 1", "print('on rank', rank)")
+        said = capsys.readouterr().out
+        assert "on rank 1" in said and "on rank 0" not in said, said
+        ip.run_line_magic("dt_step", "2")
+        assert f"steps {held + 1}-{held + 2} in " in capsys.readouterr().out
+        ip.run_line_magic("dt_run", f"--until step>={held + 5}")
+        said = capsys.readouterr().out
+        assert f"stopped: step>={held + 5} on ranks 0-1" in said, said
+        assert ip.user_ns["dt"].paused_at == held + 5
+        ip.run_line_magic("dt_run", "--until loss>1e30 --max-steps 2")
+        said = capsys.readouterr().out
+        assert "loss>1e+30 never held" in said and ip.user_ns["dt"].paused_at == held + 7, said
+        # the planted bug: rank 1's weights leave rank 0's at its first step with 10x the LR
+        ip.run_line_magic("dt_run", "--until diverged --max-steps 5")
+        said = capsys.readouterr().out
+        assert f"step {held + 8} " in said and "stopped: diverged" in said, said
+        stacks = ip.run_line_magic("dt_stacks", "")
+        said = capsys.readouterr().out
+        assert set(stacks) == {0, 1} and "ddp_sampler.py" in said, said
+        ip.run_line_magic("dt_doctor", "")
+        said = capsys.readouterr().out
+        found = ip.user_ns["dt"].doctor()
+        assert any(1 in f.ranks for f in found), [f.summary for f in found]
+        assert "rank 1" in said, said
+        ip.run_line_magic("dt_continue", "")
+        assert "the job runs on" in capsys.readouterr().out
+        assert ip.user_ns["dt"].paused_at is None
+        ip.run_line_magic("dt_disconnect", "")
+        assert "runs on" in capsys.readouterr().out
+        with pytest.raises(UsageError, match="%dt_connect RUN_DIR"):
+            ip.run_line_magic("dt_pause", "")
+        assert proc.poll() is None  # the job runs on after all of it
     finally:
         stop(proc)
 

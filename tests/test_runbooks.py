@@ -1,5 +1,6 @@
-"""Runbooks 02, 05, 06, 07, 10, 11 and 12, executed top to bottom by a real kernel: each names the
-fault it makes on purpose (rank, step, parameter or module) and shows that the fix worked."""
+"""Runbooks 02, 05, 06, 07, 10, 11, 12 and 13, executed top to bottom by a real kernel: each
+names the fault it makes on purpose (rank, step, parameter or module) and shows that the fix
+worked (13: that the job it connected to runs on)."""
 
 import re
 from ast import literal_eval
@@ -271,3 +272,33 @@ def test_deepspeed_runbook_names_the_scripts_own_accumulation_and_restarts(deeps
     resumed = texts(code, "report = %dt_resume_check --steps 2")[0]
     assert "the script resumed at step 10 on fresh engines from DeepSpeed's checkpoint " in resumed
     assert "global_step10, then 2 steps: identical" in resumed
+
+
+def test_connect_runbook_finds_the_planted_learning_rate_and_leaves_the_job_running():
+    before = descendants()
+    nb, seen, left = execute("13_connect_to_a_running_job.ipynb", lambda: descendants() - before)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    errors = [
+        (c.source, o["ename"], o["evalue"])
+        for c in code
+        for o in c.get("outputs", [])
+        if o["output_type"] == "error"
+    ]
+    assert errors == []
+    assert len(seen) >= 3  # torchrun and its 2 ranks, until the last cell stops them
+    assert left == []
+    connected = texts(code, "%dt_connect")[0]
+    assert "train.py on 2 ranks" in connected and "ConnectedJob: 2 ranks, running" in connected
+    held = int(re.search(r"every rank paused after step (\d+)", texts(code, "%dt_pause")[0])[1])
+    lrs = texts(code, "%%dt")[0]
+    assert "Out[rank 0]: 0.01" in lrs and "Out[rank 1]: 0.1" in lrs, lrs
+    ran = texts(code, "%dt_run --until diverged")[0]
+    assert f"step {held + 1} in " in ran and "stopped: diverged on ranks 0-1" in ran, ran
+    doctor = texts(code, "%dt_doctor")[0]
+    assert re.search(
+        r"the learning rate at step 1 is 0\.1 on rank 1 but 0\.01 on the others", doctor
+    )
+    assert "the job still runs: True" in texts(code, "%dt_disconnect")[0]
+    offline = texts(code, "job.terminate()")[0]
+    assert "the learning rate at step 1 is 0.1 on rank 1" in unwrapped(offline)
+    assert offline.rstrip().endswith("exit code 1")

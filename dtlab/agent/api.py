@@ -287,10 +287,17 @@ def job_release(token: str) -> None:
     release(token)
 
 
-def job_run_code(token: str, code: str) -> tuple[str, str]:
+def job_run_code(token: str, code: str) -> tuple[str, str, str | None]:
     from dtlab.agent.batch_engine import run_code
 
     return run_code(token, code)
+
+
+def job_last_record():
+    """This rank's StepRecord of its last step (None before its first)."""
+    from dtlab.agent.batch_engine import last_record
+
+    return last_record()
 
 
 def job_stacks() -> str:

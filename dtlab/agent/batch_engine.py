@@ -25,6 +25,7 @@ the job runs on unconnectable.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import io
 import json
@@ -46,6 +47,7 @@ STORE_KEY = "dtlab/run/engine-connection"
 ENGINE_START_S = 60.0  # how long the first step waits for its engine to register
 LEASE_S = 60.0  # a hold or a claim nobody renews for this long ends by itself
 WAIT_POLL_S = 0.5
+HELD_STACK = "Script held after step"  # how stacks() starts while the rank holds
 
 
 @dataclass
@@ -59,6 +61,9 @@ class Hold:
     lease_until: float = 0.0  # the hold ends by itself then, unless renewed
     owner: str | None = None  # the connected notebook's token
     locals: Any = None  # the script's variables while held
+    module: Any = None  # the script's module (its globals) while held
+    frame: Any = None  # the script's innermost frame while held (its greenlet's)
+    record: Any = None  # the StepRecord of the last step (what %dt_run --until reads)
     cond: threading.Condition = field(default_factory=threading.Condition)
 
 
@@ -240,13 +245,15 @@ def stop(started: EngineStart | None) -> None:
 # --- the main thread, after each optimizer step ------------------------------------------
 
 
-def boundary(step: int, script: Any, writer: Any = None, watchdog: Any = None) -> None:
+def boundary(
+    step: int, script: Any, writer: Any = None, watchdog: Any = None, record: Any = None
+) -> None:
     """After step ``step``: hold here while the notebook asks (one comparison otherwise).
     ``writer`` (the rank's RankFolder) is flushed as the hold begins, so the notebook
     reads every step up to it from the folder; ``watchdog`` hears that a held rank is
-    not a hung one."""
+    not a hung one; ``record`` is the step's StepRecord, kept for the notebook."""
     hold = HOLD
-    hold.step = step
+    hold.step, hold.record = step, record
     if hold.at is None or step < hold.at:
         return
     if writer is not None:
@@ -257,6 +264,8 @@ def boundary(step: int, script: Any, writer: Any = None, watchdog: Any = None) -
     with hold.cond:
         hold.held = step
         hold.locals = script.locals_now() if script is not None else None
+        hold.module = getattr(script, "module", None)
+        hold.frame = script.frame_now() if script is not None else None
         hold.cond.notify_all()
         while hold.at is not None and step >= hold.at:
             if time.monotonic() > hold.lease_until:
@@ -267,7 +276,7 @@ def boundary(step: int, script: Any, writer: Any = None, watchdog: Any = None) -
             if watchdog is not None:
                 watchdog.beat(step)
         hold.held = None
-        hold.locals = None
+        hold.locals = hold.module = hold.frame = None
         hold.cond.notify_all()
 
 
@@ -294,6 +303,9 @@ def claim(token: str, lease_s: float = LEASE_S) -> Where:
     with h.cond:
         if h.owner not in (None, token) and time.monotonic() < h.lease_until:
             raise PermissionError("another notebook is connected to this job")
+        if h.owner != token:  # a new notebook: a hold the last one left (it died) ends
+            h.at = None
+            h.cond.notify_all()
         h.owner, h.lease_until = token, time.monotonic() + lease_s
     return where()
 
@@ -325,31 +337,58 @@ def release(token: str) -> None:
             h.cond.notify_all()
 
 
-def run_code(token: str, code: str) -> tuple[str, str]:
+def run_code(token: str, code: str) -> tuple[str, str, str | None]:
     """``%%dt`` on a held rank: ``code`` run with the script's variables as
-    ``script_locals`` (and ``rank``); -> what it printed to stdout and stderr."""
+    ``script_locals``, its module as ``script`` (and ``rank``); -> what it printed to
+    stdout and stderr, and the repr of its last line when that is an expression (as a
+    notebook cell shows it; None otherwise)."""
     h = HOLD
     with h.cond:
         _check_owner(token)
         if h.held is None:
             raise RuntimeError("the job is running: pause it first (dt.pause())")
         h.lease_until = time.monotonic() + LEASE_S
-        namespace = {"script_locals": h.locals, "rank": _rank(), "__name__": "__dtlab__"}
-        out, err = io.StringIO(), io.StringIO()
+        namespace = {
+            "script_locals": h.locals,
+            "script": h.module,
+            "rank": _rank(),
+            "__name__": "__dtlab__",
+        }
+        body = ast.parse(code, "<%%dt>")
+        last = body.body.pop() if body.body and isinstance(body.body[-1], ast.Expr) else None
+        out, err, result = io.StringIO(), io.StringIO(), None
         with redirect_stdout(out), redirect_stderr(err):  # the script's thread waits
-            exec(compile(code, "<%%dt>", "exec"), namespace)
-    return out.getvalue(), err.getvalue()
+            exec(compile(body, "<%%dt>", "exec"), namespace)
+            if last is not None:
+                value = eval(compile(ast.Expression(last.value), "<%%dt>", "eval"), namespace)
+                result = None if value is None else repr(value)
+    return out.getvalue(), err.getvalue(), result
+
+
+def last_record() -> Any:
+    """The StepRecord of this rank's last step (None before its first)."""
+    return HOLD.record
 
 
 def stacks() -> str:
-    """Every thread's Python stack (faulthandler's, as the hang report writes them)."""
+    """Every thread's Python stack (faulthandler's, as the hang report writes them); while
+    the rank holds, first the script's own (held inside its optimizer step, in a greenlet
+    no thread shows): ``HELD_STACK`` then its frames, most recent call last."""
     import faulthandler
     import tempfile
+    import traceback
 
     with tempfile.TemporaryFile("w+") as out:
         faulthandler.dump_traceback(file=out, all_threads=True)
         out.seek(0)
-        return out.read()
+        threads = out.read()
+    h = HOLD
+    with h.cond:
+        frame, held = h.frame, h.held
+        script = "".join(traceback.format_stack(frame)) if frame is not None else ""
+    if held is None or not script:
+        return threads
+    return f"{HELD_STACK} {held} (most recent call last):\n{script}\n{threads}"
 
 
 def _check_owner(token: str) -> None:

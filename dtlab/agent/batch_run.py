@@ -137,7 +137,7 @@ def _drive(state: _Run) -> None:
         if watchdog is not None:
             watchdog.beat(rec.step)
         if state.engine is not None:
-            batch_engine.boundary(job.step_count, script, writer, watchdog)
+            batch_engine.boundary(job.step_count, script, writer, watchdog, rec)
 
 
 def _connectable(state: _Run) -> None:

@@ -262,16 +262,27 @@ class ScriptRun:
         connected notebook reads its variables (:mod:`dtlab.agent.batch_engine`)."""
         return self._locals_from(self.glet.gr_frame)
 
+    def frame_now(self):
+        """The frame of the script's own code that is making the optimizer step, while its
+        greenlet is paused (:meth:`_own_frame`; None once the script ended)."""
+        return self._own_frame(self.glet.gr_frame)
+
     def _locals_from(self, frame) -> dict:
+        own = self._own_frame(frame)
+        return own.f_locals if own is not None else self.module.__dict__
+
+    def _own_frame(self, frame):
+        """The innermost frame in a file of the script's folder, else the script's own
+        innermost frame, else None."""
         fallback = None
         while frame is not None:
             file = frame.f_code.co_filename
             if self.is_own(file):
-                return frame.f_locals
+                return frame
             if fallback is None and os.path.abspath(file) == self.path:
                 fallback = frame
             frame = frame.f_back
-        return fallback.f_locals if fallback is not None else self.module.__dict__
+        return fallback
 
     def is_own(self, file: str) -> bool:
         """Is ``file`` the script's own code: in its folder or below, and neither an

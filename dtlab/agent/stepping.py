@@ -18,7 +18,6 @@ same step, and "diverged" means the fingerprints were not all equal.
 
 from __future__ import annotations
 
-import math
 import signal
 import time
 import traceback
@@ -31,6 +30,7 @@ from dtlab.agent import job as jobs
 from dtlab.agent.groups import control_group
 from dtlab.agent.jobs_base import RankJob
 from dtlab.agent.state import RANK
+from dtlab.analysis.conditions import condition_holds
 from dtlab.records import Condition, RemoteFailure, StepRecord
 from dtlab.records.packed import pack
 from dtlab.records.wire import (
@@ -102,21 +102,6 @@ def stop_serving(keep_relay: bool = False) -> None:
     if RANK.relay is not None and not keep_relay:
         RANK.relay.close()
         RANK.relay = None
-
-
-def condition_holds(cond: Condition | None, rec: StepRecord) -> bool:
-    """Does this rank's step meet ``cond``? ("diverged" is decided across ranks instead.)"""
-    if cond is None or cond.kind == "diverged":
-        return False
-    if cond.kind == "step":
-        return rec.step >= cond.value
-    if cond.kind == "loss_above":
-        return rec.loss > cond.value
-    if cond.kind == "loss_below":
-        return rec.loss < cond.value
-    if cond.kind == "nonfinite":
-        return not math.isfinite(rec.loss) or rec.num_nonfinite > 0
-    raise ValueError(f"unknown condition kind {cond.kind!r}")
 
 
 def _combined_fingerprint(rec: StepRecord) -> int:

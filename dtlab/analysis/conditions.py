@@ -8,9 +8,10 @@ when the ranks' gradient or parameter fingerprints stop being all equal.
 
 from __future__ import annotations
 
+import math
 import re
 
-from dtlab.records import Condition
+from dtlab.records import Condition, StepRecord
 from dtlab.records.errors import InputError
 
 _FORMS = "step>=N, loss>X, loss<X, nonfinite, diverged"
@@ -46,3 +47,16 @@ def describe_condition(cond: Condition) -> str:
     if cond.kind == "loss_below":
         return f"loss<{cond.value:g}"
     return cond.kind
+
+
+def condition_holds(cond: Condition | None, rec: StepRecord) -> bool:
+    """Does this rank's step meet ``cond``? ("diverged" is decided across ranks instead.)"""
+    if cond is None or cond.kind == "diverged":
+        return False
+    if cond.kind == "nonfinite":
+        return not math.isfinite(rec.loss) or rec.num_nonfinite > 0
+    if cond.value is None or cond.kind not in ("step", "loss_above", "loss_below"):
+        raise ValueError(f"unknown condition {cond!r}")
+    if cond.kind == "step":
+        return rec.step >= cond.value
+    return rec.loss > cond.value if cond.kind == "loss_above" else rec.loss < cond.value

@@ -7,10 +7,14 @@ owner-only), finds each rank's engine and claims the job for this notebook. From
 - ``pause()`` holds every rank after the same optimizer step: each rank is asked where it
   is (its engine answers on a thread of its own, even mid-step), told to hold after one
   step past the furthest, and asked again if one had already gone past it;
-- ``step(n)`` lets them run n steps and hold again; ``continue_()`` lets them run on;
-- ``run_code(code)`` runs ``%%dt`` code on held ranks with ``script_locals`` (the
-  script's variables where it holds); ``stacks()`` every thread's stack, at any time;
-- ``trace``/``doctor()`` read every step recorded since the job began, from its folder;
+- ``step(n)`` lets them run n steps and hold again; ``run_until(cond)`` one step at a
+  time until ``cond`` holds on a rank (its record of the step read from its engine);
+  ``continue_()`` lets them run on;
+- ``run_code(code)`` / ``execute(code)`` run ``%%dt`` code on held ranks with
+  ``script_locals`` (the script's variables where it holds) and ``script`` (its module);
+  ``stacks()`` every thread's stack, at any time, a held script's first;
+- ``trace``/``checks()``/``doctor()`` read every step recorded since the job began, from
+  its folder;
 - ``disconnect()`` continues a held job first; the job runs on with nothing lost.
 
 A hold and a claim are leased (:mod:`dtlab.agent.batch_engine`): a thread renews them; a
@@ -30,8 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.agent import api
-from dtlab.analysis.ranks import label_ranks
+from dtlab.analysis.conditions import condition_holds, parse_condition
+from dtlab.analysis.ranks import label_ranks, parse_rank_spec
 from dtlab.control.errors import DtlabError, OptionError
+from dtlab.control.training import DEFAULT_MAX_STEPS
+from dtlab.records import CellOutput, Condition, RunResult
 from dtlab.records import job_folder as jf
 from dtlab.records.trace import Trace
 
@@ -57,6 +64,14 @@ _current: ConnectedJob | None = None  # the job this notebook connected to last
 
 def current_or_none() -> ConnectedJob | None:
     return None if _current is None or _current.closed else _current
+
+
+def forget() -> None:
+    """No job is the connected one any more (a read-only view of an ended job closed)."""
+    global _current
+    if _current is not None and not _current.read_only:
+        _current.disconnect()
+    _current = None
 
 
 def connect(
@@ -238,17 +253,67 @@ class ConnectedJob:
         self._held = self._waited(target, deadline)
         return self._held
 
-    def step(self, n: int = 1, timeout: float = PAUSE_TIMEOUT_S) -> int:
-        """Let every rank make ``n`` more steps and hold again; -> the step held at."""
+    def step(self, n: int = 1, timeout: float = PAUSE_TIMEOUT_S) -> RunResult:
+        """Let every rank make ``n`` more steps and hold again (pausing it first if it
+        runs); -> the RunResult, as ``Session.step`` gives it (``.last_step``: held at)."""
         self._live()
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise OptionError(f"step(n={n!r}): give a whole number of steps >= 1")
+        began = time.monotonic()
+        start = self._advance(n, timeout)
+        return RunResult(start, self._held or start, "steps", time.monotonic() - began)
+
+    def run_until(
+        self,
+        condition: Condition | str,
+        max_steps: int = DEFAULT_MAX_STEPS,
+        timeout: float = PAUSE_TIMEOUT_S,
+        progress: Any = None,
+    ) -> RunResult:
+        """Step until ``condition`` (a Condition, or text as ``%dt_run --until`` takes it:
+        ``loss>4``, ``nonfinite``, ``diverged``, ``step>=N``) holds on some rank, at most
+        ``max_steps`` steps; every rank holds after the step where it first held. One step
+        at a time, each rank's record of it read from its engine (a few ms a step)."""
+        self._live()
+        cond = parse_condition(condition) if isinstance(condition, str) else condition
+        if not isinstance(max_steps, int) or max_steps < 1:
+            raise OptionError(f"max_steps={max_steps!r}: give a whole number of steps >= 1")
+        began = time.monotonic()
+        first = self._held if self._held is not None else self.pause(timeout)
+        for done in range(1, max_steps + 1):
+            self._advance(1, timeout)
+            hit = self._hit(cond, self._call(api.job_last_record))
+            if progress is not None:
+                progress("run", done, max_steps)
+            if hit:
+                held = self._held or first
+                return RunResult(first, held, "until", time.monotonic() - began, cond, hit)
+        return RunResult(first, self._held or first, "steps", time.monotonic() - began, cond)
+
+    @staticmethod
+    def _hit(cond: Condition, records: dict[int, Any]) -> tuple[int, ...]:
+        """The ranks where ``cond`` holds on their last step ("diverged": every rank once
+        their gradient or parameter fingerprints differ)."""
+        recs = {r: rec for r, rec in records.items() if rec is not None}
+        if cond.kind == "diverged":
+            prints = {(rec.grad_fingerprint, rec.param_fingerprint) for rec in recs.values()}
+            return tuple(sorted(recs)) if len(prints) > 1 else ()
+        return tuple(sorted(r for r, rec in recs.items() if condition_holds(cond, rec)))
+
+    def _advance(self, n: int, timeout: float) -> int:
+        """Hold after ``n`` more steps; -> the step it started from."""
         start = self._held if self._held is not None else self.pause(timeout)
         deadline = time.monotonic() + timeout
         self._held = None
         self._call(api.job_hold_at, self._token, start + n, self.lease_s)
         self._held = self._waited(start + n, deadline)
-        return self._held
+        return start
+
+    def records_now(self) -> dict[int, Any]:
+        """{rank: the StepRecord of its last step} from the ranks themselves (the folder
+        lags by up to a second while the job runs)."""
+        self._live()
+        return self._call(api.job_last_record)
 
     def continue_(self) -> None:
         """Let the job run on (still connected)."""
@@ -260,11 +325,21 @@ class ConnectedJob:
 
     def run_code(self, code: str, ranks: list[int] | None = None) -> dict[int, tuple[str, str]]:
         """``%%dt`` on held ranks: ``code`` with the script's variables as
-        ``script_locals``; -> {rank: (stdout, stderr)}."""
+        ``script_locals`` and its module as ``script``; -> {rank: (stdout, stderr)}."""
+        return {r: (o.stdout, o.stderr) for r, o in self.execute(code, ranks).items()}
+
+    def execute(
+        self, code: str, ranks: str | list[int] | None = None, timeout: float = CALL_TIMEOUT_S
+    ) -> dict[int, CellOutput]:
+        """:meth:`run_code` as ``Session.execute`` gives a cell: {rank: CellOutput}, with
+        the value of a last-line expression; ``ranks`` also as text (``0-3``, ``even``)."""
         self._live()
         if self._held is None:
-            raise DtlabError("the job is running: pause it first (dt.pause())")
-        return self._call(api.job_run_code, self._token, code, ranks=ranks)
+            raise DtlabError("the job is running: pause it first (dt.pause() or %dt_pause)")
+        if isinstance(ranks, str):
+            ranks = list(parse_rank_spec(ranks, self.world_size))
+        said = self._call(api.job_run_code, self._token, code, ranks=ranks, timeout=timeout)
+        return {r: CellOutput(out, err, result) for r, (out, err, result) in said.items()}
 
     def _waited(self, step: int, deadline: float) -> int:
         """Every rank held after ``step``; else the hold is called off (a rank that gets
@@ -307,14 +382,21 @@ class ConnectedJob:
         """Every step recorded so far on every rank, read from the job folder now."""
         return Trace.load(self.folder)
 
-    def doctor(self) -> list:
-        """The doctor's checks over every step recorded since the job began."""
+    def checks(self) -> list:
+        """The doctor's checks (each with its findings or why it could not look) over every
+        step recorded since the job began, read from the folder now."""
         from dtlab.analysis.doctor import run_checks
 
         trace = self.trace
         if not len(trace):
             return []
         return run_checks(jf.read_job(self.folder).evidence(trace))
+
+    def doctor(self) -> list:
+        """The doctor's findings over every step recorded since the job began."""
+        from dtlab.analysis.doctor import all_findings
+
+        return all_findings(self.checks())
 
     # --- leaving -----------------------------------------------------------------------
     def disconnect(self) -> None:

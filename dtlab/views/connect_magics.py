@@ -1,7 +1,12 @@
 """Magics for a job started by ``torchrun ... -m dtlab.run`` (control/connect.py).
 
 %dt_connect RUN_DIR     # connect to the running job (read-only once it has ended): `dt`
+%dt_pause               # every rank holds after the same optimizer step
 %dt_disconnect          # continue it if paused, leave it running
+
+While connected, %%dt (on held ranks: `script`, `script_locals`), %dt_step, %dt_run
+--until, %dt_continue, %dt_doctor, %dt_findings, %dt_plot and %dt_stacks act on the job
+(views/magic_support.py: current_target).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from dtlab.control import connect
 from dtlab.views.magic_support import dtlab_magics, seconds
+from dtlab.views.reports import held_summary
 
 
 @dtlab_magics
@@ -46,11 +52,32 @@ class ConnectMagics(Magics):
         return None
 
     @line_magic
+    @magic_arguments()
+    @argument("--timeout", type=seconds, default=connect.PAUSE_TIMEOUT_S, help="seconds to wait")
+    def dt_pause(self, line):
+        """Hold every rank of the connected job after the same optimizer step; then %%dt,
+        %dt_step N, %dt_run --until and %dt_continue."""
+        args = parse_argstring(self.dt_pause, line)
+        job = connect.current_or_none()
+        if job is None:
+            raise UsageError(
+                "%dt_pause holds a job you connected to (%dt_connect RUN_DIR); a %dt_script "
+                "or %dt_launch job is already paused between %dt_step calls (Ctrl-C pauses "
+                "a run)"
+            )
+        step = job.pause(timeout=args.timeout)
+        print(held_summary(step, job.trace))
+
+    @line_magic
     def dt_disconnect(self, line):
         """Continue the connected job if it is paused, and leave it running."""
         job = connect.current_or_none()
         if job is None:
             print("not connected to a job; nothing to leave")
+            return
+        if job.read_only:
+            connect.forget()
+            print(f"closed the records of the ended job in {job.folder}")
             return
         job.disconnect()
         print(f"disconnected; the job in {job.folder} runs on")

@@ -34,6 +34,20 @@ def current_session():
         raise UsageError(str(e)) from None
 
 
+def connected_job():
+    """The job this notebook is connected to (``%dt_connect``, until ``%dt_disconnect``),
+    else None: while there is one, %%dt, %dt_step, %dt_run, %dt_continue, %dt_doctor,
+    %dt_findings, %dt_plot and %dt_stacks act on it."""
+    from dtlab.control import connect
+
+    return connect.current_or_none()
+
+
+def current_target():
+    """The connected job if there is one, else the live session (or a UsageError)."""
+    return connected_job() or current_session()
+
+
 def text_type(convert: Callable[[str], object]) -> Callable[[str], object]:
     """``convert`` as an argparse ``type``: its refusal (InputError) becomes argparse's
     error, which the magic shows as a UsageError after the flag's name."""

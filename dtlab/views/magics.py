@@ -26,7 +26,13 @@ from dtlab.control import lifecycle
 from dtlab.control.config import LaunchOptions
 from dtlab.control.errors import NoSessionError, RankError
 from dtlab.views.cells import collate_cell
-from dtlab.views.magic_support import current_session, dtlab_magics, option_arguments, seconds
+from dtlab.views.magic_support import (
+    current_session,
+    current_target,
+    dtlab_magics,
+    option_arguments,
+    seconds,
+)
 from dtlab.views.tables import launch_summary, rank_table, status_table
 
 
@@ -62,6 +68,7 @@ class DtlabMagics(Magics):
                 warnings.showwarning(note.message, note.category, note.filename, note.lineno)
         self.shell.user_ns["dt"] = session
         print(launch_summary(session, time.monotonic() - start, reused=session is previous))
+        _leave_connected_job()
         display(rank_table(session.infos, session.inconsistencies()))
 
     @line_cell_magic
@@ -80,9 +87,11 @@ class DtlabMagics(Magics):
         else:
             args = parse_argstring(self.dt, line)
             code, ranks, timeout = cell, args.ranks, args.timeout
-        session = current_session()
+        session = current_target()  # a connected job's held ranks, too
         try:
-            outputs = session.execute(code, ranks=ranks, timeout=timeout)
+            outputs = session.execute(
+                code, ranks=ranks, **({"timeout": timeout} if timeout else {})
+            )
         except RankError as e:
             show_cell(getattr(e, "outputs", {}))
             raise
@@ -132,6 +141,18 @@ class DtlabMagics(Magics):
         start = time.monotonic()
         session.shutdown()
         print(f"stopped {session.world_size} ranks in {time.monotonic() - start:.2f} s")
+
+
+def _leave_connected_job() -> None:
+    """After a launch the magics act on the launched ranks: a connected job (%dt_connect)
+    is left running (disconnected), an ended one's records closed."""
+    from dtlab.control import connect
+
+    job = connect.current_or_none()
+    if job is not None:
+        connect.forget()
+        how = "closed its records" if job.read_only else "disconnected; it runs on"
+        print(f"note: the magics now act on these ranks: the job in {job.folder}: {how}")
 
 
 def register(ipython) -> None:

@@ -13,9 +13,9 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from dtlab.views.checkpoint_magics import which_checkpoint
-from dtlab.views.magic_support import current_session, dtlab_magics
+from dtlab.views.magic_support import connected_job, current_session, dtlab_magics
 from dtlab.views.progress import delayed_progress
-from dtlab.views.reports import hang_table, restart_summary
+from dtlab.views.reports import connected_stacks, hang_table, restart_summary
 
 
 @dtlab_magics
@@ -24,6 +24,11 @@ class RecoveryMagics(Magics):
     def dt_stacks(self, line):
         """Every rank's Python stack and collectives, taken by its sidecar thread (works
         while ranks are stuck), and why they are stuck."""
+        job = connected_job()
+        if job is not None:  # a connected job: each rank's engine answers on its own thread
+            stacks = job.stacks()
+            print(connected_stacks(stacks))
+            return stacks
         report = current_session().hang_report()
         display(hang_table(report))
         return report

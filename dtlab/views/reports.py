@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -340,3 +341,43 @@ def _rerun_summary(world_size: int, event: dict) -> str:
     if event["compared"]:
         return f"{line}: its parameters are bit for bit those of the first run"
     return f"{line} (not compared with the first run: it was not recorded at that step)"
+
+
+def held_summary(step: int, trace) -> str:
+    """A connected job just held: where, and the ranks' losses there."""
+    losses = {r: rec.loss for r, rec in trace.at(step).items()} if len(trace) else {}
+    return f"every rank paused after step {step}" + _loss_part(losses, trace)
+
+
+def connected_stacks(stacks: dict[int, str], frames: int = 12) -> str:
+    """Where each rank of a connected job is: its script's thread (the main one), the
+    innermost ``frames`` frames; ranks at the same place said once."""
+    by_place: dict[str, list[int]] = {}
+    for rank, text in sorted(stacks.items()):
+        by_place.setdefault(_held_or_running(text, frames), []).append(rank)
+    return "\n".join(f"{label_ranks(ranks)}:\n    {place}" for place, ranks in by_place.items())
+
+
+def _held_or_running(text: str, frames: int) -> str:
+    """A held rank's script stack (agent/batch_engine.py stacks(): "Script held after
+    step N ...", most recent call last), its innermost frames; else the main thread's."""
+    if not text.startswith("Script held after step"):
+        return script_stack(text, frames)
+    lines = text.split("\n\n", 1)[0].splitlines()
+    return "\n    ".join([lines[0], *lines[1:][-2 * frames :]])
+
+
+def script_stack(stacks: str, n: int = 8) -> str:
+    """The innermost frames of the main thread, where the script runs: faulthandler lists
+    threads newest first, so it is the last (after the watchdog's own, the engine's, ...)."""
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stacks)[1:]
+    threads = [b for b in blocks if not b.startswith("Current thread")] or blocks
+    if not threads:
+        return last_lines(stacks, n)
+    lines = threads[-1].strip().splitlines()
+    return "\n    ".join(lines[: n + 1])
+
+
+def last_lines(text: str, n: int) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return "\n    ".join(lines[-n:])

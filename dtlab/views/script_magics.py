@@ -18,7 +18,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from dtlab.control.errors import OptionError, RankError, StepInterrupted
 from dtlab.views.cells import collate
-from dtlab.views.magic_support import current_session, dtlab_magics, seconds
+from dtlab.views.magic_support import connected_job, current_session, dtlab_magics, seconds
 from dtlab.views.progress import delayed_progress
 from dtlab.views.reports import run_summary, script_summary
 
@@ -131,6 +131,11 @@ class ScriptMagics(Magics):
     def dt_continue(self, line):
         """Let the paused script run free to its end; Ctrl-C pauses every rank again."""
         args = parse_argstring(self.dt_continue, line)
+        job = connected_job()
+        if job is not None:
+            job.continue_()
+            print("the job runs on; %dt_pause holds it again, %dt_disconnect leaves it")
+            return
         session = current_session()
         try:
             result = session.continue_script(timeout=args.timeout, progress=delayed_progress())

@@ -22,7 +22,13 @@ from dtlab.control.errors import OptionError, RankError, StepInterrupted
 from dtlab.control.training import DEFAULT_MAX_STEPS
 from dtlab.records import PlanError, RunResult
 from dtlab.records.trace import Trace
-from dtlab.views.magic_support import current_session, dtlab_magics, seconds
+from dtlab.views.magic_support import (
+    connected_job,
+    current_session,
+    current_target,
+    dtlab_magics,
+    seconds,
+)
 from dtlab.views.partition_magics import plan_from_text
 from dtlab.views.plots import KINDS, figure_for
 from dtlab.views.progress import delayed_progress
@@ -176,6 +182,11 @@ class TrainingMagics(Magics):
         args = parse_argstring(self.dt_step, line)
         if args.num_steps < 1:
             raise UsageError(f"the number of steps must be at least 1, got {args.num_steps}")
+        job = connected_job()
+        if job is not None:
+            timeout = {"timeout": args.timeout} if args.timeout else {}
+            print(run_summary(job.step(args.num_steps, **timeout), job.trace))
+            return
         session = current_session()
         _said(
             session,
@@ -208,6 +219,14 @@ class TrainingMagics(Magics):
         condition = parse_condition(args.until)
         if args.max_steps < 1:
             raise UsageError(f"--max-steps must be at least 1, got {args.max_steps}")
+        job = connected_job()
+        if job is not None:
+            timeout = {"timeout": args.timeout} if args.timeout else {}
+            result = job.run_until(
+                condition, args.max_steps, progress=delayed_progress(), **timeout
+            )
+            print(run_summary(result, job.trace))
+            return
         session = current_session()
         _said(
             session,
@@ -223,7 +242,7 @@ class TrainingMagics(Magics):
     @line_magic
     def dt_findings(self, line):
         """The doctor's findings on the records so far, as a table."""
-        display(findings_table(current_session().doctor()))
+        display(findings_table(current_target().doctor()))
 
     @line_magic
     @magic_arguments()
@@ -235,7 +254,7 @@ class TrainingMagics(Magics):
     def dt_doctor(self, line):
         """Run every check on the live job; findings ranked, most severe first."""
         args = parse_argstring(self.dt_doctor, line)
-        results = current_session().checks()
+        results = current_target().checks()
         findings = all_findings(results)
         # with --explain the table says why a check could not look: said once, there
         print(wrapped(doctor_summary(results, reasons=not args.explain)))
@@ -258,8 +277,16 @@ class TrainingMagics(Magics):
     def dt_plot(self, line):
         """Plot the records so far: per-rank loss, memory, time breakdown, deviation, spread."""
         args = parse_argstring(self.dt_plot, line)
-        session = current_session()
-        trace = session.require_trace()
+        job = connected_job()
+        if job is not None and args.kind == "deviation":
+            raise UsageError(
+                "%dt_plot deviation needs every parameter's values, which a connected job "
+                "does not keep: plot loss, memory, times or spread"
+            )
+        session = job or current_session()
+        trace = job.trace if job is not None else session.require_trace()
+        if not len(trace):
+            raise UsageError("no step recorded yet: let the job make a step first")
         step = trace.last_step if args.step is None else args.step
         if args.kind == "deviation" and not 1 <= step <= trace.last_step:
             raise UsageError(f"no step {step}: steps 1-{trace.last_step} were recorded")
