@@ -297,3 +297,56 @@ def test_a_hung_job_shows_its_hang_report_first_and_its_stacks(tmp_path, ip, cap
         dt.disconnect()
     finally:
         stop(proc)
+
+
+def _ds_config(tmp_path: Path) -> str:
+    config = tmp_path / "ds_config.json"
+    config.write_text(
+        '{"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2, '
+        '"optimizer": {"type": "AdamW", "params": {"lr": 0.001}}, '
+        '"zero_optimization": {"stage": 2}}'
+    )
+    return str(config)
+
+
+@pytest.mark.parametrize("form", ["hf_trainer", "deepspeed_zero2"])
+def test_a_trainer_or_deepspeed_job_connected_mid_run_ends_as_under_its_launcher(
+    form, tmp_path, request
+):
+    """An HF Trainer script under torchrun, a DeepSpeed ZeRO-2 one under the deepspeed
+    launcher: connected to mid-run, held after the same step on both ranks, the step the
+    framework itself counts read there, two steps on, continued and left; the job ends as
+    the same launcher's plain run does, every micro-batch's loss bit for bit."""
+    steps = "300"
+    if form == "hf_trainer":
+        script = str(SCRIPTS / "hf_trainer.py")
+        launcher, wrap = TORCHRUN, ["-m", "dtlab.run"]
+        theirs, ours = [script, "torchrun", "--steps", steps], [script, "dtlab", "--steps", steps]
+        # held inside optimizer step `held`: the Trainer has counted the ones before it
+        counted, expect = "script_locals['trainer'].state.global_step", -1
+    else:
+        request.getfixturevalue("deepspeed_ops")
+        script = str(SCRIPTS / "ds_zero.py")
+        launcher = [str(Path(sys.executable).parent / "deepspeed"), f"--num_gpus={N}"]
+        wrap = ["--module", "dtlab.run"]
+        args = ["--steps", steps, "--deepspeed", "--deepspeed_config", _ds_config(tmp_path)]
+        theirs, ours = [script, *args, "--out", "torchrun"], [script, *args, "--out", "dtlab"]
+        # a DeepSpeed step's boundary is engine.step() returning with global_steps moved
+        # (agent/deepspeed_observe.py): held after it, DeepSpeed has counted it
+        counted, expect = "script_locals['engine'].global_steps", 0
+    run_dir = tmp_path / "job"
+    proc = start([*launcher, *wrap, "--run-dir", str(run_dir), *ours], tmp_path)
+    try:
+        dt = connected(run_dir, proc)
+        held = dt.pause()
+        assert dt.run_code(f"print({counted})") == {r: (f"{held + expect}\n", "") for r in range(N)}
+        assert dt.step(2).last_step == held + 2
+        dt.continue_()
+        dt.disconnect()
+        _, err = finish(proc)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0 or GLOO_TEARDOWN in err, err[-3000:]
+    plain = run([*launcher, *theirs], tmp_path)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert losses(tmp_path / "dtlab") == losses(tmp_path / "torchrun")
