@@ -135,6 +135,7 @@ class PipelineJob(jobs.Job):
         self.costs: dict[str, BlockCost] = {}
         self.last_step_s: float | None = None
         self.last_events: tuple = ()
+        self.last_clock_start: float | None = None
         self.last_target: torch.Tensor | None = None
         optimizer = make_optimizer(stage.parameters())
         scheduler = make_scheduler(optimizer) if make_scheduler else None
@@ -186,6 +187,7 @@ class PipelineJob(jobs.Job):
             self.runner.step(return_outputs=False)
         t2 = self._now()
         self.last_events, self.last_step_s = tuple(self.timed.events), t2 - t1
+        self.last_clock_start = self.timed.started
         loss = self._share_loss(losses)
         forward = sum(e.end - e.start for e in self.last_events if e.phase == "F")
         indices = tuple(int(i) for i in self.indices(batch))
@@ -256,6 +258,7 @@ class PipelineJob(jobs.Job):
             step_s=self.last_step_s,
             events=self.last_events,
             costs=costs,
+            clock_start=self.last_clock_start,
         )
 
     @contextlib.contextmanager

@@ -6,7 +6,8 @@ and per-rank :class:`~dtlab.records.stages.StageReport` that return :class:`Bala
 1. collect (each rank, agent/): a ``StageReport`` after a step; ``BlockCost`` from profiling.
 2. combine (notebook, here): :func:`predict_balance` simulates the schedule from block
    costs; :func:`measured_balance` reads the reports of one step.
-3. present (views/): :func:`compare` for one line, figures from ``Balance.events``.
+3. present (views/): :func:`compare` for one line, figures from ``Balance.events`` (measured
+   events put on one time base by :mod:`dtlab.analysis.clock_align`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dtlab.analysis.clock_align import ClockAlignment, aligned_events
 from dtlab.analysis.timing import Change, describe
 from dtlab.records import Plan, PlanError
 from dtlab.records.stages import BlockCost, ScheduleEvent, StageReport
@@ -62,6 +64,8 @@ class Balance:
     step_s: float | None  # the schedule's wall time (simulated when predicted)
     bubble: float | None  # idle fraction of the stages over the step, 0..1
     events: tuple[ScheduleEvent, ...] = ()  # one step's schedule, all stages
+    # measured: the ranks' clocks put on stage 0's (None: simulated, one clock already)
+    clock: ClockAlignment | None = None
 
     @property
     def imbalance(self) -> float | None:
@@ -183,11 +187,15 @@ def measured_balance(plan: Plan, reports: Mapping[int, StageReport]) -> Balance:
         )
     microbatches, schedule = runs.pop()
     stages = tuple(_measured_stage(r, plan.num_stages) for r in ordered)
-    events = tuple(sorted((e for r in ordered for e in r.events), key=_event_key))
+    events: tuple[ScheduleEvent, ...] = ()
+    clock = None
+    if any(r.events for r in ordered):  # each rank timed its stage on its own clock
+        shifted, clock = aligned_events({r.stage: r.events for r in ordered})
+        events = tuple(sorted(shifted, key=_event_key))
     step_times = [r.step_s for r in ordered if r.step_s is not None]
     step_s = max(step_times) if step_times else None
     bubble = bubble_fraction(events, plan.num_stages) if events else None
-    return Balance(plan, stages, microbatches, schedule, True, step_s, bubble, events)
+    return Balance(plan, stages, microbatches, schedule, True, step_s, bubble, events, clock)
 
 
 def compare(before: Balance, after: Balance, steps: Change | None = None) -> str:

@@ -34,8 +34,9 @@ class BlockCost:
 class ScheduleEvent:
     """One micro-batch's forward (``"F"``) or backward (``"B"``) on one stage.
 
-    ``start``/``end`` in seconds from the start of the step (measured on the rank, or
-    predicted by a simulation of the schedule).
+    ``start``/``end`` in seconds from the start of the step: as a rank reports them, on its
+    own clock from its own step start; in a measured ``Balance``, on stage 0's clock from
+    its step start (:mod:`dtlab.analysis.clock_align`); or predicted by a simulation.
     """
 
     stage: int
@@ -63,3 +64,5 @@ class StageReport:
     step_s: float | None  # the schedule's wall time in that step
     events: tuple[ScheduleEvent, ...] = ()
     costs: tuple[BlockCost, ...] = ()
+    # the rank's clock (time.perf_counter) at the step start its events count from
+    clock_start: float | None = None

@@ -19,6 +19,7 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from dtlab.analysis.balance import Balance, StageBalance
+from dtlab.analysis.clock_align import ClockAlignment
 from dtlab.records import Plan
 from dtlab.records.stages import BlockCost, ScheduleEvent
 from dtlab.views.figures import _PHASE_COLORS, MIB, PHASES, TEMPLATE, _layout
@@ -52,6 +53,25 @@ def stage_blocks(plan: Plan) -> list[tuple[str, ...]]:
 
 def _stage_label(sb: StageBalance) -> str:
     return f"stage {sb.stage}" + ("" if sb.rank is None else f" (rank {sb.rank})")
+
+
+def _stage_tick(sb: StageBalance) -> str:
+    # the axis is titled "stage"; a panel a third of a notebook wide fits "3", not
+    # "stage 3 (rank 3)" (plotly tilted those into each other); the rank only if it differs
+    return str(sb.stage) + ("" if sb.rank in (None, sb.stage) else f"<br>rank {sb.rank}")
+
+
+def _stage_axis(fig: go.Figure, stages: Sequence[StageBalance], col: int) -> None:
+    """Ticks of ``_stage_tick``'s short text at the bars' full labels (hover keeps them)."""
+    fig.update_xaxes(
+        title_text="stage",
+        tickvals=[_stage_label(s) for s in stages],
+        ticktext=[_stage_tick(s) for s in stages],
+        tickangle=0,
+        automargin=True,
+        row=1,
+        col=col,
+    )
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -162,6 +182,9 @@ def _add_memory_bars(fig: go.Figure, stages: Sequence[StageBalance]) -> None:
         )
 
 
+_BELOW = {"orientation": "h", "y": -0.2, "yanchor": "top"}
+
+
 def balance_figure(balance: Balance) -> go.Figure:
     """Per stage: forward + backward ms per micro-batch (left), memory in MiB (right).
 
@@ -179,6 +202,8 @@ def balance_figure(balance: Balance) -> go.Figure:
     _add_memory_bars(fig, balance.stages)
     fig.update_yaxes(title_text="time (ms)", row=1, col=1)
     fig.update_yaxes(title_text="memory (MiB)", row=1, col=2)
+    for col in (1, 2):
+        _stage_axis(fig, balance.stages, col)
     head, facts = _summary(balance)
     fig.update_layout(
         title={"text": head, "subtitle": {"text": facts}},
@@ -187,9 +212,11 @@ def balance_figure(balance: Balance) -> go.Figure:
         height=440,
         barmode="stack",
         hovermode="closest",
-        # compute and memory are different quantities: one legend each, under its panel
-        legend={"title": {"text": "compute"}, "orientation": "h", "x": 0.0, "y": -0.12},
-        legend2={"title": {"text": "memory"}, "orientation": "h", "x": 0.56, "y": -0.12},
+        # compute and memory are different quantities: one legend each, on one row under
+        # the axis titles, the memory one held to the right edge (from its panel's left
+        # edge its four entries ran out of the figure)
+        legend={**_BELOW, "title": {"text": "compute"}, "x": 0.0, "xanchor": "left"},
+        legend2={**_BELOW, "title": {"text": "memory"}, "x": 1.0, "xanchor": "right"},
     )
     return fig
 
@@ -200,14 +227,26 @@ def _phase_name(phase: str) -> str:
     return PHASE_NAMES[phase]
 
 
+def _clock_note(clock: ClockAlignment | None, stage: int) -> str:
+    """The hover's line on how far this stage's clock may be off stage 0's."""
+    if clock is None or stage == 0 or stage >= len(clock.bounds_s):
+        return ""
+    return f"<br>clock vs stage 0: ±{sum(clock.bounds_s[: stage + 1]) * 1000:.2f} ms"
+
+
 def schedule_figure(
-    events: Sequence[ScheduleEvent], *, title: str = "Pipeline schedule of one step"
+    events: Sequence[ScheduleEvent],
+    *,
+    title: str = "Pipeline schedule of one step",
+    clock: ClockAlignment | None = None,
 ) -> go.Figure:
     """One row per stage (stage 0 on top), one bar per event from its start to its end (ms).
 
     Two traces, ``"forward"`` and ``"backward"``, always (empty before a step has run, with
     a note saying so), so a live view can update them in place. Each bar shows its
-    micro-batch; gaps between bars are the stage's idle time.
+    micro-batch; gaps between bars are the stage's idle time. ``clock``: how the ranks'
+    clocks were put on stage 0's (``Balance.clock``); the subtitle and the x axis say so.
+    Without it the events are taken to share one clock (a simulation's).
     """
     by_phase: dict[str, list[ScheduleEvent]] = {"forward": [], "backward": []}
     for e in events:
@@ -227,10 +266,11 @@ def schedule_figure(
                 insidetextanchor="middle",
                 textangle=0,
                 customdata=[[e.microbatch, e.start * 1000, e.end * 1000] for e in evs],
+                hovertext=[_clock_note(clock, e.stage) for e in evs],
                 hovertemplate=(
                     f"%{{y}}, micro-batch %{{customdata[0]}}, {phase}<br>"
                     "%{customdata[1]:.2f} to %{customdata[2]:.2f} ms "
-                    "(%{x:.2f} ms)<extra></extra>"
+                    "(%{x:.2f} ms)%{hovertext}<extra></extra>"
                 ),
             )
         )
@@ -252,7 +292,15 @@ def schedule_figure(
             showarrow=False,
         )
     height = min(700, 160 + 50 * max(len(stages), 2))
-    return _layout(fig, title, "time from step start (ms)", "stage", height, "closest")
+    if clock is None:
+        return _layout(fig, title, "time from step start (ms)", "stage", height, "closest")
+    _layout(fig, title, "time from stage 0's step start, on its clock (ms)", "stage", height)
+    fig.update_layout(
+        title={"text": title, "subtitle": {"text": clock.describe()}},
+        margin={"t": 90},
+        hovermode="closest",
+    )
+    return fig
 
 
 def _strip_values(

@@ -4,7 +4,7 @@
 %dt_partition --profile              # measure each block's forward/backward/activations
 %dt_partition --predict parameters   # a plan's predicted balance, nothing moves
 %dt_partition --apply 2,4,6          # move the boundaries of the running job
-%dt_partition --schedule             # one step's schedule per rank, as a timeline
+%dt_partition --schedule             # one step's schedule per rank, on one time base
 %dt_partition --export megatron      # the plan as deepspeed | megatron | torchtitan
 %dt_partition --editor               # the partition editor widget
 
@@ -106,7 +106,7 @@ class PartitionMagics(Magics):
             return None
         balance = dt.balance()
         if args.schedule:
-            return schedule_figure(balance.events)
+            return schedule_figure(balance.events, clock=balance.clock)
         print(balance.plan.describe())
         display(balance_table(balance, _recent_steps(dt)))
         return balance_figure(balance)
