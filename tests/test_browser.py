@@ -5,8 +5,9 @@ off), opens it in Debian's chromium (``executable_path``; no browser is download
 it as a person would (Run All Above the shutdown cell), then clicks the dashboard's Step
 button, opens the partition editor on a pipeline, moves a boundary and clicks Apply, and
 opens ``dt.report()``'s HTML file in the same browser. Screenshots go to
-``$DTLAB_SCREENSHOTS`` (default ``runs/screenshots/``). Without chromium the test is
-skipped with the reason, unless ``DTLAB_REQUIRE_BROWSER=1`` (``.ci/run`` sets it).
+``$DTLAB_SCREENSHOTS`` (default ``docs/gallery/``, tracked: docs/gallery.md shows them).
+Without chromium the test is skipped with the reason, unless ``DTLAB_REQUIRE_BROWSER=1``
+(``.ci/run`` sets it).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from dtlab.control.cluster import running
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
-SCREENSHOTS = Path(os.environ.get("DTLAB_SCREENSHOTS", ROOT / "runs" / "screenshots"))
+# docs/gallery.md shows these: kept in git, so a page on a code host shows them; every run
+# writes them afresh (a changed image is a diff to look at, never a failure)
+SCREENSHOTS = Path(os.environ.get("DTLAB_SCREENSHOTS", ROOT / "docs" / "gallery"))
 BROWSER_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -53,6 +56,39 @@ VIEWS = (
     ("%dt_doctor --explain", "11-doctor.png"),
     ("%dt_bandwidth --max 256K --iters 2", "12-bandwidth.png"),
 )
+# per graph: tick labels ellipsized, outside the graph or over one another; legends outside
+# the graph or over a tick label or another legend. A tilted tick label is its rotated box
+# (four corners on the page; two boxes overlap unless an edge of one separates them), since
+# the upright boxes of neighbouring tilted labels overlap where the letters do not.
+TICKS_AND_LEGENDS_JS = """() => [...document.querySelectorAll('.js-plotly-plot')]
+  .flatMap(gd => {
+    const box = gd.getBoundingClientRect(), bad = [];
+    const corners = n => { const b = n.getBBox(), m = n.getScreenCTM();
+      return [[b.x, b.y], [b.x + b.width, b.y], [b.x + b.width, b.y + b.height],
+              [b.x, b.y + b.height]].map(([x, y]) => new DOMPoint(x, y).matrixTransform(m)); };
+    const apart = (p, q) => [p, q].some(poly => poly.some((a, i) => {
+      const b = poly[(i + 1) % 4], nx = b.y - a.y, ny = a.x - b.x;
+      const side = pts => pts.map(c => (c.x - a.x) * nx + (c.y - a.y) * ny);
+      const s = side(p), t = side(q), sq = Math.hypot(nx, ny);
+      return Math.min(...s) >= Math.max(...t) - sq || Math.min(...t) >= Math.max(...s) - sq;
+    }));
+    const inside = poly => poly.every(c => c.x >= box.left - 1 && c.x <= box.right + 1
+      && c.y >= box.top - 1 && c.y <= box.bottom + 1);
+    const drawn = nodes => nodes.map(n => [n.textContent, corners(n)])
+      .filter(([_, p]) => p[2].x !== p[0].x && p[2].y !== p[0].y);
+    const ticks = drawn([...gd.querySelectorAll('.xtick text, .ytick text')]);
+    const legends = drawn([...gd.querySelectorAll('g.legend .bg')]);
+    ticks.forEach(([t, p], i) => {
+      if (t.includes('\\u2026')) bad.push(['ellipsized tick', t]);
+      if (!inside(p)) bad.push(['tick outside the graph', t]);
+      ticks.slice(i + 1).filter(([_, q]) => !apart(p, q))
+        .forEach(([u]) => bad.push(['ticks overlap', t, u])); });
+    legends.forEach(([t, p], i) => {
+      if (!inside(p)) bad.push(['legend outside the graph', i]);
+      ticks.filter(([_, q]) => !apart(p, q)).forEach(([u]) => bad.push(['legend over tick', u]));
+      legends.slice(i + 1).filter(([_, q]) => !apart(p, q))
+        .forEach(() => bad.push(['legends overlap'])); });
+    return bad; })"""
 VIEWPORT = {"width": 1280, "height": 900}  # a laptop's screen: what must fit, fits here
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(2400)]
@@ -242,9 +278,9 @@ class Lab:
                 f"wanted {at_least} drawn graphs, saw {self.plots()}; console: {self.errors}"
             ) from None
 
-    def check_titles_fit(self) -> None:
+    def check_figures_fit(self) -> None:
         """Every graph's title (and subtitle) lies inside its graph: nothing clipped; no
-        title, subtitle or note lies over another."""
+        title, subtitle or note lies over another; tick labels and legends fit (below)."""
         outside = self.page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')]
             .flatMap(gd => { const box = gd.getBoundingClientRect();
               return [...gd.querySelectorAll('.gtitle, .gtitle-subtitle')].filter(t => {
@@ -261,6 +297,14 @@ class Lab:
                 r.left < q.right - 1 && q.left < r.right - 1 && r.top < q.bottom - 1
                 && q.top < r.bottom - 1).map(([b]) => [a, b])); })""")
         assert overlaps == [], f"texts drawn over each other: {overlaps}"
+        self.check_ticks_and_legends_fit()
+
+    def check_ticks_and_legends_fit(self) -> None:
+        """Every graph's tick labels are whole (none cut to an ellipsis), inside the graph
+        and apart from each other; every legend lies inside its graph and over no tick
+        label or other legend."""
+        bad = self.page.evaluate(TICKS_AND_LEGENDS_JS)
+        assert bad == [], f"tick labels or legends that do not fit: {bad}"
 
     def show_output(self, index: int) -> None:
         """Scroll cell ``index``'s output to the top of the window (for its screenshot)."""
@@ -316,7 +360,7 @@ def _run_the_quickstart(nb: Lab) -> None:
     assert table.count() >= 1 and table.first.locator("tbody tr").count() == 8
     nb.page.get_by_role("button", name="Step", exact=True).first.wait_for()
     nb.wait_for_plots(3)  # a busy machine draws late: wait on what the page shows
-    nb.check_titles_fit()
+    nb.check_figures_fit()
     _dashboard_fits_the_window(nb.page)
 
 
@@ -356,7 +400,7 @@ def _move_a_boundary_in_the_editor(nb: Lab, page) -> None:
         timeout=WAIT_S * 1000,
     )
     page.locator(".widget-html", has_text="moved 1 block(s)").scroll_into_view_if_needed()
-    nb.check_titles_fit()  # the measured balance's title with its numbers (once clipped)
+    nb.check_figures_fit()  # the measured balance's title with its numbers (once clipped)
     nb.shot("06-editor-applied.png")
 
 
@@ -370,7 +414,10 @@ def _balance_schedule_doctor_and_bandwidth(nb: Lab) -> None:
         nb.show_output(at)
         if not line.startswith("%dt_doctor"):
             nb.wait_for_plots(drawn + 1)
-            nb.check_titles_fit()
+            nb.check_figures_fit()
+        if line == "%dt_partition":  # the table above fills the window: show the figure
+            nb.page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')]
+                .pop().scrollIntoView({block: 'end'})""")
         nb.shot(name)
         if line == "%dt_partition --schedule":
             # every micro-batch number drawn in a bar is readable (too-short bars show
@@ -400,7 +447,7 @@ def _open_the_report(nb: Lab, browser, work: Path, errors: list[str]) -> None:
     drawn = page.evaluate("""() => [...document.querySelectorAll('.js-plotly-plot')]
         .map(gd => gd.querySelectorAll('.trace, .barlayer .point, .scatterlayer path').length)""")
     assert drawn and all(n > 0 for n in drawn), drawn
-    Lab(page, errors).check_titles_fit()
+    Lab(page, errors).check_figures_fit()
     page.screenshot(path=str(SCREENSHOTS / "07-report.png"), full_page=True)
     page.close()
 
@@ -424,7 +471,7 @@ def _every_plot_kind_and_the_checkpoint_browser(nb: Lab) -> None:
         nb.insert_and_run(at, line)
         at += 1
     nb.wait_for_plots(before + len(PLOTS))
-    nb.check_titles_fit()
+    nb.check_figures_fit()
     nb.shot("03-plots.png")
     nb.insert_and_run(at, CHECKPOINT_CELL)
     assert "checkpoint of step " in nb.cell_text(at + 1), nb.cell_text(at + 1)

@@ -10,6 +10,8 @@ from dtlab.analysis.bandwidth import Sweep
 from dtlab.views.figures import _layout
 from dtlab.views.tables import Table
 
+MAX_SIZE_TICKS = 8  # "256 KiB" is ~50 px: eight fit a notebook-wide figure
+
 
 def _size(nbytes: int) -> str:
     for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
@@ -56,5 +58,9 @@ def bandwidth_figure(sweeps: Sequence[Sweep]) -> go.Figure:
         380,
         hovermode="closest",
     )
-    fig.update_xaxes(type="log")
+    # ticks at swept sizes, in bytes as the table writes them: plotly's own log ticks
+    # labelled 2..9 between decades, and "9" ran into "1000"
+    sizes = sorted({p.size for sweep in sweeps for p in sweep.points})
+    ticks = sizes[:: -(-len(sizes) // MAX_SIZE_TICKS)] if sizes else []
+    fig.update_xaxes(type="log", tickvals=ticks, ticktext=[_size(n) for n in ticks])
     return fig
