@@ -2,6 +2,8 @@
 
     python benchmarks/checkpoint.py                           # 100e6 params (1.2 GB), 4 ranks
     python benchmarks/checkpoint.py --params 2e6 --repeats 1  # a quick check
+    python benchmarks/checkpoint.py --s3                      # also dtlab to a bucket
+    python benchmarks/checkpoint.py --s3 s3://bucket/prefix   # ... a real one (AWS_* vars)
 
 Starts its own ranks (torch.multiprocessing spawn, gloo on 127.0.0.1, one thread each) and
 builds one job on every rank: a stack of ``nn.Linear`` layers of about --params parameters
@@ -22,6 +24,14 @@ to a temp folder under /tmp and are deleted between repeats; nothing is dropped 
 page cache, so these are page-cache write and read speeds of this machine. Also measured
 apart for dtlab: re-reading and checksumming each rank's own files (what a save avoids by
 checksumming while it writes; share of the save time).
+- with ``--s3``: dtlab to a bucket (``dtlab.control.object_store``, what
+  ``dt.checkpoint_root = "s3://..."`` does): the same save into a local staging folder, then
+  rank 0 uploads it (hashing every file, manifest last); the load fetches it back into a
+  local folder (every object size- and checksum-checked) on rank 0, then every rank loads
+  it. Without a URL a moto S3 server on loopback (its own process) is the bucket: that
+  measures dtlab's and the S3 protocol's cost on this machine, not a network's. Then the
+  demo job on a dtlab session: ``dt.checkpoint()``/``dt.load_checkpoint`` to a local root
+  and to the bucket, side by side.
 Ratios are dtlab / other: 1.50x means dtlab takes 50% longer. Medians over --repeats.
 """
 
@@ -40,7 +50,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 METHODS = ("dtlab", "dcp", "torch.save")
-LABELS = {"dtlab": "dtlab save/load", "dcp": "DCP alone", "torch.save": "torch.save (rank 0)"}
+LABELS = {
+    "dtlab": "dtlab save/load",
+    "dtlab+s3": "dtlab to a bucket",
+    "dcp": "DCP alone",
+    "torch.save": "torch.save (rank 0)",
+}
 
 
 # --- on every rank --------------------------------------------------------------------
@@ -168,7 +183,45 @@ def run_torch_save(job, folder: Path, token: str, rank: int) -> dict:
     return {"save_s": save_s, "load_s": load_s}
 
 
-RUNNERS = {"dtlab": run_dtlab, "dcp": run_dcp, "torch.save": run_torch_save}
+def run_dtlab_s3(job, folder: Path, token: str, rank: int, url: str) -> dict:
+    """dtlab's save, uploaded by rank 0; fetched back by rank 0, loaded by every rank."""
+    import torch.distributed as dist
+
+    from dtlab.agent import checkpoint, restore
+    from dtlab.control.object_store import Bucket
+
+    bucket = Bucket(f"{url}/{token}", folder / "fetched")
+    uploaded: dict = {}
+
+    def save():
+        info = checkpoint.save(str(folder), token)
+        if rank == 0:
+            uploaded["info"] = bucket.upload(Path(info["path"]), info["step"])
+            shutil.rmtree(info["path"])  # the bucket holds it now, as dt.checkpoint leaves it
+        return info
+
+    save_s, info = timed(save)
+    zero_state(job)
+    path = bucket.fetched / f"step-{info['step']:07d}"
+
+    def load():
+        if rank == 0:
+            bucket.fetch(uploaded["info"])
+        dist.barrier()
+        return restore.load(str(path))
+
+    load_s, result = timed(load)
+    if rank == 0:
+        bucket.remove(uploaded["info"])
+    return {"save_s": save_s, "load_s": load_s, "notes": result["notes"]}
+
+
+RUNNERS = {
+    "dtlab": run_dtlab,
+    "dtlab+s3": run_dtlab_s3,
+    "dcp": run_dcp,
+    "torch.save": run_torch_save,
+}
 
 
 def worker(rank: int, world: int, port: int, root: str, args: dict) -> None:
@@ -187,13 +240,15 @@ def worker(rank: int, world: int, port: int, root: str, args: dict) -> None:
     job = build_job(args["params"], args["width"])
     control_group()  # dtlab's gloo group is made on first use: not inside a timed save
     expected = signature(job)
-    runs: dict = {m: [] for m in METHODS}
+    methods = METHODS + (("dtlab+s3",) if args.get("s3_url") else ())
+    runs: dict = {m: [] for m in methods}
     for repeat in range(args["repeats"]):
-        shift = repeat % len(METHODS)
-        order = METHODS[shift:] + METHODS[:shift]
+        shift = repeat % len(methods)
+        order = methods[shift:] + methods[:shift]
         for method in order:
-            folder = Path(root) / method.replace(".", "_")
-            out = RUNNERS[method](job, folder, f"r{repeat}", rank)
+            folder = Path(root) / method.replace(".", "_").replace("+", "_")
+            extra = (args["s3_url"],) if method == "dtlab+s3" else ()
+            out = RUNNERS[method](job, folder, f"r{repeat}", rank, *extra)
             out["restored"] = all_true(signature(job) == expected)
             if rank == 0:
                 shutil.rmtree(folder, ignore_errors=True)
@@ -295,7 +350,88 @@ def report(summary: dict, result: dict, args: argparse.Namespace) -> str:
     ]
     if notes:
         lines.append(f"- dtlab load notes: {sorted(notes)}")
+    if "dtlab+s3" in summary:
+        where = "a moto S3 server on loopback" if args.s3 == "moto" else "the bucket given"
+        lines.append(
+            f"- dtlab to a bucket: {where}; save = the local save + rank 0's upload (manifest "
+            "last), load = rank 0's verified fetch + every rank's load."
+        )
     return "\n".join(lines)
+
+
+def demo_side_by_side(ranks: int, url: str, repeats: int) -> dict:
+    """The demo job on a dtlab session: ``dt.checkpoint()`` and ``dt.load_checkpoint`` to a
+    local root and to the bucket, alternately; medians in seconds."""
+    import dtlab
+    from dtlab import demo
+
+    session = dtlab.launch(ranks, progress=lambda *a: None)
+    local = Path(tempfile.mkdtemp(prefix="dtlab-ckpt-bench-demo-", dir="/tmp"))
+    times: dict = {"local": {"save_s": [], "load_s": []}, "bucket": {"save_s": [], "load_s": []}}
+    try:
+        demo.attach(session)
+        session.step(2)
+        for repeat in range(repeats):
+            for where, root in (("local", local), ("bucket", f"{url}/demo-{repeat}")):
+                session.checkpoint_root = root
+                start = time.perf_counter()
+                saved = session.checkpoint()
+                times[where]["save_s"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                session.load_checkpoint(saved.step)
+                times[where]["load_s"].append(time.perf_counter() - start)
+                size = saved.size_bytes
+    finally:
+        session.shutdown()
+        shutil.rmtree(local, ignore_errors=True)
+    out = {w: {k: statistics.median(v) for k, v in t.items()} for w, t in times.items()}
+    return {"bytes": size, **out}
+
+
+def demo_report(demo: dict) -> str:
+    mb = demo["bytes"] / 1e6
+    lines = [
+        "",
+        f"The demo job (dt.checkpoint() / dt.load_checkpoint(), {mb:.1f} MB checkpoint):",
+        "",
+        "| root | save s | load s |",
+        "|---|---|---|",
+    ]
+    for where in ("local", "bucket"):
+        lines.append(f"| {where} | {demo[where]['save_s']:.2f} | {demo[where]['load_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def start_moto() -> tuple[object, str]:
+    """moto's S3 server on a free loopback port, in its own process, with a bucket."""
+    import subprocess
+
+    import boto3
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.1)
+    os.environ.update(
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}",
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    boto3.client("s3").create_bucket(Bucket="bench")
+    return proc, "s3://bench/checkpoints"
 
 
 def main() -> None:
@@ -306,14 +442,34 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800, help="for the whole run, s")
     parser.add_argument("--json", help="where to write results (default benchmarks/results/)")
+    parser.add_argument(
+        "--s3",
+        nargs="?",
+        const="moto",
+        default=None,
+        metavar="URL",
+        help="also dtlab to a bucket: s3://bucket/prefix (AWS_* variables), or none: moto",
+    )
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="dtlab-ckpt-bench-", dir="/tmp")
+    moto = None
     try:
+        if args.s3 == "moto":
+            moto, args.s3_url = start_moto()
+        else:
+            args.s3_url = args.s3
         result = spawn(args.ranks, root, vars(args), args.timeout)
+        if args.s3_url:
+            result["demo"] = demo_side_by_side(args.ranks, args.s3_url, args.repeats)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        if moto is not None:
+            moto.kill()  # type: ignore[attr-defined]
+            moto.wait()  # type: ignore[attr-defined]
     summary = summarize(result)
     print(report(summary, result, args))
+    if "demo" in result:
+        print(demo_report(result["demo"]))
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(args.json or HERE.parent / "results" / f"checkpoint-{stamp}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

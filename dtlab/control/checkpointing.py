@@ -7,7 +7,10 @@
 folder, lists the catalogue (:mod:`dtlab.records.checkpoints`) and reports.
 
 The checkpoint root is ``$DTLAB_CHECKPOINT_DIR``, else ``<runs dir>/checkpoints``; with
-ranks on several hosts it must be a filesystem every host and the notebook share.
+ranks on several hosts it must be a filesystem every host and the notebook share. A root
+``s3://bucket/prefix`` is object storage (:mod:`dtlab.control.object_store`): the ranks
+save into a local staging folder under the runs folder, the notebook uploads it (manifest
+last) and fetches a checkpoint back, verified, before the ranks load it.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from pathlib import Path
 
 from dtlab.agent import api
 from dtlab.control.errors import DtlabError, OptionError, RankError
+from dtlab.control.object_store import Bucket, ObjectStoreError, is_url
 from dtlab.control.stepper import Stepper
 from dtlab.control.world import World
 from dtlab.records.checkpoints import (
     CHOOSE_ANOTHER,
+    CheckpointError,
     CheckpointInfo,
     catalogue,
     commit,
@@ -51,35 +56,76 @@ class Checkpointing:
         # how to build the job again on fresh engines: (setup, args, kwargs)
         self.job_setup: tuple[Callable | str, tuple, dict] | None = None
         self.autosave_every: int | None = None
-        self._checkpoint_root: Path | None = None
+        self._checkpoint_root: Path | Bucket | None = None
+        self._env_bucket: Bucket | None = None
 
     # --- where ------------------------------------------------------------------------
     @property
-    def checkpoint_root(self) -> Path:
+    def checkpoint_root(self) -> Path | Bucket:
+        """A local folder, or a :class:`Bucket` (``s3://bucket/prefix``)."""
         if self._checkpoint_root is not None:
             return self._checkpoint_root
         env = os.environ.get(CHECKPOINT_DIR_ENV)
+        if env and is_url(env):
+            if self._env_bucket is None or self._env_bucket.url != env.rstrip("/"):
+                self._env_bucket = self._bucket(env)  # one connection, not one per call
+            return self._env_bucket
         base = Path(env) if env else Path(os.environ.get(RUNS_DIR_ENV) or "runs") / "checkpoints"
         return base.absolute()
 
     @checkpoint_root.setter
     def checkpoint_root(self, path: str | os.PathLike) -> None:
-        self._checkpoint_root = Path(path).absolute()
+        self._checkpoint_root = self._bucket(path) if is_url(path) else Path(path).absolute()
+
+    @staticmethod
+    def _bucket(url) -> Bucket:
+        work = Path(os.environ.get(RUNS_DIR_ENV) or "runs").absolute() / "checkpoint-staging"
+        try:
+            return Bucket(str(url), work)
+        except ObjectStoreError as e:
+            raise OptionError(str(e)) from None
 
     # --- save ---------------------------------------------------------------------------
-    def checkpoint(self, tag: str | None = None) -> CheckpointInfo:
+    def checkpoint(
+        self, tag: str | None = None, *, to: str | os.PathLike | None = None
+    ) -> CheckpointInfo:
         """Save the job's full state now, on every rank; the checkpoint exists only when
-        every rank wrote its part (else CheckpointFailed, earlier ones untouched)."""
+        every rank wrote its part (else CheckpointFailed, earlier ones untouched). ``to``:
+        this save's root (a folder or ``s3://bucket/prefix``) instead of the root's."""
         self.stepper.sync_job()  # a job must be attached; also starts the trace
-        root, token = self.checkpoint_root, secrets.token_hex(4)
+        where: Path | Bucket
+        if to is None:
+            where = self.checkpoint_root
+        else:
+            where = self._bucket(to) if is_url(to) else Path(to).absolute()
+        root = where.staging() if isinstance(where, Bucket) else where
+        token = secrets.token_hex(4)
         try:  # the ranks write a finished .partial-* folder; only this commits it
             saved = self._on_ranks(api.save, str(root), token, tag, False, what="save")
         except BaseException:  # a rank failed or died at any point: nothing new is kept
             remove_partial(root, token)
             raise
+        if isinstance(where, Bucket):
+            return self._upload(where, Path(saved[0]["path"]), saved[0]["step"])
         final = commit(root, Path(saved[0]["path"]), saved[0]["step"])
         info = describe(final)
         assert info is not None  # commit gave it a checkpoint's name
+        return info
+
+    def _upload(self, bucket: Bucket, staged: Path, step: int) -> CheckpointInfo:
+        try:
+            info = bucket.upload(staged, step)
+        except BaseException as e:  # kept, complete, as a local checkpoint: not lost
+            bucket.kept.mkdir(parents=True, exist_ok=True)
+            kept = commit(bucket.kept, staged, step)
+            if not isinstance(e, (CheckpointError, ObjectStoreError)):
+                raise
+            raise CheckpointFailed(
+                f"checkpoint of step {step} not saved to {bucket}: {e}. Nothing of it lists "
+                f"as complete there; the job is as it was. It is kept on this machine: "
+                f"dt.load_checkpoint('{kept}') loads it"
+            ) from None
+        shutil.rmtree(staged, ignore_errors=True)
         return info
 
     def checkpoint_every(self, steps: int | None) -> None:
@@ -87,12 +133,18 @@ class Checkpointing:
         the run with its error; the job stays as it was after the step."""
         if steps is not None and steps < 0:
             raise OptionError(f"steps must be positive (or 0/None to stop), got {steps}")
+        if steps and isinstance(self.checkpoint_root, Bucket):
+            raise OptionError(
+                f"periodic saves go to a local folder: the root is {self.checkpoint_root}; "
+                "set dt.checkpoint_root to a folder for checkpoint_every (saves to a bucket "
+                "are taken with dt.checkpoint())"
+            )
         self.world.run(api.set_autosave, str(self.checkpoint_root), steps or None)
         self.autosave_every = steps or None  # re-applied where dtlab rebuilds the job
 
     def apply_autosave(self, on: bool) -> None:
         """Periodic saves off during a replay (its steps are not the job's), back after."""
-        if self.autosave_every:
+        if self.autosave_every and not isinstance(self.checkpoint_root, Bucket):
             self.world.run(
                 api.set_autosave, str(self.checkpoint_root), self.autosave_every if on else None
             )
@@ -100,7 +152,13 @@ class Checkpointing:
     def checkpoints(self, *, verify: bool = False) -> list[CheckpointInfo]:
         """Every checkpoint under the root, oldest step first. ``verify`` reads each file
         for its checksum (else sizes only)."""
-        return catalogue(self.checkpoint_root, verify=verify)
+        root = self.checkpoint_root
+        if isinstance(root, Bucket):
+            try:
+                return root.catalogue(verify=verify)
+            except ObjectStoreError as e:
+                raise CheckpointFailed(str(e)) from None
+        return catalogue(root, verify=verify)
 
     # --- load -------------------------------------------------------------------------
     def find_checkpoint(self, which: int | str | os.PathLike = "latest") -> CheckpointInfo:
@@ -122,6 +180,22 @@ class Checkpointing:
                     f"no checkpoint of step {which}; complete ones: steps {steps or 'none'}"
                 )
             return max(same, key=lambda c: c.created)
+        said = str(which).rstrip("/")
+        if is_url(said):  # in the root's bucket, or one a save was sent to (to=)
+            bucket = self._bucket_of(said)
+            if bucket is not self.checkpoint_root:
+                try:
+                    found = bucket.catalogue()
+                except ObjectStoreError as e:
+                    raise CheckpointFailed(str(e)) from None
+            listed = [c for c in found if c.url == said]
+            if not listed:
+                raise CheckpointFailed(f"{said} is not a checkpoint in {bucket}")
+            return listed[0]
+        if isinstance(self.checkpoint_root, Bucket):  # the folder it is fetched into
+            listed = [c for c in found if said == str(c.path)]
+            if listed:
+                return listed[0]
         info = describe(Path(which))
         if info is None:
             raise CheckpointFailed(f"{which} is not a dtlab checkpoint folder")
@@ -138,8 +212,23 @@ class Checkpointing:
     def load_into_job(self, info: CheckpointInfo) -> dict:
         if info.status == "partial":
             raise CheckpointFailed(
-                f"{info.path} is partial ({info.problem}): {self._previous_good(info)}"
+                f"{info.where} is partial ({info.problem}): {self._previous_good(info)}"
             )
+        if info.url is not None:
+            root = self._bucket_of(info.url)
+            try:  # fetched and checked (sizes, checksums) before any rank opens a file
+                fetched = root.fetch(info)
+            except (CheckpointError, ObjectStoreError) as e:
+                raise CheckpointFailed(
+                    f"{e}. Nothing was loaded, the job is unchanged; {CHOOSE_ANOTHER}: "
+                    f"{self._previous_good(info)}"
+                ) from None
+            local = describe(fetched)
+            assert local is not None
+            try:
+                return self.load_into_job(local) | {"path": info.where}
+            finally:
+                root.forget_fetched(fetched)
         # the folder checked here as dt.checkpoints() lists it (the manifest read confined
         # and bounded, every listed file's kind and size, never opened) before any rank is
         # asked: a corrupt one is refused unopened. Checksums are the ranks' (each verifies
@@ -166,7 +255,7 @@ class Checkpointing:
         good = [
             c
             for c in self.checkpoints()
-            if c.ok and c.path != bad.path and (c.step, c.created) < (bad.step, bad.created)
+            if c.ok and c.where != bad.where and (c.step, c.created) < (bad.step, bad.created)
         ]
         if not good:
             return "there is no earlier complete checkpoint"
@@ -232,5 +321,15 @@ class Checkpointing:
         else:
             self.world.run(api.set_up, setup, args, kwargs)
 
+    def _bucket_of(self, url: str) -> Bucket:
+        """The bucket root a checkpoint's URL lies in (the root's, or a ``to=`` one)."""
+        root = self.checkpoint_root
+        if isinstance(root, Bucket) and url.startswith(root.url + "/"):
+            return root
+        return self._bucket(url.rsplit("/", 1)[0])
+
     def remove_checkpoint(self, info: CheckpointInfo) -> None:
-        shutil.rmtree(info.path, ignore_errors=True)
+        if info.url is not None:
+            self._bucket_of(info.url).remove(info)
+        else:
+            shutil.rmtree(info.path, ignore_errors=True)

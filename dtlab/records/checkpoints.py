@@ -48,6 +48,26 @@ class CheckpointError(RuntimeError):
     checkpoint, the file and the rank, and what to do."""
 
 
+def is_file_name(name: object) -> bool:
+    """A name dtlab writes into a checkpoint folder (a plain name: no path, no '..')."""
+    return isinstance(name, str) and (name == MANIFEST or bool(_FILE_NAME.match(name)))
+
+
+def final_step(name: str) -> int | None:
+    """The step of a complete checkpoint's folder name (None: not one)."""
+    found = _FINAL.match(name)
+    return int(found.group(1)) if found else None
+
+
+def next_final_name(taken: set[str], step: int) -> str:
+    """``step-0000040``, or ``step-0000040-2`` when ``taken`` holds that name already."""
+    name, n = f"step-{step:07d}", 1
+    while name in taken:
+        n += 1
+        name = f"step-{step:07d}-{n}"
+    return name
+
+
 def partial_name(step: int, token: str) -> str:
     return f"{PARTIAL_PREFIX}step-{step:07d}-{token}"
 
@@ -383,10 +403,18 @@ class CheckpointInfo:
     ranks: tuple[int, ...] = ()  # ranks that wrote files into it
     tag: str | None = None
     problem: str | None = None
+    # in object storage: its URL (``s3://bucket/prefix/step-0000040``); ``path`` is then
+    # the local folder it is fetched into (verified) before the ranks load it
+    url: str | None = None
 
     @property
     def ok(self) -> bool:
         return self.status == "complete"
+
+    @property
+    def where(self) -> str:
+        """Where it is: its URL in object storage, else its folder."""
+        return self.url or str(self.path)
 
 
 def describe(folder: Path, *, verify: bool = False) -> CheckpointInfo | None:

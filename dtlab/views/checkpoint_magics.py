@@ -4,6 +4,7 @@
 %dt_checkpoint --every 50        # and every 50 steps during runs (--every 0 stops)
 %dt_checkpoint --list [--verify] # the catalogue: complete, partial or corrupt
 %dt_checkpoint --load 40         # rewind the job to step 40 (or "latest")
+%dt_checkpoint --to s3://b/p     # save this one to another root (a folder or a bucket)
 %dt_resume_check [--steps 10] [--same-engines]   # does resuming match going on?
 %dt_replay FROM [TO]             # re-run steps from a checkpoint and compare
 %dt_bisect GOOD BAD              # the first step (and module) whose outcome differs
@@ -51,6 +52,12 @@ class CheckpointMagics(Magics):
         help="rewind the job to the checkpoint of STEP, 'latest', or a folder",
     )
     @argument("--tag", default=None, help="a label kept in the manifest")
+    @argument(
+        "--to",
+        default=None,
+        metavar="ROOT",
+        help="save this checkpoint under ROOT (a folder or s3://bucket/prefix)",
+    )
     def dt_checkpoint(self, line):
         """Save the job's full state on every rank (model, optimizer, scheduler, scaler,
         RNGs, data position, step), list the checkpoints, or load one."""
@@ -64,7 +71,7 @@ class CheckpointMagics(Magics):
                 ("--list/--verify", args.list or args.verify),
                 ("--load", args.load is not None),
                 ("--every", args.every is not None),
-                ("--tag", args.tag is not None),
+                ("--tag/--to", args.tag is not None or args.to is not None),
             )
             if on
         ]
@@ -89,9 +96,9 @@ class CheckpointMagics(Magics):
             session.checkpoint_every(args.every)
             print(f"saving every {args.every} steps" if args.every else "periodic saves off")
             return
-        saved = session.checkpoint(tag=args.tag)
+        saved = session.checkpoint(tag=args.tag, to=args.to)
         print(
-            f"checkpoint of step {saved.step}: {saved.path} "
+            f"checkpoint of step {saved.step}: {saved.where} "
             f"({saved.size_bytes / 2**20:.1f} MiB, ranks {list(saved.ranks)})"
         )
 
