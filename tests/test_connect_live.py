@@ -317,7 +317,9 @@ def test_a_trainer_or_deepspeed_job_connected_mid_run_ends_as_under_its_launcher
     launcher: connected to mid-run, held after the same step on both ranks, the step the
     framework itself counts read there, two steps on, continued and left; the job ends as
     the same launcher's plain run does, every micro-batch's loss bit for bit."""
-    steps = "300"
+    # long enough to be connected to mid-run on a loaded machine (300 HF Trainer steps
+    # ended before the connection, once, in a full run)
+    steps = "1000" if form == "hf_trainer" else "300"
     if form == "hf_trainer":
         script = str(SCRIPTS / "hf_trainer.py")
         launcher, wrap = TORCHRUN, ["-m", "dtlab.run"]

@@ -124,6 +124,9 @@ def _layout(
 
 
 STEP_TICKS_BELOW = 10  # steps an axis spans up to which it ticks every step
+# px between a step axis and its labels: the first step sits on the y axis, and without
+# it its label ran into the lowest y label at the corner ("27" over "310" in a report)
+STEP_LABELS_BELOW_PX = 8
 
 
 def step_ticks(fig: go.Figure) -> go.Figure:
@@ -133,7 +136,7 @@ def step_ticks(fig: go.Figure) -> go.Figure:
     10...). Called again after the data changed (the live dashboard)."""
     steps = [x for t in fig.data if t.x is not None for x in t.x if x is not None]
     few = not steps or max(steps) - min(steps) <= STEP_TICKS_BELOW
-    fig.update_xaxes(dtick=1 if few else None)
+    fig.update_xaxes(dtick=1 if few else None, ticklabelstandoff=STEP_LABELS_BELOW_PX)
     return fig
 
 
