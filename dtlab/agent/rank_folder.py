@@ -55,7 +55,6 @@ class RankFolder:
         self.journal = self.files.folder / disk.JOURNAL
         self._held: list[StepRecord] = []  # rows not in the journal yet
         self._details: list[StepRecord] = []  # whole records of the first steps, not written
-        self._journaled: list[bytes] = []  # the journal's entries (packed rows), for a part
         self._journal_rows = 0
         self._good = 0  # bytes of the journal known whole
         self._last_flush = time.monotonic()
@@ -113,7 +112,6 @@ class RankFolder:
                 self._undo(e)
                 return False
             self._good += len(entry)
-            self._journaled.append(data)
             self._journal_rows += len(self._held)
             self._held = []
             if self._failing is not None:
@@ -172,9 +170,10 @@ class RankFolder:
         except OSError as e:
             _say(f"could not seal {self.journal} for a Parquet part ({e}); it grows on")
             return
-        entries, self._journaled, self._journal_rows, self._good = self._journaled, [], 0, 0
-        try:
-            self.files.write(join([read_frame(data, self.rank) for data in entries]))
+        self._journal_rows, self._good = 0, 0
+        try:  # read back from disk: a rank holds no more than a flush's rows in memory
+            entries = disk.journal_entries(sealed)
+            self.files.write(join([read_frame(data, self.rank) for _, data in entries]))
             sealed.unlink(missing_ok=True)
         except Exception as e:  # noqa: BLE001 - its rows stay readable in the sealed journal
             _say(

@@ -425,4 +425,7 @@ def _shared_growth_finding(trends: Mapping[int, MemoryTrend]) -> Finding:
 
 
 def _mib(num_bytes: float) -> str:
+    """A size in MiB, or KiB where MiB would print 0.00."""
+    if abs(num_bytes) < 10 * KiB:
+        return f"{num_bytes / KiB:.2f} KiB"
     return f"{num_bytes / MiB:.2f} MiB"
