@@ -53,7 +53,7 @@ def connect(run_dir, **options):
     """Connect this notebook to a running job started by ``torchrun ... -m dtlab.run``,
     from its job folder: pause it at a step, look inside, let it go on
     (:mod:`dtlab.control.connect`; read-only once the job has ended)."""
-    from dtlab.control.connect import connect as connect_to
+    from dtlab.views.notebook import connect as connect_to
 
     return connect_to(run_dir, **options)
 

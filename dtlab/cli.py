@@ -197,17 +197,27 @@ def doctor(path: str, explain: bool = False, out=None, salvage: bool = False) ->
 
 
 def report(path: str, out_path: str | None = None, salvage: bool = False) -> int:
+    try:
+        written = folder_report(path, out_path, salvage)
+    except ValueError as e:
+        print(f"dtlab report: {e}", file=sys.stderr)
+        return UNREADABLE
+    print(written)
+    return CLEAN
+
+
+def folder_report(
+    path: str | Path, out_path: str | Path | None = None, salvage: bool = False
+) -> Path:
+    """The HTML report of the run folder ``path`` (default: its ``report.html``); -> where
+    it was written. ValueError if the folder cannot be read."""
     from dtlab.analysis.consistency import find_inconsistencies
     from dtlab.analysis.doctor import all_findings
     from dtlab.views.html_report import SessionSummary, write_report
 
-    try:
-        found = load(path, salvage)
-        describe(found)
-        results = checks_of(found)
-    except ValueError as e:
-        print(f"dtlab report: {e}", file=sys.stderr)
-        return UNREADABLE
+    found = load(str(path), salvage)
+    describe(found)  # notes the ranks that failed, were killed or hung
+    results = checks_of(found)
     trace, job = found.trace, found.job
     infos = dict(job.ranks) if job is not None else {}
     backends = sorted({i.backend for i in infos.values()}) or ["unknown backend"]
@@ -223,9 +233,7 @@ def report(path: str, out_path: str | None = None, salvage: bool = False) -> int
         checks=tuple(results),
     )
     target = Path(out_path) if out_path else found.path / "report.html"
-    written = write_report(summary, target)
-    print(written)
-    return CLEAN
+    return write_report(summary, target)
 
 
 def main(argv: list[str] | None = None) -> int:

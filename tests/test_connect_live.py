@@ -9,6 +9,7 @@ session of their own, with a hard timeout, and kills them by pid at the end what
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from IPython.core.error import UsageError
 import dtlab
 from dtlab.control.connect import ConnectedJob, ConnectError
 from dtlab.control.errors import DtlabError
+from dtlab.views.figures import dashboard_trace_index
 from tests.conftest import GLOO_TEARDOWN, untimed
 from tests.test_run_wrapper_live import SCRIPTS, TORCHRUN, N, losses, run, start, stop
 
@@ -201,6 +203,62 @@ def test_the_magics_act_on_a_connected_job_and_find_its_planted_bug(tmp_path, ip
         with pytest.raises(UsageError, match="%dt_connect RUN_DIR"):
             ip.run_line_magic("dt_pause", "")
         assert proc.poll() is None  # the job runs on after all of it
+    finally:
+        stop(proc)
+
+
+def test_the_dashboard_and_the_report_on_a_connected_job(tmp_path):
+    """dt.dashboard() on a job connected to, driven through its buttons' handlers as a
+    kernel would: Step, Run N then Pause (the job held where the run ended), Run until;
+    the notebook's other calls wait while it runs; dt.report() from the folder."""
+    run_dir = tmp_path / "job"
+    proc = start([*WRAP, "--run-dir", str(run_dir), str(SCRIPTS / "ddp_sampler.py"), "--steps",
+                  LONG], tmp_path)  # fmt: skip
+    try:
+        dt = connected(run_dir, proc)
+
+        def drawn(dash, rank: int) -> list:
+            return list(dash.figure.data[dashboard_trace_index("loss", rank, N)].x)
+
+        async def drive():
+            dash = dt.dashboard()
+            assert len(dash.figure.data) == 3 * N  # 3 panels x N ranks
+            dash.step_button.click()
+            assert dash.running and dash.step_button.disabled and not dash.pause_button.disabled
+            first = await dash.wait()
+            assert first.num_steps == 1 and dt.paused_at == first.last_step
+            assert {w.held for w in dt.where().values()} == {first.last_step}
+            assert all(drawn(dash, r)[-1] == first.last_step for r in range(N))
+
+            dash.num_steps.value = 100_000
+            dash.run_button.click()
+            deadline = time.monotonic() + 60
+            while dt.current_step < first.last_step + 3:  # the loop is free while it steps
+                assert time.monotonic() < deadline, dash.status.value
+                await asyncio.sleep(0.05)
+            assert dash.running and dash.status.value.startswith("running")
+            with pytest.raises(DtlabError, match="dashboard is running"):
+                dt.step(1)
+            dash.pause_button.click()
+            paused = await dash.wait()
+            assert paused.stopped == "pause" and paused.last_step >= first.last_step + 3
+            assert {w.held for w in dt.where().values()} == {paused.last_step}
+            assert dt.paused_at == paused.last_step and not dash.running
+
+            dash.until.value = f"step>={paused.last_step + 2}"
+            dash.until_button.click()
+            until = await dash.wait()
+            assert (until.last_step, until.stopped) == (paused.last_step + 2, "until")
+            assert "stopped: step>=" in dash.status.value, dash.status.value
+            assert all(drawn(dash, r)[-1] == until.last_step for r in range(N))
+            return until.last_step
+
+        held = asyncio.run(asyncio.wait_for(drive(), timeout=180))
+        assert dt.step(1).last_step == held + 1  # the notebook's own calls work again
+        page = dt.report(tmp_path / "report.html")
+        assert page == tmp_path / "report.html" and "plotly" in page.read_text()
+        dt.disconnect()
+        assert proc.poll() is None  # the job runs on
     finally:
         stop(proc)
 

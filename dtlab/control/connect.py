@@ -24,12 +24,14 @@ second notebook is refused while one is connected. A job that has ended opens re
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ from dtlab.control.training import DEFAULT_MAX_STEPS
 from dtlab.records import CellOutput, Condition, RunResult
 from dtlab.records import job_folder as jf
 from dtlab.records.trace import Trace
+from dtlab.records.wire import Stop
 
 PROFILE = "ipython"
 CLIENT_FILE = "security/ipcontroller-job-client.json"
@@ -79,19 +82,21 @@ def connect(
     *,
     timeout: float = CONNECT_TIMEOUT_S,
     lease_s: float = LEASE_S,
+    kind: type[ConnectedJob] | None = None,
 ) -> ConnectedJob:
     """Connect this notebook to the running job whose folder is ``run_dir`` (read-only
-    when the job has ended)."""
+    when the job has ended). ``kind``: the class to make (views' adds the dashboard)."""
     global _current
     folder = Path(run_dir).expanduser().absolute()
     job = _read_job(folder)
     if _ended(folder, job.world_size):
-        _current = ConnectedJob(folder, job.world_size, None, {}, read_only=True)
+        _current = (kind or ConnectedJob)(folder, job.world_size, None, {}, read_only=True)
         return _current
     client = _client(folder, timeout)
     try:
         engines = _engines(client, job.world_size, timeout, folder)
-        connected = ConnectedJob(folder, job.world_size, client, engines, lease_s=lease_s)
+        made = kind or ConnectedJob
+        connected = made(folder, job.world_size, client, engines, lease_s=lease_s)
         connected._claim()
     except BaseException:
         client.close()
@@ -198,6 +203,8 @@ class ConnectedJob:
         self._closed = read_only
         self._renewer: threading.Thread | None = None
         self._stop_renewing = threading.Event()
+        self._running = False  # a run_async in progress (the dashboard's)
+        self._stop_run = False  # pause() asked it to end after its step
 
     def __repr__(self) -> str:
         state = (
@@ -224,6 +231,17 @@ class ConnectedJob:
         return self._closed and not self.read_only
 
     @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.world_size))
+
+    @property
+    def current_step(self) -> int:
+        """The step every rank holds after, else the furthest any rank has recorded."""
+        if self._held is not None:
+            return self._held
+        return self.trace.last_step
+
+    @property
     def paused_at(self) -> int | None:
         """The step every rank holds after (None: running)."""
         return self._held
@@ -237,9 +255,17 @@ class ConnectedJob:
         return self._call(api.job_stacks)
 
     # --- holding -----------------------------------------------------------------------
-    def pause(self, timeout: float = PAUSE_TIMEOUT_S) -> int:
-        """Hold every rank after the same optimizer step; -> that step."""
+    def pause(self, timeout: float = PAUSE_TIMEOUT_S) -> int | None:
+        """Hold every rank after the same optimizer step; -> that step. While a
+        :meth:`run_async` is in progress (the dashboard's), end it after the step it is in
+        instead (-> None: the run's result says where it held)."""
         self._live()
+        if self._running:
+            self._stop_run = True
+            return None
+        return self._hold(timeout)
+
+    def _hold(self, timeout: float) -> int:
         if self._held is not None:
             return self._held
         deadline = time.monotonic() + timeout
@@ -256,7 +282,7 @@ class ConnectedJob:
     def step(self, n: int = 1, timeout: float = PAUSE_TIMEOUT_S) -> RunResult:
         """Let every rank make ``n`` more steps and hold again (pausing it first if it
         runs); -> the RunResult, as ``Session.step`` gives it (``.last_step``: held at)."""
-        self._live()
+        self._idle()
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise OptionError(f"step(n={n!r}): give a whole number of steps >= 1")
         began = time.monotonic()
@@ -274,21 +300,69 @@ class ConnectedJob:
         ``loss>4``, ``nonfinite``, ``diverged``, ``step>=N``) holds on some rank, at most
         ``max_steps`` steps; every rank holds after the step where it first held. One step
         at a time, each rank's record of it read from its engine (a few ms a step)."""
-        self._live()
-        cond = parse_condition(condition) if isinstance(condition, str) else condition
-        if not isinstance(max_steps, int) or max_steps < 1:
-            raise OptionError(f"max_steps={max_steps!r}: give a whole number of steps >= 1")
+        cond = self._run_checked(condition, max_steps)
         began = time.monotonic()
-        first = self._held if self._held is not None else self.pause(timeout)
+        first = self._held if self._held is not None else self._hold(timeout)
         for done in range(1, max_steps + 1):
-            self._advance(1, timeout)
-            hit = self._hit(cond, self._call(api.job_last_record))
+            hit = self._one_step(cond, timeout)
             if progress is not None:
                 progress("run", done, max_steps)
             if hit:
-                held = self._held or first
-                return RunResult(first, held, "until", time.monotonic() - began, cond, hit)
-        return RunResult(first, self._held or first, "steps", time.monotonic() - began, cond)
+                return self._ran(first, began, Stop.UNTIL, cond, hit)
+        return self._ran(first, began, Stop.STEPS, cond)
+
+    async def run_async(
+        self,
+        steps: int,
+        until: Condition | str | None = None,
+        *,
+        timeout: float = PAUSE_TIMEOUT_S,
+        on_progress: Callable[[], None] | None = None,
+    ) -> RunResult:
+        """:meth:`run_until` (or ``steps`` steps) for code on the kernel's event loop (the
+        dashboard): each step waited for on a worker thread, ``on_progress()`` called on
+        the loop after each; :meth:`pause` meanwhile ends the run after its step."""
+        checked = self._run_checked(until or "step>=1", steps)
+        cond = None if until is None else checked
+        self._running, self._stop_run = True, False
+        try:
+            began = time.monotonic()
+            first = self._held
+            if first is None:
+                first = await asyncio.to_thread(self._hold, timeout)
+            for _ in range(steps):
+                hit = await asyncio.to_thread(self._one_step, cond, timeout)
+                if on_progress is not None:
+                    on_progress()
+                if hit:
+                    return self._ran(first, began, Stop.UNTIL, cond, hit)
+                if self._stop_run:
+                    return self._ran(first, began, Stop.PAUSE, cond)
+            return self._ran(first, began, Stop.STEPS, cond)
+        finally:
+            self._running = False
+
+    def _run_checked(self, condition: Condition | str, max_steps: int) -> Condition:
+        self._idle()
+        if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
+            raise OptionError(f"max_steps={max_steps!r}: give a whole number of steps >= 1")
+        return parse_condition(condition) if isinstance(condition, str) else condition
+
+    def _one_step(self, cond: Condition | None, timeout: float) -> tuple[int, ...]:
+        """One more step, held after; -> the ranks where ``cond`` holds on it."""
+        self._advance(1, timeout)
+        return () if cond is None else self._hit(cond, self._call(api.job_last_record))
+
+    def _ran(
+        self,
+        first: int,
+        began: float,
+        stopped: str,
+        cond: Condition | None,
+        hit: tuple[int, ...] = (),
+    ) -> RunResult:
+        held = self._held if self._held is not None else first
+        return RunResult(first, held, stopped, time.monotonic() - began, cond, hit)
 
     @staticmethod
     def _hit(cond: Condition, records: dict[int, Any]) -> tuple[int, ...]:
@@ -302,7 +376,7 @@ class ConnectedJob:
 
     def _advance(self, n: int, timeout: float) -> int:
         """Hold after ``n`` more steps; -> the step it started from."""
-        start = self._held if self._held is not None else self.pause(timeout)
+        start = self._held if self._held is not None else self._hold(timeout)
         deadline = time.monotonic() + timeout
         self._held = None
         self._call(api.job_hold_at, self._token, start + n, self.lease_s)
@@ -317,7 +391,7 @@ class ConnectedJob:
 
     def continue_(self) -> None:
         """Let the job run on (still connected)."""
-        self._live()
+        self._idle()
         self._call(api.job_hold_at, self._token, None, self.lease_s)
         self._held = None
 
@@ -333,7 +407,7 @@ class ConnectedJob:
     ) -> dict[int, CellOutput]:
         """:meth:`run_code` as ``Session.execute`` gives a cell: {rank: CellOutput}, with
         the value of a last-line expression; ``ranks`` also as text (``0-3``, ``even``)."""
-        self._live()
+        self._idle()
         if self._held is None:
             raise DtlabError("the job is running: pause it first (dt.pause() or %dt_pause)")
         if isinstance(ranks, str):
@@ -443,6 +517,14 @@ class ConnectedJob:
             )
         if self._closed:
             raise DtlabError("disconnected from the job: dtlab.connect(run_dir) again")
+
+    def _idle(self) -> None:
+        """Connected, and no dashboard run in progress (its steps would interleave)."""
+        self._live()
+        if self._running:
+            raise DtlabError(
+                "the dashboard is running the job: press its Pause (or dt.pause()) first"
+            )
 
     def _call(self, fn, *args, ranks: list[int] | None = None, timeout: float = CALL_TIMEOUT_S):
         """``fn(*args)`` on each rank's engine -> {rank: value}; a rank's failure is a

@@ -36,7 +36,7 @@ FORWARDS: dict[str, tuple[str, ...]] = {
         "pull", "status", "renew",
     ),
     "hangs": ("hang_report",),
-    "stepper": ("hang_timeout", "current_step", "require_trace"),
+    "stepper": ("hang_timeout", "current_step", "require_trace", "run_async"),
     "training": (
         "step", "run_until", "pause", "collectives_may_hang", "watch_modules", "grads",
         "params", "step_details", "divergence", "divergence_detail", "evidence", "checks",

@@ -6,7 +6,8 @@
 
 While connected, %%dt (on held ranks: `script`, `script_locals`), %dt_step, %dt_run
 --until, %dt_continue, %dt_doctor, %dt_findings, %dt_plot and %dt_stacks act on the job
-(views/magic_support.py: current_target).
+(views/magic_support.py: current_target); dt.dashboard() and dt.report() are the
+connected job's views (views/notebook.py: ConnectedNotebook).
 """
 
 from __future__ import annotations
@@ -36,10 +37,13 @@ class ConnectMagics(Magics):
         """Connect to a job started by `torchrun ... -m dtlab.run` and bind it to `dt`:
         dt.pause(), dt.step(n), dt.run_code(code), dt.continue_(), dt.doctor(), dt.trace."""
         from dtlab import cli
+        from dtlab.views.notebook import ConnectedNotebook
 
         args = parse_argstring(self.dt_connect, line)
         try:
-            job = connect.connect(args.run_dir, timeout=args.timeout, lease_s=args.lease)
+            job = connect.connect(
+                args.run_dir, timeout=args.timeout, lease_s=args.lease, kind=ConnectedNotebook
+            )
         except connect.ConnectError as e:
             raise UsageError(str(e)) from None
         try:
@@ -66,6 +70,9 @@ class ConnectMagics(Magics):
                 "a run)"
             )
         step = job.pause(timeout=args.timeout)
+        if step is None:
+            print("the dashboard's run ends after the step it is in; the job holds there")
+            return
         print(held_summary(step, job.trace))
 
     @line_magic

@@ -13,9 +13,35 @@ from collections.abc import Callable
 
 from dtlab.control import lifecycle
 from dtlab.control.config import LaunchOptions, launch_config, oversubscription
+from dtlab.control.connect import ConnectedJob
 from dtlab.control.options import describe, given, signature
 from dtlab.control.session import Session
 from dtlab.views.progress import auto_progress
+
+
+class ConnectedNotebook(ConnectedJob):
+    """A job connected to (``%dt_connect``) plus the views a person looks at it with."""
+
+    def dashboard(self):
+        """Step / Run N / Run until / Pause controls over live per-rank figures, driving
+        the connected job (Pause ends a run after its step, the job held there)."""
+        from dtlab.views.widgets import Dashboard
+
+        return Dashboard(self)
+
+    def report(self, path=None):
+        """The job's HTML report, from every step its folder holds now (default:
+        ``report.html`` in the job folder); -> its path."""
+        from dtlab.cli import folder_report
+
+        return folder_report(self.folder, path)
+
+
+def connect(run_dir, **options) -> ConnectedJob:
+    """``dtlab.connect``: :func:`dtlab.control.connect.connect`, views included."""
+    from dtlab.control.connect import connect as connect_to
+
+    return connect_to(run_dir, kind=ConnectedNotebook, **options)
 
 
 class NotebookSession(Session):

@@ -4,24 +4,47 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import ipywidgets as widgets
 
 from dtlab.views.panels import Panel
 
+if TYPE_CHECKING:
+    from dtlab.records import Condition, RunResult
+    from dtlab.records.trace import Trace
+
+
+class Steppable(Protocol):
+    """What the dashboard drives: a Session (``%dt_launch``, ``%dt_script``) or a job
+    connected to (``%dt_connect``)."""
+
+    @property
+    def trace(self) -> Trace | None: ...
+    @property
+    def ranks(self) -> tuple[int, ...]: ...
+    @property
+    def current_step(self) -> int: ...
+    def pause(self) -> object: ...
+    async def run_async(
+        self, steps: int, until: Condition | None = None, *, on_progress: Callable[[], None]
+    ) -> RunResult: ...
+
 
 class Dashboard(Panel):
-    title = "dashboard"
-
     """Step / Run N / Run until / Pause controls over one live plotly figure.
 
-    Runs go through ``Stepper.run_async`` as a task on the kernel's event loop, so the
+    Runs go through ``run_async`` (a Session's stepper, or a connected job's) as a task on
+    the kernel's event loop, so the
     Pause button (and the rest of the notebook) stays usable while the ranks step. One
     FigureWidget with subplots (docs/design.md: each FigureWidget ships ~5 MB of plotly.js),
     updated in one batch at most every ``refresh_s``, each line downsampled.
     """
 
-    def __init__(self, session, *, max_points: int = 1000, refresh_s: float = 0.5):
+    title = "dashboard"
+
+    def __init__(self, session: Steppable, *, max_points: int = 1000, refresh_s: float = 0.5):
         import plotly.graph_objects as go
 
         from dtlab.records.trace import Trace
@@ -106,15 +129,12 @@ class Dashboard(Panel):
         start = time.monotonic()
 
         def progress():
-            trace = self.session.trace
-            step = trace.last_step if trace else 0
+            step = self.session.current_step
             self.status.value = f"running: step {step} ({time.monotonic() - start:.1f} s)"
             self.refresh(force=False)
 
         try:
-            result = await self.session.stepper.run_async(
-                num_steps, condition, on_progress=progress
-            )
+            result = await self.session.run_async(num_steps, condition, on_progress=progress)
             self.last_result = result
             self.status.value = run_summary(result, self.session.trace)
         except Exception as e:  # shown in the panel: a callback has no cell to raise into
