@@ -293,6 +293,18 @@ def job_run_code(token: str, code: str) -> tuple[str, str, str | None]:
     return run_code(token, code)
 
 
+def job_pull(token: str, name: str):
+    from dtlab.agent.batch_engine import pull
+
+    return pull(token, name)
+
+
+def job_push(token: str, values: dict) -> None:
+    from dtlab.agent.batch_engine import push
+
+    push(token, values)
+
+
 def job_last_record():
     """This rank's StepRecord of its last step (None before its first)."""
     from dtlab.agent.batch_engine import last_record

@@ -64,6 +64,9 @@ class Hold:
     module: Any = None  # the script's module (its globals) while held
     frame: Any = None  # the script's innermost frame while held (its greenlet's)
     record: Any = None  # the StepRecord of the last step (what %dt_run --until reads)
+    # the connected notebook's names: what %%dt cells defined and %dt_push bound (new for
+    # each notebook that connects)
+    names: dict = field(default_factory=dict)
     cond: threading.Condition = field(default_factory=threading.Condition)
 
 
@@ -304,7 +307,7 @@ def claim(token: str, lease_s: float = LEASE_S) -> Where:
         if h.owner not in (None, token) and time.monotonic() < h.lease_until:
             raise PermissionError("another notebook is connected to this job")
         if h.owner != token:  # a new notebook: a hold the last one left (it died) ends
-            h.at = None
+            h.at, h.names = None, {}
             h.cond.notify_all()
         h.owner, h.lease_until = token, time.monotonic() + lease_s
     return where()
@@ -339,21 +342,13 @@ def release(token: str) -> None:
 
 def run_code(token: str, code: str) -> tuple[str, str, str | None]:
     """``%%dt`` on a held rank: ``code`` run with the script's variables as
-    ``script_locals``, its module as ``script`` (and ``rank``); -> what it printed to
-    stdout and stderr, and the repr of its last line when that is an expression (as a
-    notebook cell shows it; None otherwise)."""
+    ``script_locals``, its module as ``script`` (and ``rank``), in the connected
+    notebook's namespace (what earlier cells defined stays); -> what it printed to stdout
+    and stderr, and the repr of its last line when that is an expression (as a notebook
+    cell shows it; None otherwise)."""
     h = HOLD
     with h.cond:
-        _check_owner(token)
-        if h.held is None:
-            raise RuntimeError("the job is running: pause it first (dt.pause())")
-        h.lease_until = time.monotonic() + LEASE_S
-        namespace = {
-            "script_locals": h.locals,
-            "script": h.module,
-            "rank": _rank(),
-            "__name__": "__dtlab__",
-        }
+        namespace = _held_names(token)
         body = ast.parse(code, "<%%dt>")
         last = body.body.pop() if body.body and isinstance(body.body[-1], ast.Expr) else None
         out, err, result = io.StringIO(), io.StringIO(), None
@@ -363,6 +358,38 @@ def run_code(token: str, code: str) -> tuple[str, str, str | None]:
                 value = eval(compile(ast.Expression(last.value), "<%%dt>", "eval"), namespace)
                 result = None if value is None else repr(value)
     return out.getvalue(), err.getvalue(), result
+
+
+def pull(token: str, name: str) -> Any:
+    """``%dt_pull NAME`` on a held rank: the value of ``name`` in the notebook's namespace
+    there, else among the script's variables where it holds, else its module's."""
+    h = HOLD
+    with h.cond:
+        namespace = _held_names(token)
+        for scope in (namespace, h.locals or {}, vars(h.module) if h.module else {}):
+            if name in scope:
+                return scope[name]
+    raise NameError(f"no variable {name!r} on rank {_rank()} (nor in script_locals)")
+
+
+def push(token: str, values: dict) -> None:
+    """``%dt_push``: bind ``values`` in the notebook's namespace on this rank."""
+    h = HOLD
+    with h.cond:
+        _held_names(token).update(values)
+
+
+def _held_names(token: str) -> dict:
+    """The connected notebook's namespace, with the held script's variables bound
+    (``h.cond`` held by the caller)."""
+    h = HOLD
+    _check_owner(token)
+    if h.held is None:
+        raise RuntimeError("the job is running: pause it first (dt.pause())")
+    h.lease_until = time.monotonic() + LEASE_S
+    h.names.update(script_locals=h.locals, script=h.module, rank=_rank())
+    h.names.setdefault("__name__", "__dtlab__")
+    return h.names
 
 
 def last_record() -> Any:

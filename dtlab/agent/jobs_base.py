@@ -318,8 +318,9 @@ class JobCore(abc.ABC):
         return None if tensor is None else tensor.detach().to("cpu", copy=True)
 
     def record_at(self, step: int) -> StepRecord | None:
-        """The full record of ``step`` if the buffer still holds it."""
-        for rec in reversed(self.records):
+        """The full record of ``step`` if the buffer still holds it (a copy of the buffer
+        read: a connected notebook asks from the engine's thread while the job steps)."""
+        for rec in reversed(list(self.records)):
             if rec.step == step:
                 return rec
             if rec.step < step:
@@ -328,7 +329,8 @@ class JobCore(abc.ABC):
 
     def kept_steps(self) -> tuple[int, int]:
         """(first, last) step the buffer holds; (0, 0) when empty."""
-        return (self.records[0].step, self.records[-1].step) if self.records else (0, 0)
+        kept = list(self.records)
+        return (kept[0].step, kept[-1].step) if kept else (0, 0)
 
 
 def _rank() -> int:

@@ -408,12 +408,45 @@ class ConnectedJob:
         """:meth:`run_code` as ``Session.execute`` gives a cell: {rank: CellOutput}, with
         the value of a last-line expression; ``ranks`` also as text (``0-3``, ``even``)."""
         self._idle()
+        chosen = self._held_ranks(ranks)
+        said = self._call(api.job_run_code, self._token, code, ranks=chosen, timeout=timeout)
+        return {r: CellOutput(out, err, result) for r, (out, err, result) in said.items()}
+
+    def pull(self, name: str, ranks: str | list[int] | None = None) -> dict[int, Any]:
+        """``%dt_pull NAME`` on held ranks: {rank: the value of ``name``} (a name a ``%%dt``
+        cell or :meth:`push` bound, else the script's variable where it holds)."""
+        self._idle()
+        return self._call(api.job_pull, self._token, name, ranks=self._held_ranks(ranks))
+
+    def push(self, values: dict[str, Any], ranks: str | list[int] | None = None) -> None:
+        """``%dt_push``: bind ``values`` (name -> object) for the ``%%dt`` cells of this
+        connection on held ranks (the script's own variables are left alone)."""
+        self._idle()
+        self._call(api.job_push, self._token, dict(values), ranks=self._held_ranks(ranks))
+
+    def step_details(self, step: int, ranks: str | list[int] | None = None) -> dict:
+        """``{rank: StepRecord}`` of one step with its per-parameter norms and
+        fingerprints, from the ranks' buffers (the folder keeps whole-step summaries)."""
+        self._live()
+        found = self._call(api.record_at, step, ranks=self._rank_list(ranks))
+        gone = {rank: kept for rank, (rec, kept) in found.items() if rec is None}
+        if gone:
+            rank, (first, last) = min(gone.items())
+            raise DtlabError(
+                f"rank {rank} does not hold step {step} in memory (it keeps steps "
+                f"{first}-{last}): pause the job and look at a step it keeps"
+            )
+        return {rank: rec for rank, (rec, _) in found.items()}
+
+    def _rank_list(self, ranks: str | list[int] | None) -> list[int] | None:
+        if isinstance(ranks, str):
+            return list(parse_rank_spec(ranks, self.world_size))
+        return ranks
+
+    def _held_ranks(self, ranks: str | list[int] | None) -> list[int] | None:
         if self._held is None:
             raise DtlabError("the job is running: pause it first (dt.pause() or %dt_pause)")
-        if isinstance(ranks, str):
-            ranks = list(parse_rank_spec(ranks, self.world_size))
-        said = self._call(api.job_run_code, self._token, code, ranks=ranks, timeout=timeout)
-        return {r: CellOutput(out, err, result) for r, (out, err, result) in said.items()}
+        return self._rank_list(ranks)
 
     def _waited(self, step: int, deadline: float) -> int:
         """Every rank held after ``step``; else the hold is called off (a rank that gets

@@ -4,8 +4,9 @@
 %dt_pause               # every rank holds after the same optimizer step
 %dt_disconnect          # continue it if paused, leave it running
 
-While connected, %%dt (on held ranks: `script`, `script_locals`), %dt_step, %dt_run
---until, %dt_continue, %dt_doctor, %dt_findings, %dt_plot and %dt_stacks act on the job
+While connected, %%dt (on held ranks: `script`, `script_locals`), %dt_pull, %dt_push,
+%dt_step, %dt_run --until, %dt_continue, %dt_doctor, %dt_findings, %dt_plot and
+%dt_stacks act on the job
 (views/magic_support.py: current_target); dt.dashboard() and dt.report() are the
 connected job's views (views/notebook.py: ConnectedNotebook).
 """

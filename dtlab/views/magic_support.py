@@ -36,8 +36,8 @@ def current_session():
 
 def connected_job():
     """The job this notebook is connected to (``%dt_connect``, until ``%dt_disconnect``),
-    else None: while there is one, %%dt, %dt_step, %dt_run, %dt_continue, %dt_doctor,
-    %dt_findings, %dt_plot and %dt_stacks act on it."""
+    else None: while there is one, %%dt, %dt_pull, %dt_push, %dt_step, %dt_run,
+    %dt_continue, %dt_doctor, %dt_findings, %dt_plot and %dt_stacks act on it."""
     from dtlab.control import connect
 
     return connect.current_or_none()

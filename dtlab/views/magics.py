@@ -104,7 +104,7 @@ class DtlabMagics(Magics):
     def dt_pull(self, line):
         """`%dt_pull NAME` -> {rank: value of NAME on that rank}."""
         args = parse_argstring(self.dt_pull, line)
-        return current_session().pull(args.name, ranks=args.ranks)
+        return current_target().pull(args.name, ranks=args.ranks)
 
     @line_magic
     @magic_arguments()
@@ -116,7 +116,8 @@ class DtlabMagics(Magics):
         missing = [n for n in args.names if n not in self.shell.user_ns]
         if missing:
             raise UsageError(f"no notebook variable named {', '.join(missing)}; define it first")
-        current_session().push({n: self.shell.user_ns[n] for n in args.names}, ranks=args.ranks)
+        values = {n: self.shell.user_ns[n] for n in args.names}
+        current_target().push(values, ranks=args.ranks)
 
     @line_magic
     def dt_status(self, line):

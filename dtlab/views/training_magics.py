@@ -278,11 +278,6 @@ class TrainingMagics(Magics):
         """Plot the records so far: per-rank loss, memory, time breakdown, deviation, spread."""
         args = parse_argstring(self.dt_plot, line)
         job = connected_job()
-        if job is not None and args.kind == "deviation":
-            raise UsageError(
-                "%dt_plot deviation needs every parameter's values, which a connected job "
-                "does not keep: plot loss, memory, times or spread"
-            )
         session = job or current_session()
         trace = job.trace if job is not None else session.require_trace()
         if not len(trace):
