@@ -347,6 +347,38 @@ def test_a_connection_file_others_can_read_and_a_gone_controller_are_refused(tmp
                 pass
 
 
+def test_a_rank_0_killed_with_sigkill_leaves_no_controller_behind(tmp_path):
+    """kill -9 of rank 0 leaves it no time to stop the controller it started: the guard
+    it started beside it does, with ipyparallel's own stop; then the guard ends too."""
+    run_dir = tmp_path / "job"
+    proc = start(
+        [*WRAP, "--run-dir", str(run_dir), str(SCRIPTS / "ddp_sampler.py"), "--steps", LONG],
+        tmp_path,
+    )
+    try:
+        connected(run_dir, proc).disconnect()
+        below = psutil.Process(proc.pid).children(recursive=True)
+        controller = [p for p in below if "ipyparallel.controller" in " ".join(p.cmdline())]
+        guard = [p for p in below if "dtlab.agent.controller_guard" in " ".join(p.cmdline())]
+        rank0 = [p for p in below if p.ppid() == proc.pid and p.environ().get("RANK") == "0"]
+        assert controller and len(guard) == 1 and len(rank0) == 1, below
+        rank0[0].kill()
+        _, left = psutil.wait_procs(controller + guard, timeout=60)
+        assert left == [], [(p.pid, p.cmdline()) for p in left]
+        said = (run_dir / "ipython" / "guard.log").read_text()
+        assert f"rank 0 (pid {rank0[0].pid}) is gone: stopped its controller" in said, said
+        with pytest.raises(ConnectError):
+            dtlab.connect(run_dir, timeout=3)
+    finally:
+        found = stop(proc)
+        for part in locals().get("controller", []) + locals().get("guard", []):
+            if part not in found:
+                try:
+                    part.kill()
+                except psutil.NoSuchProcess:
+                    pass
+
+
 def test_a_hung_job_shows_its_hang_report_first_and_its_stacks(tmp_path, ip, capsys):
     """Rank 1 stops stepping after step 3, rank 0 waits in DDP's all-reduce: connecting
     says so first; a pause cannot be reached and says where to look; the stacks show it."""

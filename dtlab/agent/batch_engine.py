@@ -30,6 +30,7 @@ import asyncio
 import io
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -128,7 +129,30 @@ def _start_controller(profile: Path, listen: str):
         shutdown_atexit=False,  # stopped by :func:`stop` (its atexit prints to stderr)
     )
     cluster.start_controller_sync()
+    _guard(profile)
     return cluster
+
+
+_GUARD: subprocess.Popen | None = None  # kept: a Popen dropped while it runs warns
+
+
+def _guard(profile: Path) -> None:
+    """Start the controller's guard (:mod:`dtlab.agent.controller_guard`): it stops the
+    controller should rank 0 die without doing so (``kill -9``)."""
+    global _GUARD
+    log = open(profile / "guard.log", "ab")  # noqa: SIM115 - the guard's, kept open by it
+    try:
+        _GUARD = subprocess.Popen(
+            [sys.executable, "-m", "dtlab.agent.controller_guard", str(os.getpid()),
+             str(profile), CLUSTER_ID],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,  # a signal to the job's process group is not for it
+            close_fds=True,
+        )  # fmt: skip
+    finally:
+        log.close()
 
 
 def _wait_for(path: Path, timeout_s: float = ENGINE_START_S) -> str:
