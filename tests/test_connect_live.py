@@ -108,6 +108,42 @@ def test_connect_pause_change_continue_disconnect_reconnect_and_run_to_the_end(t
         ended.pause()
 
 
+def test_a_nanogpt_form_connected_mid_run_ends_where_its_changed_max_iters_says(tmp_path):
+    """nanoGPT's form (module-level loop, --key=value settings, its own accumulation):
+    paused mid-run, ``iter_num`` read and ``max_iters`` changed (its loop reads it each
+    iteration), doctor clean, continued, reconnected; losses as plain torchrun's."""
+    run_dir = tmp_path / "job"
+    script = str(SCRIPTS / "lm_windows.py")
+    long = [f"--max_iters={LONG}", f"--lr_decay_iters={LONG}"]
+    proc = start([*WRAP, "--run-dir", str(run_dir), script, *long, "--out=dtlab"], tmp_path)
+    try:
+        dt = connected(run_dir, proc)
+        held = dt.pause()
+        said = dt.execute("script_locals['iter_num'], script_locals['max_iters'], rank")
+        assert {r: o.result for r, o in said.items()} == {
+            r: f"({held - 1}, {LONG}, {r})" for r in range(N)
+        }
+        assert untimed(dt.doctor()) == []
+        end = held + 5
+        dt.run_code(f"script_locals['max_iters'] = {end}")
+        dt.continue_()
+        dt.disconnect()
+        dtlab.connect(run_dir, timeout=20).disconnect()  # again, while it runs or ended
+        out, err = finish(proc)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0 or GLOO_TEARDOWN in err, err[-3000:]
+    ours = losses(tmp_path / "dtlab")
+    assert {r: len(v) for r, v in ours.items()} == {r: end for r in range(N)}
+    plain = run(
+        [*TORCHRUN, script, f"--max_iters={end}", f"--lr_decay_iters={LONG}", "--out=torchrun"],
+        tmp_path,
+    )
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert ours == losses(tmp_path / "torchrun")  # bit for bit, as if never paused
+    assert out == plain.stdout
+
+
 def test_one_notebook_at_a_time_and_a_dead_notebook_leaves_the_job_running(tmp_path, ip, capsys):
     run_dir = tmp_path / "job"
     script = str(SCRIPTS / "ddp_sampler.py")

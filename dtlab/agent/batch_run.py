@@ -196,13 +196,21 @@ def _open(state: _Run, job) -> None:
 
 
 def _finish(state: _Run, signum: int | None) -> None:
-    """Flush, the header as the job ends (observations switched off since), outcome.json."""
+    """Flush, the header as the job ends (observations switched off since), outcome.json;
+    then rank 0 stops the controller (a notebook connecting meanwhile finds the outcome
+    and opens the folder read-only)."""
     if state.ended:
         return
     state.ended = True
     if state.watchdog is not None:
         state.watchdog.stop(wait_s=1.0)
-    batch_engine.stop(state.engine)
+    try:
+        _write_the_end(state, signum)
+    finally:
+        batch_engine.stop(state.engine)
+
+
+def _write_the_end(state: _Run, signum: int | None) -> None:
     script = state.script
     job = getattr(script, "job", None)
     writer = state.writer

@@ -52,6 +52,7 @@ CONNECT_TIMEOUT_S = 30.0
 PAUSE_TIMEOUT_S = 120.0
 CALL_TIMEOUT_S = 30.0
 POLL_S = 0.02
+ENDING_WAIT_S = 10.0  # for every rank's outcome, once one rank's says the job is ending
 HOW_TO_START = (
     "start the job with `torchrun --nproc-per-node N -m dtlab.run train.py ARGS` (or "
     "`deepspeed --module dtlab.run train.py ARGS`) to connect to it"
@@ -89,18 +90,24 @@ def connect(
     global _current
     folder = Path(run_dir).expanduser().absolute()
     job = _read_job(folder)
+    made = kind or ConnectedJob
+    ended = made(folder, job.world_size, None, {}, read_only=True)
     if _ended(folder, job.world_size):
-        _current = (kind or ConnectedJob)(folder, job.world_size, None, {}, read_only=True)
-        return _current
-    client = _client(folder, timeout)
+        _current = ended
+        return ended
+    client = None
     try:
+        client = _client(folder, timeout)
         engines = _engines(client, job.world_size, timeout, folder)
-        made = kind or ConnectedJob
         connected = made(folder, job.world_size, client, engines, lease_s=lease_s)
         connected._claim()
-    except BaseException:
-        client.close()
-        raise
+    except BaseException as e:
+        if client is not None:
+            client.close()
+        if not isinstance(e, DtlabError) or not _ending(folder, job.world_size):
+            raise
+        _current = ended  # it ended while this notebook connected: read-only
+        return ended
     _current = connected
     return connected
 
@@ -123,6 +130,20 @@ def _outcome_of(folder: Path, rank: int) -> Path:
 
 def _ended(folder: Path, world_size: int) -> bool:
     return all(_outcome_of(folder, r).exists() for r in range(world_size))
+
+
+def _ending(folder: Path, world_size: int, wait_s: float = ENDING_WAIT_S) -> bool:
+    """The controller did not answer because the job is ending: a rank has written how it
+    ended (rank 0 does before it stops the controller); -> whether every rank has, within
+    ``wait_s``."""
+    if not any(_outcome_of(folder, r).exists() for r in range(world_size)):
+        return False
+    deadline = time.monotonic() + wait_s
+    while not _ended(folder, world_size):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_S * 5)
+    return True
 
 
 def _client(folder: Path, timeout: float):
@@ -164,7 +185,15 @@ def _engines(client, world_size: int, timeout: float, folder: Path) -> dict[int,
         for eid in client.ids:
             if eid not in asked:
                 asked.add(eid)
-                where = client[eid].apply_sync(api.job_where)
+                try:  # bounded: an engine whose rank ends meanwhile never answers
+                    asked_now = client[eid].apply_async(api.job_where)
+                    where = asked_now.get(timeout=max(1.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise ConnectError(
+                        f"engine {eid} of the job in {folder} did not answer within "
+                        f"{timeout:g} s: its rank is ending, hung or gone; `dtlab doctor` "
+                        "reads what the folder holds"
+                    ) from None
                 found[where.rank] = eid
         if len(found) >= world_size:
             break

@@ -1,7 +1,10 @@
 """A nanoGPT-style script: module-level settings overridden by --key=value arguments,
 ``from torch.distributed import init_process_group``, random token windows drawn by its
-own ``get_batch`` (no DataLoader), and gradient accumulation that toggles DDP's
-``require_backward_grad_sync`` itself. Run unchanged under torchrun and %dt_script.
+own ``get_batch`` (no DataLoader), gradient accumulation that toggles DDP's
+``require_backward_grad_sync`` itself, and nanoGPT's loop: ``while True`` until
+``iter_num`` reaches ``max_iters`` (read each iteration, so a changed ``max_iters`` ends
+the run there; the LR schedule runs over ``lr_decay_iters``, by default ``max_iters``).
+Run unchanged under torchrun, %dt_script and ``-m dtlab.run``.
 """
 
 import json
@@ -20,6 +23,7 @@ batch_size = 4
 block_size = 16
 vocab = 64
 learning_rate = 1e-2
+lr_decay_iters = 0  # 0: max_iters
 grad_clip = 1.0
 out = ""
 same_seed = 0  # planted bug: every rank draws the same windows
@@ -28,6 +32,7 @@ for arg in sys.argv[1:]:  # nanoGPT's configurator, in short
     if key not in globals():
         raise ValueError(f"unknown config key {key}")
     globals()[key] = type(globals()[key])(value)
+lr_decay_iters = lr_decay_iters or max_iters
 
 ddp = int(os.environ.get("RANK", -1)) != -1
 if ddp:
@@ -60,7 +65,7 @@ class TinyLM(torch.nn.Module):
 
 
 def get_lr(it):
-    return learning_rate * 0.5 * (1 + math.cos(math.pi * it / max_iters))
+    return learning_rate * 0.5 * (1 + math.cos(math.pi * it / lr_decay_iters))
 
 
 model = TinyLM()
@@ -69,9 +74,10 @@ if ddp:
 optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
 losses = []
 X, Y = get_batch()
-for it in range(max_iters):
+iter_num = 0
+while True:
     for group in optimizer.param_groups:
-        group["lr"] = get_lr(it)
+        group["lr"] = get_lr(iter_num)
     total = 0.0
     for micro in range(grad_accum):
         if ddp:  # sync only on the last micro-batch (what nanoGPT does instead of no_sync)
@@ -86,7 +92,10 @@ for it in range(max_iters):
     optimizer.zero_grad(set_to_none=True)
     losses.append(total)
     if rank == 0:
-        print(f"iter {it}: loss {total:.4f}")
+        print(f"iter {iter_num}: loss {total:.4f}")
+    iter_num += 1
+    if iter_num >= max_iters:
+        break
 if out:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
