@@ -113,7 +113,7 @@ def test_imports_go_one_way(source):
 CONTROL_FLOORS = {
     "core": {
         "activity", "calls", "channel", "cluster", "config", "errors", "forkserver",
-        "hangs", "launchers", "network", "object_store", "options", "rankmap", "world",
+        "hangs", "launchers", "mirror", "network", "object_store", "options", "rankmap", "world",
     },
     "stepping": {"connection", "relays", "run_folder_writer", "runs", "stepper"},
     "features": {

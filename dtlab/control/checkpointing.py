@@ -18,11 +18,14 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from dtlab.agent import api
 from dtlab.control.errors import DtlabError, OptionError, RankError
+from dtlab.control.mirror import Mirror
 from dtlab.control.object_store import Bucket, ObjectStoreError, is_url
 from dtlab.control.stepper import Stepper
 from dtlab.control.world import World
@@ -58,6 +61,7 @@ class Checkpointing:
         self.autosave_every: int | None = None
         self._checkpoint_root: Path | Bucket | None = None
         self._env_bucket: Bucket | None = None
+        self.mirror: Mirror | None = None  # copies every local checkpoint to a bucket
 
     # --- where ------------------------------------------------------------------------
     @property
@@ -76,6 +80,32 @@ class Checkpointing:
     @checkpoint_root.setter
     def checkpoint_root(self, path: str | os.PathLike) -> None:
         self._checkpoint_root = self._bucket(path) if is_url(path) else Path(path).absolute()
+        if self.mirror is not None:  # it mirrors the new root from now on
+            self.checkpoint_mirror = self.mirror.bucket.url
+
+    @property
+    def checkpoint_mirror(self) -> str | None:
+        """``s3://bucket/prefix`` that every checkpoint saved under the (local) root is
+        copied to in the background (None: none). ``dt.mirror.status()`` says how far."""
+        return None if self.mirror is None else self.mirror.bucket.url
+
+    @checkpoint_mirror.setter
+    def checkpoint_mirror(self, url: str | None) -> None:
+        if url is not None and not is_url(url):
+            raise OptionError(f"a mirror is object storage, s3://bucket/prefix; got {url!r}")
+        root = self.checkpoint_root
+        if url is not None and isinstance(root, Bucket):
+            raise OptionError(
+                f"the checkpoint root is already a bucket ({root}): a mirror copies a local "
+                "root; set dt.checkpoint_root to a folder first"
+            )
+        if self.mirror is not None:
+            self.mirror.close()
+            self.mirror = None
+        if url is not None:
+            assert isinstance(root, Path)
+            self.mirror = Mirror(self._bucket(url), root)
+            self.mirror.scan()  # what the root holds already
 
     @staticmethod
     def _bucket(url) -> Bucket:
@@ -110,6 +140,8 @@ class Checkpointing:
         final = commit(root, Path(saved[0]["path"]), saved[0]["step"])
         info = describe(final)
         assert info is not None  # commit gave it a checkpoint's name
+        if self.mirror is not None and to is None:
+            self.mirror.add(final)  # copied in the background; the job steps on
         return info
 
     def _upload(self, bucket: Bucket, staged: Path, step: int) -> CheckpointInfo:
@@ -158,7 +190,34 @@ class Checkpointing:
                 return root.catalogue(verify=verify)
             except ObjectStoreError as e:
                 raise CheckpointFailed(str(e)) from None
-        return catalogue(root, verify=verify)
+        local = catalogue(root, verify=verify)
+        return local if self.mirror is None else self._with_mirror(local, verify)
+
+    def _with_mirror(self, local: list[CheckpointInfo], verify: bool) -> list[CheckpointInfo]:
+        """The local catalogue and the mirror's, by folder name: each entry ``local``,
+        ``mirrored`` or ``both``; a local copy that is gone or damaged gives way to a
+        complete one in the bucket (what a load then fetches)."""
+        assert self.mirror is not None
+        states = {u.name: u for u in self.mirror.status()}
+        try:
+            remote = {c.url.rsplit("/", 1)[-1]: c for c in self.mirror.bucket.catalogue(
+                verify=verify) if c.url}  # fmt: skip
+        except ObjectStoreError as e:
+            warnings.warn(f"dtlab: the mirror cannot be listed: {e}", stacklevel=3)
+            remote = {}
+        merged = []
+        for info in local:
+            name, there = info.path.name, remote.pop(info.path.name, None)
+            upload = states.get(name)
+            said = _mirror_state(upload)
+            if there is not None and there.ok and not info.ok:
+                merged.append(replace(there, copies="mirrored", mirror=f"local copy {info.status}"))
+            elif there is not None and there.ok:
+                merged.append(replace(info, copies="both", mirror="mirrored"))
+            else:
+                merged.append(replace(info, copies="local", mirror=said))
+        merged += [replace(c, copies="mirrored", mirror="mirrored") for c in remote.values()]
+        return sorted(merged, key=lambda c: (c.step, c.created))
 
     # --- load -------------------------------------------------------------------------
     def find_checkpoint(self, which: int | str | os.PathLike = "latest") -> CheckpointInfo:
@@ -322,10 +381,11 @@ class Checkpointing:
             self.world.run(api.set_up, setup, args, kwargs)
 
     def _bucket_of(self, url: str) -> Bucket:
-        """The bucket root a checkpoint's URL lies in (the root's, or a ``to=`` one)."""
-        root = self.checkpoint_root
-        if isinstance(root, Bucket) and url.startswith(root.url + "/"):
-            return root
+        """The bucket root a checkpoint's URL lies in (the root's, the mirror's, or a
+        ``to=`` one)."""
+        for root in (self.checkpoint_root, self.mirror.bucket if self.mirror else None):
+            if isinstance(root, Bucket) and url.startswith(root.url + "/"):
+                return root
         return self._bucket(url.rsplit("/", 1)[0])
 
     def remove_checkpoint(self, info: CheckpointInfo) -> None:
@@ -333,3 +393,14 @@ class Checkpointing:
             self._bucket_of(info.url).remove(info)
         else:
             shutil.rmtree(info.path, ignore_errors=True)
+
+
+def _mirror_state(upload) -> str:
+    """How a local checkpoint's copy to the mirror stands, in a few words."""
+    if upload is None:
+        return "not mirrored"
+    if upload.state == "uploading":
+        return f"uploading, {upload.sent_bytes / 2**20:.1f} of {upload.size_bytes / 2**20:.1f} MiB"
+    if upload.state == "failed":
+        return f"mirror failed: {upload.error}"
+    return upload.state

@@ -180,10 +180,18 @@ class Bucket:
         """Where a save whose upload failed is kept, complete, as a local checkpoint."""
         return self.work / "kept"
 
-    def upload(self, folder: Path, step: int) -> CheckpointInfo:
+    def upload(
+        self,
+        folder: Path,
+        step: int,
+        *,
+        name: str | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> CheckpointInfo:
         """Upload a finished local checkpoint folder (its manifest written) as the
-        checkpoint of ``step``: every file hashed as it is sent and its object's size
-        checked, the manifest last. Any failure removes what was sent (what cannot be
+        checkpoint of ``step`` (under ``name``, a free one by default): every file hashed
+        as it is sent and its object's size checked, the manifest last; ``progress(n)``
+        after each n bytes sent. Any failure removes what was sent (what cannot be
         removed lists as partial) and raises; ``folder`` is left as it was."""
         manifest = read_manifest(folder)
         files = manifest["files"]
@@ -191,12 +199,12 @@ class Bucket:
             problem = file_problem(folder, entry, checksum=False)
             if problem:
                 raise CheckpointError(f"{problem}: not uploaded")
-        taken = set(self._folders())
-        name = next_final_name(taken, step)
+        if name is None:
+            name = next_final_name(set(self._folders()), step)
         dest = f"{self.key}/{name}"
         try:
             for entry in files:
-                self._put(folder, entry, f"{dest}/{entry['name']}")
+                self._put(folder, entry, f"{dest}/{entry['name']}", progress)
             with open_confined(folder, MANIFEST, most=MAX_MANIFEST_BYTES) as f:
                 raw = f.read(MAX_MANIFEST_BYTES + 1)
             self._call("writing the manifest to", self.fs.pipe_file, f"{dest}/{MANIFEST}", raw)
@@ -219,7 +227,9 @@ class Bucket:
             url=f"{self.url}/{name}",
         )
 
-    def _put(self, folder: Path, entry: dict, key: str) -> None:
+    def _put(
+        self, folder: Path, entry: dict, key: str, progress: Callable[[int], None] | None
+    ) -> None:
         hasher = xxhash.xxh3_64()
         with open_confined(folder, entry["name"], size=entry["size"]) as src:
             out = self._call("uploading to", self.fs.open, key, "wb")
@@ -227,6 +237,8 @@ class Bucket:
                 while chunk := src.read(_CHUNK):
                     hasher.update(chunk)
                     self._call("uploading to", out.write, chunk)
+                    if progress is not None:
+                        progress(len(chunk))
                 self._call("uploading to", out.close)
             except BaseException:
                 try:

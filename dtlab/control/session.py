@@ -43,7 +43,8 @@ FORWARDS: dict[str, tuple[str, ...]] = {
         "doctor", "findings",
     ),
     "checkpointing": (
-        "checkpoint_root", "checkpoint", "checkpoint_every", "checkpoints",
+        "checkpoint_root", "checkpoint_mirror", "mirror", "checkpoint", "checkpoint_every",
+        "checkpoints",
         "load_checkpoint", "set_job_setup",
     ),
     "replays": ("record_outputs", "resume_check", "replay", "bisect"),

@@ -406,6 +406,10 @@ class CheckpointInfo:
     # in object storage: its URL (``s3://bucket/prefix/step-0000040``); ``path`` is then
     # the local folder it is fetched into (verified) before the ranks load it
     url: str | None = None
+    # with a mirror (``dt.checkpoint_mirror``): "local", "mirrored" (in the bucket only, or
+    # the local copy is damaged) or "both"; and how its copy to the bucket stands
+    copies: str | None = None
+    mirror: str | None = None
 
     @property
     def ok(self) -> bool:

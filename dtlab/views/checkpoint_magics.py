@@ -58,6 +58,13 @@ class CheckpointMagics(Magics):
         metavar="ROOT",
         help="save this checkpoint under ROOT (a folder or s3://bucket/prefix)",
     )
+    @argument(
+        "--mirror",
+        default=None,
+        metavar="URL",
+        help="copy every checkpoint under the (local) root to URL (s3://bucket/prefix) in "
+        "the background from now on ('off' stops)",
+    )
     def dt_checkpoint(self, line):
         """Save the job's full state on every rank (model, optimizer, scheduler, scaler,
         RNGs, data position, step), list the checkpoints, or load one."""
@@ -72,6 +79,7 @@ class CheckpointMagics(Magics):
                 ("--load", args.load is not None),
                 ("--every", args.every is not None),
                 ("--tag/--to", args.tag is not None or args.to is not None),
+                ("--mirror", args.mirror is not None),
             )
             if on
         ]
@@ -91,6 +99,17 @@ class CheckpointMagics(Magics):
             )
             for note in dict.fromkeys(n for r in loaded["ranks"].values() for n in r["notes"]):
                 print(f"note: {note}")
+            return
+        if args.mirror is not None:
+            session.checkpoint_mirror = None if args.mirror == "off" else args.mirror
+            if session.mirror is None:
+                print("no mirror: checkpoints stay in the local root only")
+            else:
+                print(
+                    f"mirroring every checkpoint under {session.checkpoint_root} to "
+                    f"{session.checkpoint_mirror} in the background (dt.mirror.status(); "
+                    "%dt_checkpoint --list says which are local, mirrored or both)"
+                )
             return
         if args.every is not None:
             session.checkpoint_every(args.every)

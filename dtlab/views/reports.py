@@ -237,7 +237,9 @@ def checks_table(results: Sequence) -> Table:
 
 
 def checkpoints_table(infos: Sequence) -> Table:
-    """``dt.checkpoints()`` as a table: complete ones, and what is wrong with the others."""
+    """``dt.checkpoints()`` as a table: complete ones, and what is wrong with the others;
+    with a mirror, where each one is and how its copy stands."""
+    mirrored = any(c.copies for c in infos)
     rows = tuple(
         (
             str(c.step),
@@ -247,13 +249,15 @@ def checkpoints_table(infos: Sequence) -> Table:
             label_ranks(c.ranks) if c.ranks else "-",
             c.tag or "",
             c.path.name,
+            *((c.copies or "", c.mirror or "") if mirrored else ()),
             c.problem or "",
         )
         for c in infos
     )
     notes = () if infos else ("no checkpoint yet: %dt_checkpoint saves one",)
-    headers = ("step", "status", "loss", "size", "written by", "tag", "folder", "problem")
-    return Table("checkpoints", headers, rows, notes)
+    headers = ("step", "status", "loss", "size", "written by", "tag", "folder")
+    headers += ("copies", "mirror") if mirrored else ()
+    return Table("checkpoints", (*headers, "problem"), rows, notes)
 
 
 def replay_summary(result) -> str:
