@@ -30,8 +30,10 @@ checksumming while it writes; share of the save time).
   local folder (every object size- and checksum-checked) on rank 0, then every rank loads
   it. Without a URL a moto S3 server on loopback (its own process) is the bucket: that
   measures dtlab's and the S3 protocol's cost on this machine, not a network's. Then the
-  demo job on a dtlab session: ``dt.checkpoint()``/``dt.load_checkpoint`` to a local root
-  and to the bucket, side by side.
+  demo job on a dtlab session: ``dt.checkpoint()``/``dt.load_checkpoint`` to a local root,
+  to the bucket, and to a local root mirrored to the bucket (``dt.checkpoint_mirror``),
+  side by side, with 5 steps right after each save (a mirror copies while they run) and
+  the time until the mirror's copy is in the bucket.
 Ratios are dtlab / other: 1.50x means dtlab takes 50% longer. Medians over --repeats.
 """
 
@@ -361,44 +363,73 @@ def report(summary: dict, result: dict, args: argparse.Namespace) -> str:
 
 def demo_side_by_side(ranks: int, url: str, repeats: int) -> dict:
     """The demo job on a dtlab session: ``dt.checkpoint()`` and ``dt.load_checkpoint`` to a
-    local root and to the bucket, alternately; medians in seconds."""
+    local root, to the bucket, and to a local root mirrored to the bucket, alternately;
+    then 5 steps right after the save (while a mirror copies it); medians in seconds,
+    with their range. ``mirror_s``: from the save's start until the copy is in the bucket."""
     import dtlab
     from dtlab import demo
 
     session = dtlab.launch(ranks, progress=lambda *a: None)
     local = Path(tempfile.mkdtemp(prefix="dtlab-ckpt-bench-demo-", dir="/tmp"))
-    times: dict = {"local": {"save_s": [], "load_s": []}, "bucket": {"save_s": [], "load_s": []}}
+    wheres = ("local", "bucket", "local + mirror")
+    times: dict = {w: {"save_s": [], "load_s": [], "steps_s": []} for w in wheres}
+    times["local + mirror"]["mirror_s"] = []
     try:
         demo.attach(session)
         session.step(2)
         for repeat in range(repeats):
-            for where, root in (("local", local), ("bucket", f"{url}/demo-{repeat}")):
-                session.checkpoint_root = root
+            for where in wheres:
+                session.checkpoint_mirror = None
+                session.checkpoint_root = (
+                    f"{url}/demo-{repeat}" if where == "bucket" else local / f"{repeat}-{where}"
+                )
+                if where == "local + mirror":
+                    session.checkpoint_mirror = f"{url}/mirror-{repeat}"
                 start = time.perf_counter()
                 saved = session.checkpoint()
                 times[where]["save_s"].append(time.perf_counter() - start)
+                begun = time.perf_counter()
+                session.step(5)  # a mirror copies meanwhile
+                times[where]["steps_s"].append(time.perf_counter() - begun)
+                if where == "local + mirror":
+                    session.mirror.wait(timeout=600)
+                    times[where]["mirror_s"].append(time.perf_counter() - start)
                 start = time.perf_counter()
                 session.load_checkpoint(saved.step)
                 times[where]["load_s"].append(time.perf_counter() - start)
                 size = saved.size_bytes
     finally:
+        session.checkpoint_mirror = None
         session.shutdown()
         shutil.rmtree(local, ignore_errors=True)
-    out = {w: {k: statistics.median(v) for k, v in t.items()} for w, t in times.items()}
-    return {"bytes": size, **out}
+    out = {
+        w: {k: (statistics.median(v), min(v), max(v)) for k, v in t.items()}
+        for w, t in times.items()
+    }
+    return {"bytes": size, "repeats": repeats, **out}
 
 
 def demo_report(demo: dict) -> str:
     mb = demo["bytes"] / 1e6
+
+    def cell(t: tuple) -> str:
+        return f"{t[0]:.2f} ({t[1]:.2f}-{t[2]:.2f})"
+
     lines = [
         "",
-        f"The demo job (dt.checkpoint() / dt.load_checkpoint(), {mb:.1f} MB checkpoint):",
+        f"The demo job (dt.checkpoint() / 5 dt.step() / dt.load_checkpoint(), {mb:.1f} MB "
+        f"checkpoint; medians of {demo['repeats']}, range):",
         "",
-        "| root | save s | load s |",
-        "|---|---|---|",
+        "| root | save s | 5 steps after it, s | until in the bucket, s | load s |",
+        "|---|---|---|---|---|",
     ]
-    for where in ("local", "bucket"):
-        lines.append(f"| {where} | {demo[where]['save_s']:.2f} | {demo[where]['load_s']:.2f} |")
+    for where in ("local", "bucket", "local + mirror"):
+        d = demo[where]
+        copied = cell(d["mirror_s"]) if "mirror_s" in d else "-"
+        lines.append(
+            f"| {where} | {cell(d['save_s'])} | {cell(d['steps_s'])} | {copied} | "
+            f"{cell(d['load_s'])} |"
+        )
     return "\n".join(lines)
 
 
