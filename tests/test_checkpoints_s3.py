@@ -330,6 +330,44 @@ def test_wrong_credentials_are_refused_and_never_printed(monkeypatch, tmp_path):
         own.stop()
 
 
+def test_a_policy_that_may_read_but_not_write_is_said_and_leaves_nothing(monkeypatch, tmp_path):
+    """Credentials that are valid but whose policy denies writes (a read-only role):
+    the save says the bucket's policy refused it; what the bucket holds still lists and
+    loads with them."""
+    own = MotoServer(env={"INITIAL_NO_AUTH_ACTION_COUNT": "6"})  # the IAM setup below
+    try:
+        import boto3
+
+        iam = boto3.client("iam", endpoint_url=own.url, aws_access_key_id="setup",
+                           aws_secret_access_key="setup", region_name="us-east-1")  # fmt: skip
+        keys = {}
+        deny_writes = {"Effect": "Deny", "Action": ["s3:PutObject", "s3:DeleteObject"],
+                       "Resource": "*"}  # fmt: skip
+        for user, extra in (("writer", []), ("reader", [deny_writes])):
+            iam.create_user(UserName=user)
+            policy = {
+                "Version": "2012-10-17",
+                "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}, *extra],
+            }
+            iam.put_user_policy(UserName=user, PolicyName="p", PolicyDocument=json.dumps(policy))
+            keys[user] = iam.create_access_key(UserName=user)["AccessKey"]
+        writer = own.client(keys["writer"]["AccessKeyId"], keys["writer"]["SecretAccessKey"])
+        writer.create_bucket(Bucket="shared")
+        s3_env(monkeypatch, tmp_path, own.url, key_id=keys["writer"]["AccessKeyId"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", keys["writer"]["SecretAccessKey"])
+        first = Bucket("s3://shared/x", tmp_path / "w").upload(sample(tmp_path / "a", step=10), 10)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", keys["reader"]["AccessKeyId"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", keys["reader"]["SecretAccessKey"])
+        reader = Bucket("s3://shared/x", tmp_path / "r")
+        with pytest.raises(ObjectStoreError, match="may not do this.*the bucket's policy") as e:
+            reader.upload(sample(tmp_path / "b", step=20), 20)
+        assert keys["reader"]["SecretAccessKey"] not in str(e.value)
+        assert [(c.step, c.status) for c in reader.catalogue()] == [(10, "complete")]
+        assert reader.fetch(first).is_dir()  # what it may read, it reads
+    finally:
+        own.stop()
+
+
 def test_a_sibling_prefix_is_not_listed(bucket, server, tmp_path):
     server.client().put_object(
         Bucket=bucket.bucket, Key=f"{bucket.prefix}x/step-0000001/manifest.json", Body=b"{}"
