@@ -27,7 +27,9 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,7 @@ SECRET_ENVS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 CONNECT_TIMEOUT_S = 5
 READ_TIMEOUT_S = 60
 ATTEMPTS = 4  # retried with backoff by the SDK (throttling, a dropped connection), bounded
+STREAMS = 4  # a checkpoint's files sent (or fetched) at once, each on a thread
 
 
 class ObjectStoreError(DtlabError):
@@ -82,6 +85,31 @@ def scrub(text: str) -> str:
 
 def endpoint() -> str | None:
     return next((os.environ[n] for n in ENDPOINT_ENVS if os.environ.get(n)), None)
+
+
+class _Stopped(Exception):
+    """Another file of the same upload or fetch failed: this one stops too."""
+
+
+def _each(fn: Callable[[dict, threading.Event], None], entries: Sequence[dict]) -> None:
+    """``fn(entry, stop)`` for every entry, ``STREAMS`` at a time; the first failure sets
+    ``stop`` (the others end at their next chunk) and is raised, as is an interrupt."""
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="dtlab-transfer")
+    futures = []
+    try:
+        futures = [pool.submit(fn, entry, stop) for entry in entries]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            if f.done() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+    except BaseException:
+        stop.set()
+        for f in futures:
+            f.cancel()
+        raise
+    finally:
+        pool.shutdown(wait=True)  # each worker ends at its next chunk once stopped
 
 
 class Bucket:
@@ -203,8 +231,9 @@ class Bucket:
             name = next_final_name(set(self._folders()), step)
         dest = f"{self.key}/{name}"
         try:
-            for entry in files:
-                self._put(folder, entry, f"{dest}/{entry['name']}", progress)
+            _each(
+                lambda e, stop: self._put(folder, e, f"{dest}/{e['name']}", progress, stop), files
+            )
             with open_confined(folder, MANIFEST, most=MAX_MANIFEST_BYTES) as f:
                 raw = f.read(MAX_MANIFEST_BYTES + 1)
             self._call("writing the manifest to", self.fs.pipe_file, f"{dest}/{MANIFEST}", raw)
@@ -228,13 +257,20 @@ class Bucket:
         )
 
     def _put(
-        self, folder: Path, entry: dict, key: str, progress: Callable[[int], None] | None
+        self,
+        folder: Path,
+        entry: dict,
+        key: str,
+        progress: Callable[[int], None] | None,
+        stop: threading.Event,
     ) -> None:
         hasher = xxhash.xxh3_64()
         with open_confined(folder, entry["name"], size=entry["size"]) as src:
             out = self._call("uploading to", self.fs.open, key, "wb")
             try:
                 while chunk := src.read(_CHUNK):
+                    if stop.is_set():
+                        raise _Stopped()
                     hasher.update(chunk)
                     self._call("uploading to", out.write, chunk)
                     if progress is not None:
@@ -245,6 +281,7 @@ class Bucket:
                     out.discard()  # a multipart upload begun: aborted, not left to bill
                 except Exception:
                     pass
+                out.closed = True  # discarded: not sent again when it is collected
                 raise
         if checksum_text(hasher.intdigest()) != entry["xxh3"]:
             raise CheckpointError(
@@ -409,8 +446,8 @@ class Bucket:
         tmp = self.fetched / f"{PARTIAL_PREFIX}fetch-{folder}-{secrets.token_hex(4)}"
         tmp.mkdir()
         try:
-            for entry in manifest["files"]:
-                self._fetch_one(folder, entry, tmp / entry["name"])
+            _each(lambda e, stop: self._fetch_one(folder, e, tmp / e["name"], stop),
+                  manifest["files"])  # fmt: skip
             raw = self._read(f"{self.key}/{folder}/{MANIFEST}", objects[MANIFEST], "manifest")
             (tmp / MANIFEST).write_bytes(raw)
             final = self.fetched / folder
@@ -422,7 +459,9 @@ class Bucket:
             raise
         return final
 
-    def _fetch_one(self, folder: str, entry: dict, into: Path | None) -> None:
+    def _fetch_one(
+        self, folder: str, entry: dict, into: Path | None, stop: threading.Event | None = None
+    ) -> None:
         url = f"{self.url}/{folder}/{entry['name']}"
         hasher = xxhash.xxh3_64()
         size, got = entry["size"], 0
@@ -430,6 +469,8 @@ class Bucket:
         out = open(into, "xb") if into is not None else None
         try:
             while got <= size:
+                if stop is not None and stop.is_set():
+                    raise _Stopped()
                 chunk = self._call("reading", src.read, min(_CHUNK, size + 1 - got))
                 if not chunk:
                     break
