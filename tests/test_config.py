@@ -53,3 +53,30 @@ def test_parse_env():
 def test_parse_env_rejects(item):
     with pytest.raises(ValueError, match="expected KEY=VALUE"):
         parse_env([item])
+
+
+def test_a_launch_keeps_the_logs_of_the_newest_clusters_only(tmp_path):
+    """Every launch leaves a controller log, a fork server's and a folder of engine logs
+    in the profile: the oldest are removed past KEEP_LOGS; a cluster whose cluster file
+    is still there (running) keeps its own, and files of others are left alone."""
+    from dtlab.control.cluster import prune_logs
+
+    log, security = tmp_path / "log", tmp_path / "security"
+    log.mkdir()
+    security.mkdir()
+    ids = [f"dtlab-{1_800_000_000 + i}-{i:04x}" for i in range(6)]
+    for cid in ids:
+        (log / f"{cid}.log").write_text("x")
+        (log / f"ipcontroller-{cid}-123.log").write_text("x")
+        (log / f"dtlab-forkserver-{cid}-1-123.log").write_text("x")
+        (log / f"{cid}-engines").mkdir()
+        (log / f"{cid}-engines" / "engine-0.log").write_text("x")
+    (security / f"cluster-{ids[0]}.json").write_text("{}")  # the oldest, still running
+    (log / "ipython-notebook.log").write_text("not dtlab's")
+    assert prune_logs(str(tmp_path), keep=2) == 4 * 3  # ids 1-3: four entries each
+    left = {p.name for p in log.iterdir()}
+    for cid in (ids[0], ids[4], ids[5]):
+        assert {f"{cid}.log", f"{cid}-engines", f"ipcontroller-{cid}-123.log"} <= left
+    assert not any(cid in name for cid in ids[1:4] for name in left)
+    assert "ipython-notebook.log" in left
+    assert prune_logs(str(tmp_path), keep=2) == 0

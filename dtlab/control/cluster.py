@@ -16,11 +16,14 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import re
 import secrets
+import shutil
 import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ipyparallel as ipp
@@ -70,6 +73,38 @@ def _local_threads(config: LaunchConfig) -> int:
     )
 
 
+_CLUSTER_ID = re.compile(r"dtlab-(\d+)-[0-9a-f]{4}")
+KEEP_LOGS = 20  # dtlab clusters whose logs a profile keeps (the newest that are not running)
+
+
+def prune_logs(profile_dir: str, keep: int = KEEP_LOGS) -> int:
+    """Remove the logs (``<profile>/log``: the controller's, the fork server's, each
+    engine's) of the dtlab clusters of this profile but the newest ``keep``, as a launch
+    starts: every launch leaves a few files and they would pile up for good. A cluster
+    whose cluster file is still there (running, or its notebook was killed) keeps its
+    logs. -> how many files and folders went."""
+    log = Path(profile_dir) / "log"
+    if not log.is_dir():
+        return 0
+    by_id: dict[str, list[Path]] = {}
+    for path in log.iterdir():
+        found = _CLUSTER_ID.search(path.name)
+        if found:
+            by_id.setdefault(found.group(0), []).append(path)
+    security = Path(profile_dir) / "security"
+    done = [cid for cid in by_id if not (security / f"cluster-{cid}.json").exists()]
+    done.sort(key=lambda cid: (int(cid.split("-")[1]), cid))
+    removed = 0
+    for cid in done[: max(0, len(done) - keep)]:
+        for path in by_id[cid]:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
 def make_cluster(config: LaunchConfig) -> ipp.Cluster:
     local = config.launcher == Launcher.LOCAL
     cluster = ipp.Cluster(
@@ -90,6 +125,10 @@ def make_cluster(config: LaunchConfig) -> ipp.Cluster:
         log_level=30,
     )
     cluster.log = cluster_logger(cluster)
+    try:
+        prune_logs(cluster.profile_dir)
+    except OSError:
+        pass  # logs of old clusters left as they are: never a reason not to launch
     env = dict(config.env)
     if local:
         # ipyparallel engines do not set it (torchrun does): without it torch takes every
