@@ -389,3 +389,42 @@ def test_the_root_from_the_environment_and_what_a_bucket_root_refuses(monkeypatc
         ck.checkpoint_every(5)
     with pytest.raises(OptionError, match="is not s3://BUCKET/PREFIX"):
         ck.checkpoint_root = "s3://no/../up"
+
+
+def test_a_deepspeed_save_is_copied_once_complete_and_checked_when_fetched_back(
+    bucket, server, tmp_path
+):
+    """A folder as engine.save_checkpoint leaves it: a tag folder per save and `latest`.
+    A tag newer than `latest` (a save under way) is not copied; a copy whose object was
+    changed in the bucket is refused when fetched, and nothing is put in place."""
+    from dtlab.control import deepspeed_copies as ds
+
+    save = tmp_path / "ckpt"
+    parts = {"mp_rank_00_model_states.pt": os.urandom(3000),
+             "zero_pp_rank_0_mp_rank_00_optim_states.pt": os.urandom(5000)}  # fmt: skip
+    for tag in ("global_step2", "global_step4"):
+        (save / tag).mkdir(parents=True)
+        for name, data in parts.items():
+            (save / tag / name).write_bytes(data)
+    (save / "latest").write_text("global_step2")
+    written = (save / "latest").stat().st_mtime
+    for f in (save / "global_step4").iterdir():  # being written after `latest`
+        os.utime(f, (written + 10, written + 10))
+    assert ds.complete_tags(save) == [("global_step2", 2, 8000)]
+    copied = ds.upload(bucket, save, "global_step2")
+    assert copied.ok and copied.url == f"{bucket.url}/deepspeed/global_step2"
+    assert [(c.tag, c.status) for c in ds.catalogue(bucket)] == [("global_step2", "complete")]
+    assert ds.latest_tag(bucket) == "global_step2"
+    back = ds.restore(bucket, tmp_path / "other")
+    assert {p.name: p.read_bytes() for p in back.iterdir()} == parts
+    assert (tmp_path / "other" / "latest").read_text() == "global_step2"
+    changed = bytearray(parts["mp_rank_00_model_states.pt"])
+    changed[100] ^= 1
+    put(server, bucket, "deepspeed/global_step2/mp_rank_00_model_states.pt", bytes(changed))
+    with pytest.raises(CheckpointError, match="checksum"):
+        ds.restore(bucket, tmp_path / "third")
+    assert not (tmp_path / "third" / "global_step2").exists()
+    assert not list((tmp_path / "third").glob(".partial-*"))
+    put(server, bucket, "deepspeed/global_step2/manifest.json", b'{"format": "x"}')
+    [(tag, status)] = [(c.tag, c.status) for c in ds.catalogue(bucket)]
+    assert (tag, status) == ("global_step2", "corrupt")

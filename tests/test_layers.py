@@ -112,8 +112,9 @@ def test_imports_go_one_way(source):
 # the session, which only builds them (docs/design.md, "Layers").
 CONTROL_FLOORS = {
     "core": {
-        "activity", "calls", "channel", "cluster", "config", "errors", "forkserver",
-        "hangs", "launchers", "mirror", "network", "object_store", "options", "rankmap", "world",
+        "activity", "calls", "channel", "cluster", "config", "deepspeed_copies", "errors",
+        "forkserver", "hangs", "launchers", "mirror", "network", "object_store", "options",
+        "rankmap", "world",
     },
     "stepping": {"connection", "relays", "run_folder_writer", "runs", "stepper"},
     "features": {

@@ -17,13 +17,15 @@ damaged loads from the bucket.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from dtlab.control import deepspeed_copies
 from dtlab.control.object_store import Bucket, ObjectStoreError
-from dtlab.records.checkpoints import CheckpointError, catalogue, describe
+from dtlab.records.checkpoints import CheckpointError, CheckpointInfo, catalogue, describe
 
 SCAN_S = 2.0  # how often the local root is looked at for periodic saves
 RETRY_S = 30.0  # a copy that failed is tried again at the first look this long after
@@ -53,6 +55,7 @@ class Mirror:
         self._cond = threading.Condition()
         self._closed = False
         self._in_bucket: set[str] | None = None  # complete there when the mirror began
+        self.deepspeed_dir: Path | None = None  # a DeepSpeed save folder watched too
         self._thread = threading.Thread(target=self._work, name="dtlab-mirror", daemon=True)
         self._thread.start()
 
@@ -101,12 +104,35 @@ class Mirror:
         return self.status()
 
     def scan(self) -> None:
-        """Queue every complete checkpoint under the root not mirrored yet."""
-        found = [c for c in catalogue(self.root) if c.ok]
+        """Queue every complete checkpoint under the root not mirrored yet (and every
+        complete save of the watched DeepSpeed folder)."""
+        found = [(c.path.name, c.step, c.size_bytes) for c in catalogue(self.root) if c.ok]
+        if self.deepspeed_dir is not None and self.deepspeed_dir.is_dir():
+            found += [
+                (f"{deepspeed_copies.FOLDER}/{tag}", step, size)
+                for tag, step, size in deepspeed_copies.complete_tags(self.deepspeed_dir)
+            ]
         with self._cond:
-            for info in found:
-                self._want(info.path.name, info.step, info.size_bytes)
+            for name, step, size in found:
+                self._want(name, step, size)
             self._cond.notify_all()
+
+    # --- DeepSpeed's own checkpoints -----------------------------------------------------
+    def watch_deepspeed(self, save_dir: str | os.PathLike) -> None:
+        """Also copy every complete save of ``engine.save_checkpoint(save_dir)`` (each tag
+        folder, then ``latest``) to ``<bucket>/deepspeed/`` (:mod:`deepspeed_copies`)."""
+        self.deepspeed_dir = Path(save_dir).absolute()
+        self.scan()
+
+    def deepspeed_copies(self) -> list[CheckpointInfo]:
+        """The DeepSpeed saves copied to the bucket: complete, partial or corrupt."""
+        return deepspeed_copies.catalogue(self.bucket)
+
+    def restore_deepspeed(self, save_dir: str | os.PathLike, tag: str = "latest") -> Path:
+        """Fetch a copied DeepSpeed save (``latest``: the last one copied) back into
+        ``save_dir``, checked, and point ``save_dir/latest`` at it: the script's own
+        ``engine.load_checkpoint(save_dir)`` resumes from it; -> its folder."""
+        return deepspeed_copies.restore(self.bucket, Path(save_dir).absolute(), tag)
 
     def close(self) -> None:
         """Stop after the upload under way (what is queued stays local only)."""
@@ -152,21 +178,28 @@ class Mirror:
             if self._in_bucket is None:
                 self._in_bucket = {c.url.rsplit("/", 1)[-1] for c in self.bucket.catalogue()
                                    if c.ok and c.url}  # fmt: skip
+                self._in_bucket |= {
+                    f"{deepspeed_copies.FOLDER}/{c.tag}"
+                    for c in deepspeed_copies.catalogue(self.bucket)
+                    if c.ok
+                }
             if name in self._in_bucket:  # a mirror before this one copied it
                 self._set(name, state="mirrored", sent_bytes=self._uploads[name].size_bytes)
                 return
             self._set(name, state="uploading")
+            if name.startswith(f"{deepspeed_copies.FOLDER}/"):
+                assert self.deepspeed_dir is not None
+                tag = name.split("/", 1)[1]
+                deepspeed_copies.upload(self.bucket, self.deepspeed_dir, tag, self._counter(name))
+                self._in_bucket.add(name)
+                self._set(name, state="mirrored", seconds=time.monotonic() - began)
+                return
             info = describe(self.root / name)
             if info is None or not info.ok:
                 problem = info.problem if info is not None else "it is gone"
                 raise CheckpointError(f"{self.root / name} cannot be mirrored: {problem}")
 
-            def sent(n: int) -> None:
-                with self._cond:
-                    u = self._uploads[name]
-                    self._uploads[name] = replace(u, sent_bytes=u.sent_bytes + n)
-
-            self.bucket.upload(self.root / name, info.step, name=name, progress=sent)
+            self.bucket.upload(self.root / name, info.step, name=name, progress=self._counter(name))
             self._in_bucket.add(name)
             self._set(name, state="mirrored", seconds=time.monotonic() - began)
         except (CheckpointError, ObjectStoreError, OSError) as e:
@@ -174,6 +207,16 @@ class Mirror:
         except Exception as e:  # noqa: BLE001 - the thread must go on; said in the status
             error = f"{type(e).__name__}: {e}"
             self._set(name, state="failed", error=error, failed_at=time.monotonic())
+
+    def _counter(self, name: str):
+        """``progress(n)`` for the upload of ``name``: its bytes sent so far."""
+
+        def sent(n: int) -> None:
+            with self._cond:
+                u = self._uploads[name]
+                self._uploads[name] = replace(u, sent_bytes=u.sent_bytes + n)
+
+        return sent
 
     def _set(self, name: str, **changes) -> None:
         with self._cond:

@@ -91,7 +91,7 @@ class _Stopped(Exception):
     """Another file of the same upload or fetch failed: this one stops too."""
 
 
-def _each(fn: Callable[[dict, threading.Event], None], entries: Sequence[dict]) -> None:
+def each_file(fn: Callable[[dict, threading.Event], None], entries: Sequence[dict]) -> None:
     """``fn(entry, stop)`` for every entry, ``STREAMS`` at a time; the first failure sets
     ``stop`` (the others end at their next chunk) and is raised, as is an interrupt."""
     stop = threading.Event()
@@ -184,7 +184,7 @@ class Bucket:
             hint = "the storage refused it"
         return ObjectStoreError(f"{doing} {where} failed: {hint} ({text})")
 
-    def _call(self, doing: str, fn: Callable, *args, **kwargs) -> Any:
+    def call(self, doing: str, fn: Callable, *args, **kwargs) -> Any:
         try:
             return fn(*args, **kwargs)
         except (CheckpointError, ObjectStoreError):
@@ -231,12 +231,13 @@ class Bucket:
             name = next_final_name(set(self._folders()), step)
         dest = f"{self.key}/{name}"
         try:
-            _each(
-                lambda e, stop: self._put(folder, e, f"{dest}/{e['name']}", progress, stop), files
+            each_file(
+                lambda e, stop: self.put_file(folder, e, f"{dest}/{e['name']}", progress, stop),
+                files,
             )
             with open_confined(folder, MANIFEST, most=MAX_MANIFEST_BYTES) as f:
                 raw = f.read(MAX_MANIFEST_BYTES + 1)
-            self._call("writing the manifest to", self.fs.pipe_file, f"{dest}/{MANIFEST}", raw)
+            self.call("writing the manifest to", self.fs.pipe_file, f"{dest}/{MANIFEST}", raw)
         except BaseException:
             try:
                 self.fs.rm(dest, recursive=True)
@@ -256,7 +257,7 @@ class Bucket:
             url=f"{self.url}/{name}",
         )
 
-    def _put(
+    def put_file(
         self,
         folder: Path,
         entry: dict,
@@ -266,16 +267,16 @@ class Bucket:
     ) -> None:
         hasher = xxhash.xxh3_64()
         with open_confined(folder, entry["name"], size=entry["size"]) as src:
-            out = self._call("uploading to", self.fs.open, key, "wb")
+            out = self.call("uploading to", self.fs.open, key, "wb")
             try:
                 while chunk := src.read(_CHUNK):
                     if stop.is_set():
                         raise _Stopped()
                     hasher.update(chunk)
-                    self._call("uploading to", out.write, chunk)
+                    self.call("uploading to", out.write, chunk)
                     if progress is not None:
                         progress(len(chunk))
-                self._call("uploading to", out.close)
+                self.call("uploading to", out.close)
             except BaseException:
                 try:
                     out.discard()  # a multipart upload begun: aborted, not left to bill
@@ -288,7 +289,7 @@ class Bucket:
                 f"{folder / entry['name']} changed while it was uploaded (its checksum is "
                 "not the manifest's): not uploaded"
             )
-        size = self._call("checking an upload to", self.fs.info, key).get("size")
+        size = self.call("checking an upload to", self.fs.info, key).get("size")
         if size != entry["size"]:
             raise CheckpointError(
                 f"{SCHEME}{key} holds {size} bytes after the upload, not {entry['size']}: "
@@ -304,11 +305,11 @@ class Bucket:
                 pass
 
     # --- list -------------------------------------------------------------------------
-    def _listing(self) -> dict[str, dict[str, int]]:
+    def listing(self) -> dict[str, dict[str, int]]:
         """{checkpoint folder: {object name: size}} under the prefix, every key checked:
         a key outside the prefix is a listing that lies (refused whole); an object not
         a plain name directly in its folder is kept, under a name that says so."""
-        found = self._call("listing", self.fs.find, self.key, detail=True, withdirs=False)
+        found = self.call("listing", self.fs.find, self.key, detail=True, withdirs=False)
         folders: dict[str, dict[str, int]] = {}
         for key, info in found.items():
             if not isinstance(key, str) or not key.startswith(self.key + "/"):
@@ -327,14 +328,14 @@ class Bucket:
         return folders
 
     def _folders(self) -> list[str]:
-        return list(self._listing())
+        return list(self.listing())
 
     def catalogue(self, *, verify: bool = False) -> list[CheckpointInfo]:
         """Every checkpoint under the prefix, oldest step first, as ``catalogue`` lists
         a folder: complete, partial (no manifest: an upload that never finished, with the
         size it left) or corrupt (with why). ``verify`` reads every object's checksum."""
         found = []
-        for folder, objects in self._listing().items():
+        for folder, objects in self.listing().items():
             step = final_step(folder)
             if step is None:
                 continue
@@ -383,7 +384,7 @@ class Bucket:
                 )
             elif verify:
                 try:
-                    self._fetch_one(folder, entry, None)
+                    self.fetch_file(folder, entry, None)
                 except CheckpointError as e:
                     problems.append(str(e))
         return CheckpointInfo(
@@ -404,7 +405,7 @@ class Bucket:
         url = f"{self.url}/{folder}/{MANIFEST}"
         if listed > MAX_MANIFEST_BYTES:
             raise CheckpointError(f"{url} has {listed} bytes, more than a manifest: refused")
-        raw = self._read(f"{self.key}/{folder}/{MANIFEST}", listed, url)
+        raw = self.read_bounded(f"{self.key}/{folder}/{MANIFEST}", listed, url)
         try:
             manifest = json.loads(raw)
         except ValueError as e:
@@ -416,10 +417,10 @@ class Bucket:
             raise CheckpointError(f"{url}: {problem}: the checkpoint is corrupt (or was edited)")
         return manifest
 
-    def _read(self, key: str, size: int, url: str) -> bytes:
+    def read_bounded(self, key: str, size: int, url: str) -> bytes:
         """An object's bytes, reading no more than ``size`` + 1: one that holds more or
         fewer bytes than listed is refused."""
-        raw = self._call("reading", self.fs.cat_file, key, start=0, end=size + 1)
+        raw = self.call("reading", self.fs.cat_file, key, start=0, end=size + 1)
         if len(raw) != size:
             raise CheckpointError(
                 f"{url} holds {'more' if len(raw) > size else 'fewer'} bytes than the "
@@ -437,7 +438,7 @@ class Bucket:
         step = final_step(folder)
         if step is None:
             raise CheckpointError(f"{info.where} is not a checkpoint of this bucket")
-        objects = self._listing().get(folder, {})
+        objects = self.listing().get(folder, {})
         checked = self._describe(folder, step, objects, verify=False)
         if not checked.ok:
             raise CheckpointError(f"checkpoint {checked.where} refused: {checked.problem}")
@@ -446,9 +447,11 @@ class Bucket:
         tmp = self.fetched / f"{PARTIAL_PREFIX}fetch-{folder}-{secrets.token_hex(4)}"
         tmp.mkdir()
         try:
-            _each(lambda e, stop: self._fetch_one(folder, e, tmp / e["name"], stop),
+            each_file(lambda e, stop: self.fetch_file(folder, e, tmp / e["name"], stop),
                   manifest["files"])  # fmt: skip
-            raw = self._read(f"{self.key}/{folder}/{MANIFEST}", objects[MANIFEST], "manifest")
+            raw = self.read_bounded(
+                f"{self.key}/{folder}/{MANIFEST}", objects[MANIFEST], "manifest"
+            )
             (tmp / MANIFEST).write_bytes(raw)
             final = self.fetched / folder
             if final.exists():
@@ -459,19 +462,19 @@ class Bucket:
             raise
         return final
 
-    def _fetch_one(
+    def fetch_file(
         self, folder: str, entry: dict, into: Path | None, stop: threading.Event | None = None
     ) -> None:
         url = f"{self.url}/{folder}/{entry['name']}"
         hasher = xxhash.xxh3_64()
         size, got = entry["size"], 0
-        src = self._call("reading", self.fs.open, f"{self.key}/{folder}/{entry['name']}", "rb")
+        src = self.call("reading", self.fs.open, f"{self.key}/{folder}/{entry['name']}", "rb")
         out = open(into, "xb") if into is not None else None
         try:
             while got <= size:
                 if stop is not None and stop.is_set():
                     raise _Stopped()
-                chunk = self._call("reading", src.read, min(_CHUNK, size + 1 - got))
+                chunk = self.call("reading", src.read, min(_CHUNK, size + 1 - got))
                 if not chunk:
                     break
                 got += len(chunk)
