@@ -428,3 +428,116 @@ def test_a_deepspeed_save_is_copied_once_complete_and_checked_when_fetched_back(
     put(server, bucket, "deepspeed/global_step2/manifest.json", b'{"format": "x"}')
     [(tag, status)] = [(c.tag, c.status) for c in ds.catalogue(bucket)]
     assert (tag, status) == ("global_step2", "corrupt")
+
+
+class Throttling:
+    """An HTTP server in front of moto (a thread of this test, on loopback) that answers
+    a request 503 SlowDown, as S3 does when throttling, whenever ``throttle(n)`` says so
+    for the n-th request (counted from 0), and passes the others on unchanged."""
+
+    SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                b"<Message>Please reduce your request rate.</Message></Error>")  # fmt: skip
+
+    def __init__(self, upstream: str, throttle) -> None:
+        import http.client
+        import http.server
+
+        self.seen = self.throttled = 0
+        self.asked: dict[tuple[str, str], int] = {}  # (method, path): how often
+        lock, outer = threading.Lock(), self
+        host, port = upstream.removeprefix("http://").split(":")
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _body(self) -> bytes:
+                if "chunked" not in self.headers.get("Transfer-Encoding", ""):
+                    return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = b""
+                while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
+                    body += self.rfile.read(size)
+                    self.rfile.readline()
+                while self.rfile.readline().strip():  # trailers, then the blank line
+                    pass
+                return body
+
+            def _any(self):
+                body = self._body()
+                with lock:
+                    n, outer.seen = outer.seen, outer.seen + 1
+                    asked = (self.command, self.path)
+                    outer.asked[asked] = outer.asked.get(asked, 0) + 1
+                    slow = throttle(n)
+                    outer.throttled += slow
+                if slow:
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(outer.SLOWDOWN)))
+                    self.end_headers()
+                    self.wfile.write(outer.SLOWDOWN)
+                    return
+                conn = http.client.HTTPConnection(host, int(port), timeout=30)
+                try:
+                    dropped = ("transfer-encoding", "content-length", "expect")
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in dropped}
+                    headers["Content-Length"] = str(len(body))
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    reply = conn.getresponse()
+                    data = reply.read()
+                finally:
+                    conn.close()
+                self.send_response(reply.status)
+                for k, v in reply.getheaders():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(k, v)
+                length = reply.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))  # HEAD: the object's
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+def test_throttling_is_retried_with_backoff_and_past_its_bound_said(server, monkeypatch, tmp_path):
+    """A server that throttles every other request: saves, listings and fetches succeed
+    (each request tried again after a wait). One that throttles every request: the save
+    fails after a bounded number of tries, saying that the storage throttles."""
+    from dtlab.control import object_store
+
+    server.client().create_bucket(Bucket="throttled")
+    every_other = Throttling(server.url, lambda n: n % 2 == 0)
+    try:
+        s3_env(monkeypatch, tmp_path, every_other.url)
+        bucket = Bucket("s3://throttled/x", tmp_path / "w1")
+        info = bucket.upload(sample(tmp_path / "a", n=6), 40)
+        assert [(c.step, c.status) for c in bucket.catalogue(verify=True)] == [(40, "complete")]
+        assert bucket.fetch(info).is_dir()
+        assert every_other.throttled > 10 and every_other.seen > 2 * every_other.throttled - 2
+    finally:
+        every_other.stop()
+    monkeypatch.setattr(object_store, "ATTEMPTS", 2)  # a smaller bound: a quicker test
+    monkeypatch.setattr(object_store, "RETRIES", 2)
+    always = Throttling(server.url, lambda n: True)
+    try:
+        s3_env(monkeypatch, tmp_path, always.url)
+        bucket = Bucket("s3://throttled/y", tmp_path / "w2")
+        with pytest.raises(ObjectStoreError, match="each was tried 4 times") as e:
+            bucket.catalogue()
+        assert SECRET not in str(e.value) and "throttling" in str(e.value)
+        assert set(always.asked.values()) == {4}, always.asked  # each request: 2 x 2 tries
+    finally:
+        always.stop()

@@ -61,7 +61,8 @@ ENDPOINT_ENVS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 SECRET_ENVS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 CONNECT_TIMEOUT_S = 5
 READ_TIMEOUT_S = 60
-ATTEMPTS = 4  # retried with backoff by the SDK (throttling, a dropped connection), bounded
+ATTEMPTS = 4  # tries of a request by the SDK, with backoff (throttling, a dropped connection)
+RETRIES = 3  # ... and each of those tried again by s3fs (throttling, a dropped connection)
 STREAMS = 4  # a checkpoint's files sent (or fetched) at once, each on a thread
 
 
@@ -152,11 +153,12 @@ class Bucket:
                 config_kwargs={
                     "connect_timeout": CONNECT_TIMEOUT_S,
                     "read_timeout": READ_TIMEOUT_S,
-                    "retries": {"max_attempts": ATTEMPTS, "mode": "standard"},
+                    "retries": {"total_max_attempts": ATTEMPTS, "mode": "standard"},
                 },
                 skip_instance_cache=True,
                 use_listings_cache=False,
             )
+            self._fs.retries = RETRIES  # s3fs's own tries around each SDK call (its default 5)
         return self._fs
 
     def said(self, e: BaseException, doing: str) -> ObjectStoreError:
@@ -173,6 +175,12 @@ class Bucket:
             )
         elif "nosuchbucket" in low or (isinstance(e, FileNotFoundError) and "bucket" in low):
             hint = f"bucket {self.bucket!r} does not exist there: create it or fix the URL"
+        elif any(w in low for w in ("slowdown", "reduce your request rate", "throttl")):
+            hint = (
+                f"the storage is throttling requests: each was tried {ATTEMPTS * RETRIES} "
+                "times with growing waits; try again later, or send fewer at once "
+                "(fewer saves, object_store.STREAMS)"
+            )
         elif isinstance(e, (ConnectionError, TimeoutError)) or any(
             w in low for w in ("connect", "timeout", "timed out", "endpoint", "unreachable")
         ):
