@@ -50,6 +50,28 @@ def connected(
             time.sleep(0.2)
 
 
+def long_job(tmp_path: Path) -> tuple[Path, subprocess.Popen]:
+    """The DDP tutorial form under ``-m dtlab.run``, long enough to run until stopped."""
+    run_dir = tmp_path / "job"
+    cmd = [*WRAP, "--run-dir", str(run_dir), str(SCRIPTS / "ddp_sampler.py"), "--steps", LONG]
+    return run_dir, start(cmd, tmp_path)
+
+
+def as_torchrun(
+    proc: subprocess.Popen, out: str, err: str, tmp_path: Path, end: int, args: list[str]
+) -> None:
+    """The job ended well after ``end`` steps with the losses (in ``tmp_path/dtlab``) and
+    stdout of the same script under plain torchrun, ``args`` then ``--out=torchrun``."""
+    # gloo's teardown abort at exit is torch's (conftest); what the job did is checked next
+    assert proc.returncode == 0 or GLOO_TEARDOWN in err, err[-3000:]
+    ours = losses(tmp_path / "dtlab")
+    assert {r: len(v) for r, v in ours.items()} == {r: end for r in range(N)}
+    plain = run([*TORCHRUN, *args, "--out=torchrun"], tmp_path)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert ours == losses(tmp_path / "torchrun")  # bit for bit, as if never paused
+    assert out == plain.stdout  # nothing of dtlab's on the script's stdout
+
+
 def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
     out, err = proc.communicate(timeout=timeout)
     return out, err
@@ -94,14 +116,7 @@ def test_connect_pause_change_continue_disconnect_reconnect_and_run_to_the_end(t
         out, err = finish(proc)
     finally:
         stop(proc)
-    # gloo's teardown abort at exit is torch's (conftest); what the job did is checked next
-    assert proc.returncode == 0 or GLOO_TEARDOWN in err, err[-3000:]
-    ours = losses(tmp_path / "dtlab")
-    assert {r: len(v) for r, v in ours.items()} == {r: end for r in range(N)}
-    plain = run([*TORCHRUN, script, "--steps", str(end), "--out", "torchrun"], tmp_path)
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    assert ours == losses(tmp_path / "torchrun")  # bit for bit, as if never paused
-    assert out == plain.stdout  # nothing of dtlab's on the script's stdout
+    as_torchrun(proc, out, err, tmp_path, end, [script, "--steps", str(end)])
     ended = dtlab.connect(run_dir)
     assert ended.read_only and len(ended.trace.records[0]) == end
     with pytest.raises(DtlabError, match="has ended"):
@@ -132,16 +147,8 @@ def test_a_nanogpt_form_connected_mid_run_ends_where_its_changed_max_iters_says(
         out, err = finish(proc)
     finally:
         stop(proc)
-    assert proc.returncode == 0 or GLOO_TEARDOWN in err, err[-3000:]
-    ours = losses(tmp_path / "dtlab")
-    assert {r: len(v) for r, v in ours.items()} == {r: end for r in range(N)}
-    plain = run(
-        [*TORCHRUN, script, f"--max_iters={end}", f"--lr_decay_iters={LONG}", "--out=torchrun"],
-        tmp_path,
-    )
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    assert ours == losses(tmp_path / "torchrun")  # bit for bit, as if never paused
-    assert out == plain.stdout
+    as_torchrun(proc, out, err, tmp_path, end, [script, f"--max_iters={end}",
+                                                f"--lr_decay_iters={LONG}"])  # fmt: skip
 
 
 def test_one_notebook_at_a_time_and_a_dead_notebook_leaves_the_job_running(tmp_path, ip, capsys):
@@ -349,11 +356,7 @@ def test_what_cannot_be_connected_to_says_why(tmp_path):
 
 
 def test_a_connection_file_others_can_read_and_a_gone_controller_are_refused(tmp_path):
-    run_dir = tmp_path / "job"
-    proc = start(
-        [*WRAP, "--run-dir", str(run_dir), str(SCRIPTS / "ddp_sampler.py"), "--steps", LONG],
-        tmp_path,
-    )
+    run_dir, proc = long_job(tmp_path)
     try:
         connected(run_dir, proc).disconnect()
         security = run_dir / "ipython" / "security"
@@ -386,11 +389,7 @@ def test_a_connection_file_others_can_read_and_a_gone_controller_are_refused(tmp
 def test_a_rank_0_killed_with_sigkill_leaves_no_controller_behind(tmp_path):
     """kill -9 of rank 0 leaves it no time to stop the controller it started: the guard
     it started beside it does, with ipyparallel's own stop; then the guard ends too."""
-    run_dir = tmp_path / "job"
-    proc = start(
-        [*WRAP, "--run-dir", str(run_dir), str(SCRIPTS / "ddp_sampler.py"), "--steps", LONG],
-        tmp_path,
-    )
+    run_dir, proc = long_job(tmp_path)
     try:
         connected(run_dir, proc).disconnect()
         below = psutil.Process(proc.pid).children(recursive=True)

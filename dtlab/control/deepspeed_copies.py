@@ -41,7 +41,6 @@ FOLDER = "deepspeed"  # under the mirror's prefix
 FORMAT = "dtlab-deepspeed-copy/1"
 LATEST = "latest"
 MAX_LATEST_BYTES = 1024
-MAX_MANIFEST_BYTES = 1 << 20
 _STEP = re.compile(r"global_step(\d+)$")
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]{0,200}$")
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
@@ -113,19 +112,8 @@ def upload(bucket: Bucket, save_dir: Path, tag: str, progress=None) -> Checkpoin
         "created": max((folder / n).stat().st_mtime for n in names),
         "files": [{k: e[k] for k in ("name", "size", "xxh3")} for e in files],
     }
-    dest = f"{bucket.key}/{FOLDER}/{tag}"
-    try:
-        each_file(
-            lambda e, stop: bucket.put_file(folder, e, f"{dest}/{e['name']}", progress, stop), files
-        )
-        raw = json.dumps(manifest, indent=1).encode()
-        bucket.call("writing the manifest to", bucket.fs.pipe_file, f"{dest}/{MANIFEST}", raw)
-    except BaseException:
-        try:
-            bucket.fs.rm(dest, recursive=True)
-        except Exception:
-            pass  # left without a manifest: it lists as partial, never restored
-        raise
+    raw = json.dumps(manifest, indent=1).encode()
+    bucket.put_folder(folder, files, f"{FOLDER}/{tag}", raw, progress)
     if read_latest(save_dir) == tag:
         key = f"{bucket.key}/{FOLDER}/{LATEST}"
         bucket.call("writing latest to", bucket.fs.pipe_file, key, tag.encode())
@@ -150,13 +138,7 @@ def _info(
 
 def _manifest(bucket: Bucket, tag: str, listed: int) -> dict:
     url = f"{bucket.url}/{FOLDER}/{tag}/{MANIFEST}"
-    if listed > MAX_MANIFEST_BYTES:
-        raise CheckpointError(f"{url} has {listed} bytes, more than a manifest: refused")
-    raw = bucket.read_bounded(f"{bucket.key}/{FOLDER}/{tag}/{MANIFEST}", listed, url)
-    try:
-        manifest = json.loads(raw)
-    except ValueError as e:
-        raise CheckpointError(f"{url} is not JSON ({e}): the copy is corrupt") from None
+    manifest = bucket.manifest_json(f"{FOLDER}/{tag}", listed, "copy")
     ok = (
         isinstance(manifest, dict)
         and manifest.get("format") == FORMAT

@@ -237,21 +237,9 @@ class Bucket:
                 raise CheckpointError(f"{problem}: not uploaded")
         if name is None:
             name = next_final_name(set(self._folders()), step)
-        dest = f"{self.key}/{name}"
-        try:
-            each_file(
-                lambda e, stop: self.put_file(folder, e, f"{dest}/{e['name']}", progress, stop),
-                files,
-            )
-            with open_confined(folder, MANIFEST, most=MAX_MANIFEST_BYTES) as f:
-                raw = f.read(MAX_MANIFEST_BYTES + 1)
-            self.call("writing the manifest to", self.fs.pipe_file, f"{dest}/{MANIFEST}", raw)
-        except BaseException:
-            try:
-                self.fs.rm(dest, recursive=True)
-            except Exception:
-                pass  # left without a manifest: it lists as partial, never loads
-            raise
+        with open_confined(folder, MANIFEST, most=MAX_MANIFEST_BYTES) as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        self.put_folder(folder, files, name, raw, progress)
         return CheckpointInfo(
             self.fetched / name,
             manifest["step"],
@@ -264,6 +252,31 @@ class Bucket:
             tag=manifest.get("tag"),
             url=f"{self.url}/{name}",
         )
+
+    def put_folder(
+        self,
+        folder: Path,
+        files: list[dict],
+        name: str,
+        manifest: bytes,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        """``files`` (manifest entries) of the local ``folder`` to ``<prefix>/<name>/``,
+        ``STREAMS`` at a time, then ``manifest`` as its manifest.json, last. Any failure
+        removes what was sent (what cannot be removed lists as partial) and raises."""
+        dest = f"{self.key}/{name}"
+        try:
+            each_file(
+                lambda e, stop: self.put_file(folder, e, f"{dest}/{e['name']}", progress, stop),
+                files,
+            )
+            self.call("writing the manifest to", self.fs.pipe_file, f"{dest}/{MANIFEST}", manifest)
+        except BaseException:
+            try:
+                self.fs.rm(dest, recursive=True)
+            except Exception:
+                pass  # left without a manifest: it lists as partial, never loads
+            raise
 
     def put_file(
         self,
@@ -409,15 +422,21 @@ class Bucket:
             url=url,
         )
 
-    def _manifest(self, folder: str, listed: int) -> dict:
+    def manifest_json(self, folder: str, listed: int, what: str = "checkpoint") -> Any:
+        """``<folder>/manifest.json`` parsed, read no further than its ``listed`` size
+        (at most MAX_MANIFEST_BYTES); CheckpointError says what is wrong."""
         url = f"{self.url}/{folder}/{MANIFEST}"
         if listed > MAX_MANIFEST_BYTES:
             raise CheckpointError(f"{url} has {listed} bytes, more than a manifest: refused")
         raw = self.read_bounded(f"{self.key}/{folder}/{MANIFEST}", listed, url)
         try:
-            manifest = json.loads(raw)
+            return json.loads(raw)
         except ValueError as e:
-            raise CheckpointError(f"{url} is not JSON ({e}): the checkpoint is corrupt") from None
+            raise CheckpointError(f"{url} is not JSON ({e}): the {what} is corrupt") from None
+
+    def _manifest(self, folder: str, listed: int) -> dict:
+        url = f"{self.url}/{folder}/{MANIFEST}"
+        manifest = self.manifest_json(folder, listed)
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise CheckpointError(f"{url} is not a dtlab checkpoint manifest of format {FORMAT}")
         problem = manifest_problem(manifest)
