@@ -82,6 +82,7 @@ class EngineStart:
         self.error: str | None = None
         self.app: Any = None
         self.cluster: Any = None  # rank 0's controller
+        self.guard: subprocess.Popen | None = None  # rank 0's guard of it
 
 
 def start(folder: Path, rank: int, listen: str, store: Any) -> EngineStart:
@@ -91,6 +92,7 @@ def start(folder: Path, rank: int, listen: str, store: Any) -> EngineStart:
     profile = folder / PROFILE
     if rank == 0:
         started.cluster = _start_controller(profile, listen)
+        started.guard = _guard(profile)  # kept: a Popen dropped while it runs warns
         text = _wait_for(profile / ENGINE_FILE)
         if store is not None:
             store.set(STORE_KEY, text)
@@ -129,20 +131,15 @@ def _start_controller(profile: Path, listen: str):
         shutdown_atexit=False,  # stopped by :func:`stop` (its atexit prints to stderr)
     )
     cluster.start_controller_sync()
-    _guard(profile)
     return cluster
 
 
-_GUARD: subprocess.Popen | None = None  # kept: a Popen dropped while it runs warns
-
-
-def _guard(profile: Path) -> None:
+def _guard(profile: Path) -> subprocess.Popen:
     """Start the controller's guard (:mod:`dtlab.agent.controller_guard`): it stops the
     controller should rank 0 die without doing so (``kill -9``)."""
-    global _GUARD
     log = open(profile / "guard.log", "ab")  # noqa: SIM115 - the guard's, kept open by it
     try:
-        _GUARD = subprocess.Popen(
+        return subprocess.Popen(
             [sys.executable, "-m", "dtlab.agent.controller_guard", str(os.getpid()),
              str(profile), CLUSTER_ID],
             stdin=subprocess.DEVNULL,
