@@ -175,9 +175,13 @@ class Bucket:
             )
         elif "nosuchbucket" in low or (isinstance(e, FileNotFoundError) and "bucket" in low):
             hint = f"bucket {self.bucket!r} does not exist there: create it or fix the URL"
-        elif any(w in low for w in ("slowdown", "reduce your request rate", "throttl")):
+        elif any(
+            w in low
+            for w in ("slowdown", "reduce your request rate", "throttl", "service unavailable")
+        ):  # a throttled HEAD has no body to say SlowDown: its 503 says Service Unavailable
             hint = (
-                f"the storage is throttling requests: each was tried {ATTEMPTS * RETRIES} "
+                f"the storage is throttling requests (or overloaded): each was tried up to "
+                f"{ATTEMPTS * RETRIES} "
                 "times with growing waits; try again later, or send fewer at once "
                 "(fewer saves, object_store.STREAMS)"
             )
