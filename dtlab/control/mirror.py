@@ -25,7 +25,7 @@ from pathlib import Path
 
 from dtlab.control import deepspeed_copies
 from dtlab.control.object_store import Bucket, ObjectStoreError
-from dtlab.records.checkpoints import CheckpointError, CheckpointInfo, catalogue, describe
+from dtlab.records.checkpoints import CheckpointError, CheckpointInfo, describe
 
 SCAN_S = 2.0  # how often the local root is looked at for periodic saves
 RETRY_S = 30.0  # a copy that failed is tried again at the first look this long after
@@ -56,6 +56,7 @@ class Mirror:
         self._closed = False
         self._in_bucket: set[str] | None = None  # complete there when the mirror began
         self.deepspeed_dir: Path | None = None  # a DeepSpeed save folder watched too
+        self.scan_error: str | None = None  # why the thread's last look failed, if it did
         self._thread = threading.Thread(target=self._work, name="dtlab-mirror", daemon=True)
         self._thread.start()
 
@@ -106,7 +107,15 @@ class Mirror:
     def scan(self) -> None:
         """Queue every complete checkpoint under the root not mirrored yet (and every
         complete save of the watched DeepSpeed folder)."""
-        found = [(c.path.name, c.step, c.size_bytes) for c in catalogue(self.root) if c.ok]
+        with self._cond:  # what is queued, under way or copied is not read again
+            known = {n for n, u in self._uploads.items() if u.state != "failed"}
+        found = []
+        if self.root.is_dir():
+            for folder in sorted(self.root.iterdir()):
+                skip = folder.name in known or not folder.is_dir()
+                info = None if skip else describe(folder)
+                if info is not None and info.ok:
+                    found.append((folder.name, info.step, info.size_bytes))
         if self.deepspeed_dir is not None and self.deepspeed_dir.is_dir():
             found += [
                 (f"{deepspeed_copies.FOLDER}/{tag}", step, size)
@@ -167,8 +176,9 @@ class Mirror:
                 next_scan = time.monotonic() + self.scan_s
                 try:
                     self.scan()
-                except OSError:
-                    pass  # the root went away meanwhile: looked at again next time
+                    self.scan_error = None
+                except (OSError, CheckpointError) as e:  # looked at again next time
+                    self.scan_error = str(e)  # (a hostile `latest`, the root gone)
                 continue
             self._upload(name)
 
