@@ -116,6 +116,7 @@ def _steps_text(steps: dict, size: int) -> str:
 
 
 def _endings(found: Folder) -> list[str]:
+    from dtlab.analysis.hangs import folder_verdict
     from dtlab.views.reports import last_lines, script_stack
 
     job = found.job
@@ -134,8 +135,10 @@ def _endings(found: Folder) -> list[str]:
                 if outcome.kind == "failed" and outcome.traceback:
                     text += "\n    " + last_lines(outcome.traceback, 4)
             lines.append(text)
-        elif rank in job.jobs or rank in job.ranks:
+        elif rank in job.jobs or rank in job.ranks or rank in job.fatal:
             lines.append(f"rank {rank}: {_no_outcome(job, rank)}")
+            if rank in job.fatal:
+                found.problems.append(lines[-1])
     for rank, hang in sorted(job.hangs.items()):
         text = hang.describe()
         if hang.resumed is None:
@@ -143,11 +146,23 @@ def _endings(found: Folder) -> list[str]:
             where = job.rank_folders[rank] / "stacks.txt"
             text += f"; where its script was ({where}):\n    " + script_stack(hang.stacks)
         lines.append(text)
+    if (verdict := folder_verdict(job)) is not None:
+        found.problems.append(f"hung: {verdict.summary}")
+        lines.append(f"hung: {verdict.summary}")
+        lines += [f"    rank {r} {place}" for r, place in sorted(verdict.where.items())]
     return lines
 
 
 def _no_outcome(job, rank: int) -> str:
+    from dtlab.views.reports import script_stack
+
     info = job.ranks.get(rank)
+    if fatal := job.fatal.get(rank):
+        path = job.rank_folders[rank] / "fatal.txt"
+        return (
+            f"died of a fatal signal ({fatal.strip().splitlines()[0]}) where its script was "
+            f"({path}):\n    " + script_stack(fatal)
+        )
     if info is not None and info.host == socket.gethostname():
         if _alive(info.pid):
             return f"still running (pid {info.pid})"

@@ -52,6 +52,16 @@ def test_every_rank_folder_reads_back_as_one_trace(tmp_path):
     assert set(evidence.ranks) == {0, 1, 2} and evidence.names == trace.param_names
 
 
+def test_each_step_is_on_disk_when_its_record_is_handed_over(tmp_path):
+    """No flush between steps: a rank killed by any signal (kill -9, an abort in gloo)
+    leaves every step it made (the page cache holds the append)."""
+    writer = rf.RankFolder(tmp_path / "rank-0", 0)
+    writer.open(job_info(0), {}, 1.0)
+    for step in (1, 2, 3):
+        writer.add(step_record(step))
+        assert [r.step for r in Trace.load(tmp_path / "rank-0").records[0]] == [*range(1, step + 1)]
+
+
 def test_a_failed_append_leaves_the_journal_readable_and_the_rows_are_kept(tmp_path, monkeypatch):
     writer = rf.RankFolder(tmp_path / "rank-0", 0)
     writer.open(job_info(0), {}, 1.0)
@@ -157,6 +167,84 @@ def test_a_hang_report_is_a_finding_until_the_rank_steps_again(tmp_path, capsys)
     jf.write_json(folder / jf.HANG_FILE, {"step": 3, "since": 1.0, "timeout_s": 5.0, "resumed": 4})
     assert cli.doctor(str(tmp_path)) == cli.CLEAN
     assert "slow, not hung" in capsys.readouterr().out
+
+
+def call(seq: int, op: str, done: bool, sizes=((161,),)) -> dict:
+    return {"group": "default_pg", "group_id": "0", "members": [0, 1], "seq": seq,
+            "op": op, "sizes": sizes, "dtypes": ["Float"] if sizes else [], "done": done}  # fmt: skip
+
+
+def hang_report(folder: Path, rank: int, line: tuple, calls: list[dict]) -> None:
+    stack = [["/x/dtlab/agent/script.py", 226, "_main", "exec(code)"], ["/j/train.py", *line]]
+    jf.write_json(
+        jf.rank_folder(folder, rank) / jf.HANG_FILE,
+        {"step": 3, "since": 1.0, "timeout_s": 5.0, "stack": stack, "collectives": calls},
+    )
+
+
+def test_the_hang_verdict_puts_the_ranks_last_collectives_side_by_side(tmp_path, capsys):
+    write_job(tmp_path, ranks=2, steps=3)
+    for rank in (0, 1):
+        (jf.rank_folder(tmp_path, rank) / jf.OUTCOME_FILE).unlink()  # still running
+    done = [call(7, "all_reduce", True), call(8, "all_reduce", True)]
+    hang_report(
+        tmp_path, 0, (50, "<module>", "loss.backward()"), [*done, call(9, "all_reduce", False)]
+    )
+    hang_report(tmp_path, 1, (57, "<module>", "time.sleep(1)"), done)
+    assert cli.doctor(str(tmp_path)) == cli.FOUND
+    out = capsys.readouterr().out
+    assert (
+        "hung: rank 0 is in all_reduce #9 on default_pg (the default group: DDP gradients and "
+        "your collectives); rank 1 never entered it: rank 1 in `<module>` (train.py:57: "
+        "time.sleep(1))"
+    ) in out
+    # the same number, not the same op: rank 1 waits in the closing barrier instead
+    hang_report(
+        tmp_path, 1, (68, "<module>", "dist.barrier()"), [*done, call(9, "barrier", False, ())]
+    )
+    cli.doctor(str(tmp_path))
+    out = capsys.readouterr().out
+    assert (
+        "hung: mismatched collective #9 on default_pg: rank 0 passed all_reduce [161] (Float); "
+        "rank 1 passed barrier []; "
+    ) in out
+    assert "    rank 1 in `<module>` (train.py:68: dist.barrier())" in out
+    # a rank that stepped on since is not hung: no verdict of it
+    jf.write_json(
+        jf.rank_folder(tmp_path, 1) / jf.HANG_FILE,
+        {"step": 3, "since": 1.0, "timeout_s": 5.0, "resumed": 4},
+    )
+    cli.doctor(str(tmp_path))
+    assert "mismatched" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("stack", [5, [["f.py"]], [[1, "x", "y", "z"]], "abc"])
+def test_a_hostile_hang_report_is_a_clear_error(tmp_path, stack, capsys):
+    write_job(tmp_path, ranks=1, steps=2)
+    path = jf.rank_folder(tmp_path, 0) / jf.HANG_FILE
+    jf.write_json(path, {"step": 2, "since": 1.0, "timeout_s": 5.0, "stack": stack})
+    assert cli.doctor(str(tmp_path)) == cli.UNREADABLE
+    assert f"{path}: its stack or collectives are not a rank's" in capsys.readouterr().err
+
+
+def test_a_rank_gone_by_a_fatal_signal_shows_where_its_script_was(tmp_path, capsys):
+    write_job(tmp_path, ranks=2, steps=3)
+    folder = jf.rank_folder(tmp_path, 0)
+    (folder / jf.OUTCOME_FILE).unlink()
+    (folder / jf.FATAL_FILE).write_text(
+        "Fatal Python error: Aborted\n\nThread 0x2 (most recent call first):\n  File w\n\n"
+        'Current thread 0x1 (most recent call first):\n  File "train.py", line 55 in <module>'
+        "\n\nExtension modules: numpy, torch._C (total: 2)\n"
+    )
+    (jf.rank_folder(tmp_path, 1) / jf.FATAL_FILE).write_text("")  # none came: nothing said
+    assert cli.doctor(str(tmp_path)) == cli.FOUND
+    out = capsys.readouterr().out
+    assert (
+        "rank 0: died of a fatal signal (Fatal Python error: Aborted) where its script was" in out
+    )
+    assert 'File "train.py", line 55 in <module>' in out
+    assert "File w" not in out and "Extension modules" not in out
+    assert "rank 1 finished at step 3" in out
 
 
 def bad_header(folder: Path, text: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -218,44 +219,126 @@ def test_exit_code_default_folder_and_recording_off(tmp_path):
     ]
 
 
-def test_a_hung_job_is_named_while_it_hangs(tmp_path):
-    """One rank stops stepping; the other waits in DDP's all-reduce. With no notebook,
-    each rank's watchdog writes its stack; the doctor reads the folder of the running job."""
+def line_of(text: str) -> int:
+    """The line of batch_faults.py that holds ``text``."""
+    source = (SCRIPTS / "batch_faults.py").read_text().splitlines()
+    return 1 + next(i for i, line in enumerate(source) if text in line)
+
+
+def hung(tmp_path: Path, *faults: str, at: int = 3) -> tuple[subprocess.Popen, str]:
+    """batch_faults.py under -m dtlab.run with a 2 s hang timeout, once every rank wrote its
+    hang report after step ``at`` (on a busy machine a rank may also be 2 s late for an
+    earlier step, and report it resumed): the job (still running) and what ``dtlab
+    doctor`` says of it."""
     cmd = [*TORCHRUN, "-m", "dtlab.run", "--run-dir", "job", "--hang-timeout", "2",
-           str(SCRIPTS / "batch_faults.py"), "--hang-rank", "1", "--at", "3"]  # fmt: skip
+           str(SCRIPTS / "batch_faults.py"), *faults, "--at", str(at)]  # fmt: skip
     proc = start(cmd, tmp_path)
-    ranks: list = []
+    deadline = time.monotonic() + TIMEOUT_S
+    while {r: h.step for r, h in hangs_now(tmp_path / "job").items()} != dict.fromkeys(
+        range(N), at
+    ):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            err = proc.communicate()[1]
+            pytest.fail(f"no hang report from every rank (exit {proc.returncode}): {err[-3000:]}")
+        time.sleep(0.5)
+    said = doctor(tmp_path / "job")
+    assert said.returncode == 1, said.stdout + said.stderr
+    return proc, said.stdout
+
+
+def hangs_now(folder: Path) -> dict:
+    """The hang reports of ranks that have not stepped on since (none: not readable yet)."""
     try:
-        reports = [jf.rank_folder(tmp_path / "job", r) / jf.HANG_FILE for r in range(N)]
-        deadline = time.monotonic() + TIMEOUT_S
-        while not all(p.exists() for p in reports):
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no hang report"
-            time.sleep(0.5)
-        said = doctor(tmp_path / "job")
-        assert said.returncode == 1, said.stdout + said.stderr
-        out = said.stdout
-        assert "steps 1-3 recorded on every rank" in out
-        assert "rank 0: still running" in out and "rank 1: still running" in out
-        assert "rank 1 made no step for 2 s after step 3" in out
-        source = (SCRIPTS / "batch_faults.py").read_text().splitlines()
-        line = 1 + next(i for i, text in enumerate(source) if "time.sleep(0.2)" in text)
-        assert f'batch_faults.py", line {line} in <module>' in out  # where rank 1 is stuck
-        assert "in backward" in out  # rank 0: waiting in DDP's all-reduce
-        # stopped as a scheduler stops a job: torchrun passes SIGTERM on to the ranks,
-        # which write what they hold and how they ended before they go
-        ranks = psutil.Process(proc.pid).children(recursive=True)
+        return {r: h for r, h in jf.read_job(folder).hangs.items() if h.resumed is None}
+    except (ValueError, OSError):  # (a rank folder made while it is read)
+        return {}
+
+
+def end_with_sigterm(proc: subprocess.Popen) -> None:
+    """Stop the job as a scheduler does: torchrun passes SIGTERM on to the ranks, which
+    write what they hold and how they ended before they go."""
+    ranks = psutil.Process(proc.pid).children(recursive=True)
+    try:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=120)
-        outcomes = jf.read_job(tmp_path / "job").outcomes
-        assert {r: (o.kind, o.code, o.step) for r, o in outcomes.items()} == {
-            r: ("killed", signal.SIGTERM, 3) for r in range(N)
-        }
-        assert steps_of(Trace.load(tmp_path / "job")) == {r: [1, 2, 3] for r in range(N)}
     finally:
         stopped = stop(proc) + ranks
         psutil.wait_procs(ranks, timeout=30)
     assert len(stopped) >= N and not any(p.is_running() for p in stopped)  # none left
+
+
+def test_a_hung_job_is_named_while_it_hangs(tmp_path):
+    """One rank stops stepping; the other waits in DDP's all-reduce. With no notebook,
+    each rank's watchdog writes its stack and its last collectives (torch's Flight
+    Recorder); the doctor reads the folder of the running job and gives the verdict."""
+    proc, out = hung(tmp_path, "--hang-rank", "1")
+    try:
+        assert "steps 1-3 recorded on every rank" in out
+        assert "rank 0: still running" in out and "rank 1: still running" in out
+        assert "rank 1 made no step for 2 s after step 3" in out
+        line = line_of("time.sleep(0.2)")
+        assert f'batch_faults.py", line {line} in <module>' in out  # where rank 1 is stuck
+        assert "in backward" in out  # rank 0: waiting in DDP's all-reduce
+        # the verdict: the collective rank 0 waits in, which rank 1 never entered, and where
+        # rank 1 is instead (its own line, not dtlab's or torch's)
+        verdict = next(text for text in out.splitlines() if text.startswith("hung: "))
+        assert "rank 0 is in all_reduce #" in verdict and "on default_pg" in verdict, verdict
+        assert f"rank 1 never entered it: rank 1 in `<module>` (batch_faults.py:{line}" in verdict
+    except BaseException:
+        stop(proc)
+        raise
+    end_with_sigterm(proc)
+    outcomes = jf.read_job(tmp_path / "job").outcomes
+    assert {r: (o.kind, o.code, o.step) for r, o in outcomes.items()} == {
+        r: ("killed", signal.SIGTERM, 3) for r in range(N)
+    }
+    assert steps_of(Trace.load(tmp_path / "job")) == {r: [1, 2, 3] for r in range(N)}
+
+
+def test_a_rank_that_skips_the_all_reduces_hangs_the_job_and_the_doctor_names_it(tmp_path):
+    """Uneven data: rank 1's runs out after 3 steps, so it skips step 4's gradient
+    all-reduce and waits in the closing barrier while rank 0 waits in that all-reduce.
+    Each rank's Flight Recorder says which collective it is in: the same number, not the
+    same op. The doctor names it, the ranks and their lines, from the folder alone."""
+    proc, out = hung(tmp_path, "--short-rank", "1")
+    try:
+        verdict = next(text for text in out.splitlines() if text.startswith("hung: "))
+        assert "mismatched collective #" in verdict and "on default_pg" in verdict, verdict
+        assert "rank 0 passed all_reduce [161]" in verdict  # DDP's one bucket of gradients
+        assert "rank 1 passed barrier" in verdict
+        where = out.splitlines()[out.splitlines().index(verdict) + 1 :][:2]
+        backward, barrier = line_of("loss.backward()"), line_of("dist.barrier()")
+        assert where[0].startswith(f"    rank 0 in `<module>` (batch_faults.py:{backward}: "), where
+        assert where[1].startswith(f"    rank 1 in `<module>` (batch_faults.py:{barrier}: "), where
+    except BaseException:
+        stop(proc)
+        raise
+    end_with_sigterm(proc)
+
+
+def test_a_rank_aborted_in_a_collective_leaves_its_steps_and_its_line(tmp_path):
+    """Rank 1 skips step 3's all-reduce of the loss, so the ranks' next collectives do not
+    match and gloo aborts a rank (SIGABRT: no Python runs, no outcome.json). Every step it
+    made is on disk, and faulthandler's stack names the line it died in."""
+    cmd = [*TORCHRUN, "-m", "dtlab.run", "--run-dir", "job",
+           str(SCRIPTS / "batch_faults.py"), "--skip-rank", "1", "--at", "3"]  # fmt: skip
+    proc = start(cmd, tmp_path)
+    try:
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        stop(proc)
+    assert proc.returncode != 0, err[-3000:]
+    said = doctor(tmp_path / "job")
+    assert said.returncode == 1, said.stdout + said.stderr
+    out = said.stdout
+    died = [text for text in out.splitlines() if "died of a fatal signal" in text]
+    assert died and all("(Fatal Python error: Aborted)" in text for text in died), out
+    lines = {line_of("dist.all_reduce(mean)"), line_of("loss.backward()")}
+    shown = {int(n) for n in re.findall(r'batch_faults.py", line (\d+) in <module>', out)}
+    assert shown and shown <= lines, out  # in the collectives that did not match
+    steps = steps_of(Trace.load(tmp_path / "job"))
+    assert all(steps[r][:3] == [1, 2, 3] for r in range(N)), steps  # none lost to the abort
 
 
 @pytest.mark.timeout(900)

@@ -23,6 +23,7 @@ breaks the script: should its own recording fail, it says so once and the script
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -34,6 +35,7 @@ from typing import Any
 
 from dtlab.agent import batch_engine
 from dtlab.agent.rank_folder import RankFolder, Watchdog
+from dtlab.agent.rendezvous import FR_BUFFER_ENV, FR_BUFFER_SIZE
 from dtlab.agent.state import RANK
 from dtlab.records import job_folder as jf
 from dtlab.records.run_folder import RUNS_DIR_ENV
@@ -71,6 +73,7 @@ class _Run:
     engine: Any = None  # batch_engine.EngineStart, once the rank's engine is up
     script: Any = None  # the ScriptRun
     pid: int = field(default_factory=os.getpid)  # the rank's (not a worker it forked)
+    fatal: Any = None  # the open fatal.txt faulthandler writes into
     ended: bool = False  # outcome written
 
 
@@ -80,6 +83,9 @@ def run(options: Options) -> int:
 
     rank = _env_int("RANK", 0)
     state = _Run(options, rank, _env_int("WORLD_SIZE", 1))
+    # torch's Flight Recorder keeps each group's last collectives for a hang report (read
+    # when the script makes its group; a size the launcher set stays)
+    os.environ.setdefault(FR_BUFFER_ENV, FR_BUFFER_SIZE)
     if options.run_dir is not None:
         state.folder = Path(options.run_dir).absolute()
         _claim(state)
@@ -193,6 +199,22 @@ def _open(state: _Run, job) -> None:
     state.writer.open(job.info_now(), _rank_meta(state, job), options.started)
     state.watchdog = Watchdog(state.writer, options.hang_timeout_s)
     state.watchdog.start()
+    state.fatal = _on_fatal(folder)
+
+
+def _on_fatal(folder: Path):
+    """A fatal signal (an abort in gloo or NCCL, a segfault) ends the process with no word
+    of Python's: faulthandler writes every thread's stack into ``fatal.txt`` then. Left
+    alone when the script (or its launcher) enabled faulthandler itself."""
+    if faulthandler.is_enabled():
+        return None
+    try:
+        out = open(folder / jf.FATAL_FILE, "w")  # noqa: SIM115 - open until the process ends
+        faulthandler.enable(file=out, all_threads=True)
+    except (OSError, ValueError) as e:
+        _say(f"rank {folder.name}: no stack will be kept on a fatal signal: {e}")
+        return None
+    return out
 
 
 def _finish(state: _Run, signum: int | None) -> None:

@@ -3,21 +3,21 @@ itself: a job run through ``python -m dtlab.run`` has no notebook to send record
 
 ``RankFolder`` writes ``<job>/rank-<r>/`` in the run folder format
 (:mod:`dtlab.records.run_folder`): the header at the first step, then each step's record
-(its summary, as the stepping channel sends it) into ``steps/journal.bin``. A step only
-hands its record over (``add``: a list append under a lock); ``Watchdog``'s thread appends
-what was handed over every ``flush_s`` seconds, so a step's row is on disk a second or two
-later whatever the rank does next (a rank stuck in a collective too), and the end of the
-run appends the rest. Once the journal holds ``PART_ROWS`` rows it is sealed and written
-as a Parquet part.
+(its summary, as the stepping channel sends it) appended to ``steps/journal.bin`` as the
+step ends: one small write (~30 us), so the page cache holds every step a rank made
+whatever happens to it next (an exception, SIGTERM, an abort, kill -9). ``Watchdog``'s
+thread seals the journal into a Parquet part once it holds ``PART_ROWS`` rows.
 
 An append that fails (a full disk) is undone: the journal is truncated back to the last
-whole entry, so what was written stays readable; the rows stay in memory and the next
-flush tries again (one warning on stderr says so, naming the folder, and one more once
-writing works again).
+whole entry, so what was written stays readable; the rows stay in memory and the
+watchdog tries again every ``flush_s`` (one warning on stderr says so, naming the folder,
+and one more once writing works again).
 
 ``Watchdog``: that daemon thread; it also writes, when the rank has made no step for
-``timeout_s`` seconds (0: never), ``hang.json`` and every thread's Python stack
-(``faulthandler``) into the rank's folder; a later step marks it ``resumed``.
+``timeout_s`` seconds (0: never), ``hang.json`` (with the script's stack and each process
+group's last collectives from torch's Flight Recorder, which the doctor's hang verdict
+reads) and every thread's Python stack (``faulthandler``) into the rank's folder; a later
+step marks it ``resumed``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dtlab.records import run_folder as disk
 from dtlab.records.packed import join, pack, read_frame
 from dtlab.records.step_files import StepFiles
 
-FLUSH_S = 1.0  # the journal is appended at most this often (and at the end)
+FLUSH_S = 1.0  # how often a refused append is tried again, and a Parquet part made
 # steps whose whole record (per-parameter norms and fingerprints) is kept in details.jsonl,
 # for the doctor to name the parameter where ranks first differ (step summaries elsewhere)
 DETAIL_STEPS = 8
@@ -59,6 +59,7 @@ class RankFolder:
         self._good = 0  # bytes of the journal known whole
         self._last_flush = time.monotonic()
         self._lock = threading.Lock()  # the rows held, the journal (main thread, watchdog)
+        self._part_lock = threading.Lock()  # one Parquet part written at a time
         self._failing: str | None = None  # the last write error, while writes fail
         self.dropped = 0  # rows given up while the disk refused them
         self.opened = False
@@ -78,16 +79,22 @@ class RankFolder:
 
     # --- step rows ----------------------------------------------------------------------
     def add(self, rec: StepRecord) -> None:
-        """A step's record; on disk at the watchdog's next flush (``flush_s``)."""
+        """A step's record, appended to the journal at once (one small write, ~30 us), so
+        a rank killed by any signal leaves every step it made; while the disk refuses
+        writes, the watchdog tries again every ``flush_s``."""
         summary = rec.summary()
         with self._lock:
             self._held.append(summary)
             if rec.step <= DETAIL_STEPS and rec.detailed:
                 self._details.append(rec)
+            if self._failing is None and self.opened:
+                self._append()
 
     def flush_if_due(self) -> None:
-        """The watchdog's: append what is held once ``flush_s`` passed since the last time."""
-        if self._held and time.monotonic() - self._last_flush >= self.flush_s:
+        """The watchdog's: rows the disk refused, and a Parquet part once the journal holds
+        PART_ROWS rows, once ``flush_s`` passed since the last time."""
+        due = self._held or self._journal_rows >= disk.PART_ROWS
+        if due and time.monotonic() - self._last_flush >= self.flush_s:
             self.flush()
 
     def flush(self, timeout: float = -1) -> bool:
@@ -101,29 +108,36 @@ class RankFolder:
             self._last_flush = time.monotonic()
             if not self.opened:
                 return not self._held
-            if not self._held:
-                return True
-            data = pack(self.rank, self._held).to_bytes()
-            entry = disk.journal_entry(data)
-            try:
-                with open(self.journal, "ab") as out:
-                    out.write(entry)
-            except OSError as e:
-                self._undo(e)
+            if not self._append():
                 return False
-            self._good += len(entry)
-            self._journal_rows += len(self._held)
-            self._held = []
-            if self._failing is not None:
-                _say(f"writing {self.journal} works again; no step record was lost")
-                self._failing = None
-            if self._details:
-                self._write_details()
-            if self._journal_rows >= disk.PART_ROWS:
-                self._write_part()
-            return True
+            sealed = self._seal() if self._journal_rows >= disk.PART_ROWS else None
         finally:
             self._lock.release()
+        if sealed is not None:  # read back and written with the steps going on
+            with self._part_lock:
+                self._write_part(sealed)
+        return True
+
+    def _append(self) -> bool:
+        """The rows held, as one journal entry (under the lock); -> whether it was written."""
+        if not self._held:
+            return True
+        entry = disk.journal_entry(pack(self.rank, self._held).to_bytes())
+        try:
+            with open(self.journal, "ab") as out:
+                out.write(entry)
+        except OSError as e:
+            self._undo(e)
+            return False
+        self._good += len(entry)
+        self._journal_rows += len(self._held)
+        self._held = []
+        if self._failing is not None:
+            _say(f"writing {self.journal} works again; no step record was lost")
+            self._failing = None
+        if self._details:
+            self._write_details()
+        return True
 
     def _write_details(self) -> None:
         """The whole records of the first steps, one JSON line each (a torn last line is
@@ -161,16 +175,20 @@ class RankFolder:
             )
         self._failing = str(error)
 
-    def _write_part(self) -> None:
-        """The journal's rows as a Parquet part: sealed first (its rows stay on disk until
-        the part holds them), the part written, the sealed journal removed."""
+    def _seal(self) -> Path | None:
+        """The journal renamed (under the lock): its rows stay on disk, and readers read
+        them, until a Parquet part holds them; the next step starts a new journal."""
         sealed = self.files.folder / disk.SEALED.format(time.time_ns())
         try:
             os.replace(self.journal, sealed)
         except OSError as e:
             _say(f"could not seal {self.journal} for a Parquet part ({e}); it grows on")
-            return
+            return None
         self._journal_rows, self._good = 0, 0
+        return sealed
+
+    def _write_part(self, sealed: Path) -> None:
+        """A sealed journal's rows as a Parquet part, then the sealed journal removed."""
         try:  # read back from disk: a rank holds no more than a flush's rows in memory
             entries = disk.journal_entries(sealed)
             self.files.write(join([read_frame(data, self.rank) for _, data in entries]))
@@ -192,8 +210,9 @@ class RankFolder:
 
 
 class Watchdog:
-    """The thread that appends ``writer``'s rows every ``flush_s``, and writes a hang report
-    when this rank makes no step for ``timeout_s`` seconds (0: never)."""
+    """The thread that tries ``writer``'s refused rows again every ``flush_s`` (and makes
+    its Parquet parts), and writes a hang report when this rank makes no step for
+    ``timeout_s`` seconds (0: never)."""
 
     def __init__(self, writer: RankFolder, timeout_s: float):
         self.writer = writer
@@ -261,7 +280,21 @@ class Watchdog:
 
     def _write(self, step: int, since: float, resumed: int | None) -> None:
         report = {"step": step, "since": since, "timeout_s": self.timeout_s, "resumed": resumed}
+        if resumed is None:  # where the script is, and its last collectives (the verdict's)
+            report.update(_where_now())
         jf.write_json(self.folder / jf.HANG_FILE, report)
+
+
+def _where_now() -> dict:
+    """The main thread's stack and each process group's last collectives from torch's
+    Flight Recorder (empty where the backend keeps none), as the sidecar tells a notebook."""
+    from dtlab.agent.sidecar import report
+
+    try:
+        found = report(threading.main_thread().ident or 0)
+    except Exception as e:  # noqa: BLE001 - the stacks file is written; say why not this
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"stack": found["stack"], "collectives": found["collectives"]}
 
 
 def _free_space(folder: Path) -> str:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 from dtlab.analysis.ranks import label_ranks
 from dtlab.records import CollectiveCall, HangVerdict, RankReport
+from dtlab.records.job_folder import JobFolder
 
 # frames of these are the machinery a rank waits in, not what it is doing
 _MACHINERY = (
@@ -32,7 +33,8 @@ _MACHINERY = (
     "/dtlab/control/forkserver.py",
     "<frozen",
 )
-_LIBRARY = ("/site-packages/", "/lib/python3")
+# and of these (with dtlab's wrappers around a script's calls) what it calls
+_LIBRARY = ("/site-packages/", "/lib/python3", "/dtlab/agent/script", "/dtlab/agent/hooks.py")
 # ops whose every rank passes the same shapes (scatter, gather, all_to_all legitimately differ)
 SAME_SHAPES = {
     "all_reduce",
@@ -54,12 +56,16 @@ GROUP_ROLES = {
 }
 
 
-def where(report: RankReport | None, dead: str | None = None) -> str:
-    """``in `train_step` (train.py:42: loss.backward())``, ``idle``, ``dead (...)``."""
+SILENT = "did not answer (its sidecar is gone or the GIL is held)"
+
+
+def where(report: RankReport | None, dead: str | None = None, silent: str = SILENT) -> str:
+    """``in `train_step` (train.py:42: loss.backward())``, ``idle``, ``dead (...)``;
+    ``silent`` for a rank with no report."""
     if dead is not None:
         return f"dead ({dead})"
     if report is None:
-        return "did not answer (its sidecar is gone or the GIL is held)"
+        return silent
     own = [f for f in report.stack if not any(m in f[0] for m in _MACHINERY)]
     if not own:
         return "idle (waiting for the notebook)"
@@ -78,11 +84,15 @@ def describe_call(call: CollectiveCall) -> str:
 
 
 def diagnose(
-    reports: Mapping[int, RankReport | None], dead: Mapping[int, str] | None = None
+    reports: Mapping[int, RankReport | None],
+    dead: Mapping[int, str] | None = None,
+    silent: str = SILENT,
 ) -> HangVerdict:
     dead = dict(dead or {})
-    places = {r: where(reports.get(r), dead.get(r)) for r in sorted(set(reports) | set(dead))}
-    found = _mismatch(reports) or _blocked(reports, dead)
+    places = {
+        r: where(reports.get(r), dead.get(r), silent) for r in sorted(set(reports) | set(dead))
+    }
+    found = _mismatch(reports) or _blocked(reports, dead, silent)
     if found is None:
         return HangVerdict(f"no rank is inside a collective: {_list(places)}", where=places)
     verdict, call, waiting, missing, mismatch = found
@@ -120,7 +130,7 @@ def _mismatch(reports: Mapping[int, RankReport | None]) -> _Found | None:
         ordered = sorted(shapes.items(), key=lambda kv: len(kv[1]))
         parts = [
             f"{label_ranks(ranks)} passed {op} {_sizes(sizes)}"
-            + (f" ({', '.join(dtypes)})" if dtypes_differ else "")
+            + (f" ({', '.join(dtypes)})" if dtypes_differ and dtypes else "")
             for (op, sizes, dtypes), ranks in ordered
         ]
         first = next(iter(calls.values()))
@@ -136,7 +146,9 @@ def _mismatch(reports: Mapping[int, RankReport | None]) -> _Found | None:
     return None
 
 
-def _blocked(reports: Mapping[int, RankReport | None], dead: Mapping[int, str]) -> _Found | None:
+def _blocked(
+    reports: Mapping[int, RankReport | None], dead: Mapping[int, str], silent: str
+) -> _Found | None:
     pending: dict[str, dict[int, CollectiveCall]] = {}  # group -> {rank: oldest not done}
     for rank, report in reports.items():
         for call in report.collectives if report else ():
@@ -161,7 +173,7 @@ def _blocked(reports: Mapping[int, RankReport | None], dead: Mapping[int, str]) 
         f"{label_ranks(waiting)} {'is' if len(waiting) == 1 else 'are'} in {describe_call(target)}"
     )
     if missing:
-        places = {r: where(reports.get(r), dead.get(r)) for r in missing}
+        places = {r: where(reports.get(r), dead.get(r), silent) for r in missing}
         text += f"; {label_ranks(missing)} never entered it: {_list(places)}"
     else:
         text += "; every rank entered it and none completed it"
@@ -182,3 +194,19 @@ def _list(places: Mapping[int, str]) -> str:
 
 def _sizes(sizes: tuple) -> str:
     return ", ".join("[" + ", ".join(str(n) for n in s) + "]" for s in sizes) or "[]"
+
+
+def folder_verdict(job: JobFolder) -> HangVerdict | None:
+    """The verdict on a job that ``-m dtlab.run`` left hung, from the reports its ranks'
+    watchdogs wrote (a rank that stepped on since is left out) and how ranks ended; None
+    when no rank is hung or no report holds a stack (written by an older dtlab)."""
+    reports = {
+        r: h.report for r, h in job.hangs.items() if h.resumed is None and h.report is not None
+    }
+    if not reports:
+        return None
+    dead = {r: o.describe().removeprefix(f"rank {r} ") for r, o in job.outcomes.items() if o.bad}
+    for rank, text in job.fatal.items():
+        if rank not in job.outcomes:
+            dead[rank] = f"a fatal signal: {text.strip().splitlines()[0]}"
+    return diagnose(reports, dead, silent="wrote no hang report (stepping, or gone)")

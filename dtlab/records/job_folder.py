@@ -16,8 +16,11 @@ run folder per rank under one job folder::
                             of its first steps, one JSON line each, recording on: where
                             ranks first differ there, the doctor names the parameter
     <job>/rank-<r>/hang.json, stacks.txt   no step for ``--hang-timeout`` seconds: when, after
-                            which step, and every thread's Python stack at that moment
-                            (:class:`RankHang`); ``resumed`` once it stepped again
+                            which step, the script's stack and each process group's last
+                            collectives (torch's Flight Recorder) then (:class:`RankHang`),
+                            every thread's Python stack; ``resumed`` once it stepped again
+    <job>/rank-<r>/fatal.txt  every thread's stack at a fatal signal (an abort, a segfault),
+                            written by faulthandler; empty while none came
 
 ``read_job(folder)`` reads it (``Trace.load`` does, for a folder ``is_job_folder`` says is
 one): every rank's job and rows, and what the doctor needs beside them (``evidence``).
@@ -31,7 +34,7 @@ import json
 import os
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,7 @@ from dtlab.records import (
     InitialState,
     JobInfo,
     RankInfo,
+    RankReport,
     StepRecord,
     step_record_from_dict,
 )
@@ -51,6 +55,7 @@ JOB_FILE = "job.json"
 OUTCOME_FILE = "outcome.json"
 HANG_FILE = "hang.json"
 STACKS_FILE = "stacks.txt"
+FATAL_FILE = "fatal.txt"  # faulthandler's, on a fatal signal (empty: none)
 DETAILS_FILE = "details.jsonl"  # whole records (per-parameter) of a rank's first steps
 MAX_DETAILS = 64  # lines of it read
 RANK_PREFIX = "rank-"
@@ -139,6 +144,7 @@ class RankHang:
     timeout_s: float
     stacks: str = ""
     resumed: int | None = None
+    report: RankReport | None = None  # the script's stack and last collectives, structured
 
     def describe(self) -> str:
         said = f"rank {self.rank} made no step for {self.timeout_s:g} s after step {self.step}"
@@ -161,6 +167,7 @@ class JobFolder:
     cores_by_host: dict[str, int] = field(default_factory=dict)
     outcomes: dict[int, RankOutcome] = field(default_factory=dict)
     hangs: dict[int, RankHang] = field(default_factory=dict)
+    fatal: dict[int, str] = field(default_factory=dict)  # fatal.txt of ranks that have one
     details: dict[int, list[StepRecord]] = field(default_factory=dict)  # first steps, whole
     formats: dict[int, str] = field(default_factory=dict)  # each rank folder's trace.json's
 
@@ -260,13 +267,34 @@ def _read_rank(job: JobFolder, rank: int, path: Path) -> None:
     if (path / DETAILS_FILE).exists():
         job.details[rank] = _details(path / DETAILS_FILE, rank)
     if (path / HANG_FILE).exists():
-        hang = _record(RankHang, read_json(path / HANG_FILE), path, rank)
-        stacks = path / STACKS_FILE
-        if stacks.is_file() and not stacks.is_symlink():
-            with open(stacks, "rb") as f:
-                text = f.read(MAX_STACKS_BYTES).decode("utf-8", "replace")
-            hang = RankHang(**{**asdict(hang), "stacks": text})
-        job.hangs[rank] = hang
+        data = read_json(path / HANG_FILE)
+        hang = _record(RankHang, data, path, rank)
+        job.hangs[rank] = replace(
+            hang, stacks=_text(path / STACKS_FILE), report=_rank_report(data, path, rank)
+        )
+    if fatal := _text(path / FATAL_FILE):
+        job.fatal[rank] = fatal
+
+
+def _text(path: Path) -> str:
+    """A text file of the folder, its first MAX_STACKS_BYTES ("" when it is not there, or
+    not a regular file)."""
+    if not path.is_file() or path.is_symlink():
+        return ""
+    with open(path, "rb") as f:
+        return f.read(MAX_STACKS_BYTES).decode("utf-8", "replace")
+
+
+def _rank_report(data: dict, path: Path, rank: int) -> RankReport | None:
+    """hang.json's stack and collectives, as the verdict reads them (None: not there)."""
+    if "stack" not in data:
+        return None
+    try:
+        return RankReport.from_dict(rank, data)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"{path / HANG_FILE}: its stack or collectives are not a rank's ({e!r})"
+        ) from None
 
 
 def _details(path: Path, rank: int) -> list[StepRecord]:

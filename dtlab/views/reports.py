@@ -373,12 +373,12 @@ def _held_or_running(text: str, frames: int) -> str:
 
 def script_stack(stacks: str, n: int = 8) -> str:
     """The innermost frames of the main thread, where the script runs: faulthandler lists
-    threads newest first, so it is the last (after the watchdog's own, the engine's, ...)."""
+    threads newest first, so it is the last (after the watchdog's own, the engine's, ...),
+    and "Current thread" when a fatal signal came on it."""
     blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stacks)[1:]
-    threads = [b for b in blocks if not b.startswith("Current thread")] or blocks
-    if not threads:
+    if not blocks:
         return last_lines(stacks, n)
-    lines = threads[-1].strip().splitlines()
+    lines = blocks[-1].strip().split("\n\n")[0].splitlines()  # (not what follows it)
     return "\n    ".join(lines[: n + 1])
 
 
