@@ -231,7 +231,7 @@ def folder_report(
     from dtlab.views.html_report import SessionSummary, write_report
 
     found = load(str(path), salvage)
-    describe(found)  # notes the ranks that failed, were killed or hung
+    describe(found)  # notes the ranks that failed, were killed or hung, and the verdict
     results = checks_of(found)
     trace, job = found.trace, found.job
     infos = dict(job.ranks) if job is not None else {}
@@ -246,6 +246,7 @@ def folder_report(
         checkpoints=(),
         restarts=(),
         checks=tuple(results),
+        endings=tuple(found.problems),
     )
     target = Path(out_path) if out_path else found.path / "report.html"
     return write_report(summary, target)

@@ -170,8 +170,9 @@ def test_a_hang_report_is_a_finding_until_the_rank_steps_again(tmp_path, capsys)
 
 
 def call(seq: int, op: str, done: bool, sizes=((161,),)) -> dict:
-    return {"group": "default_pg", "group_id": "0", "members": [0, 1], "seq": seq,
-            "op": op, "sizes": sizes, "dtypes": ["Float"] if sizes else [], "done": done}  # fmt: skip
+    dtypes = ["Float"] if sizes else []
+    where = {"group": "default_pg", "group_id": "0", "members": [0, 1]}
+    return {**where, "seq": seq, "op": op, "sizes": sizes, "dtypes": dtypes, "done": done}
 
 
 def hang_report(folder: Path, rank: int, line: tuple, calls: list[dict]) -> None:
@@ -209,6 +210,9 @@ def test_the_hang_verdict_puts_the_ranks_last_collectives_side_by_side(tmp_path,
         "rank 1 passed barrier []; "
     ) in out
     assert "    rank 1 in `<module>` (train.py:68: dist.barrier())" in out
+    assert cli.report(str(tmp_path)) == cli.CLEAN  # written; the report says it too
+    page = (tmp_path / "report.html").read_text()
+    assert "hung: mismatched collective #9 on default_pg" in page
     # a rank that stepped on since is not hung: no verdict of it
     jf.write_json(
         jf.rank_folder(tmp_path, 1) / jf.HANG_FILE,

@@ -54,6 +54,7 @@ class SessionSummary:
     checkpoints: Sequence
     restarts: Sequence[Mapping]
     checks: Sequence = ()  # the doctor's CheckResults, each with its outcome
+    endings: Sequence[str] = ()  # a job folder's: ranks that failed, died or hung; the verdict
 
 
 MAX_EARLIER = 8  # earlier timelines of the job a report draws, newest first
@@ -116,6 +117,7 @@ def write_report(summary: SessionSummary, path: str | Path) -> Path:
     if stepped:
         earlier, unread = earlier_timelines(trace)
         lines += [_recorded(trace, earlier), *unread]
+    lines += summary.endings
     tables = [rank_table(summary.infos, summary.inconsistencies, title="ranks")]
     if stepped:
         tables.append(findings_table(summary.findings))
