@@ -328,6 +328,12 @@ def claim(token: str, lease_s: float = LEASE_S) -> Where:
         if h.owner not in (None, token) and time.monotonic() < h.lease_until:
             raise PermissionError("another notebook is connected to this job")
         if h.owner != token:  # a new notebook: a hold the last one left (it died) ends
+            if h.owner is not None and h.at is not None:  # (said as the lease's end says it)
+                step = h.held if h.held is not None else h.step
+                _say(
+                    f"the notebook stopped answering; rank {_rank()} goes on after step "
+                    f"{step} (another notebook connected)"
+                )
             h.at, h.names = None, {}
             h.cond.notify_all()
         h.owner, h.lease_until = token, time.monotonic() + lease_s
