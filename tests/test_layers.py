@@ -121,7 +121,7 @@ CONTROL_FLOORS = {
         "checkpointing", "comm_bench", "partitions", "replays", "rescue", "scripts",
         "training",
     },
-    "entry": {"connect", "demo", "lifecycle", "session"},
+    "entry": {"connect", "connected_job", "demo", "lifecycle", "session"},
 }  # fmt: skip
 FLOOR_ORDER = list(CONTROL_FLOORS)
 

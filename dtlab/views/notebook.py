@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from dtlab.control import lifecycle
 from dtlab.control.config import LaunchOptions, launch_config, oversubscription
-from dtlab.control.connect import ConnectedJob
+from dtlab.control.connected_job import ConnectedJob
 from dtlab.control.options import describe, given, signature
 from dtlab.control.session import Session
 from dtlab.views.progress import auto_progress
