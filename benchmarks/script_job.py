@@ -20,6 +20,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=40)
 p.add_argument("--warmup", type=int, default=5)
 p.add_argument("--out", default="")
+p.add_argument("--batch", type=int, default=8, help="token windows per step and rank")
 args = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -39,7 +40,7 @@ gen = torch.Generator().manual_seed(100 + rank)
 times = []
 for it in range(args.warmup + args.steps):
     t0 = time.perf_counter()
-    ix = torch.randint(len(text) - block - 1, (8,), generator=gen)
+    ix = torch.randint(len(text) - block - 1, (args.batch,), generator=gen)
     x = torch.stack([text[i : i + block] for i in ix])
     y = torch.stack([text[i + 1 : i + 1 + block] for i in ix])
     for group in optimizer.param_groups:
