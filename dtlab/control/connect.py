@@ -19,6 +19,7 @@ from dtlab.agent import api
 from dtlab.analysis.ranks import label_ranks
 from dtlab.control.connected_job import (
     LEASE_S,
+    PAUSE_TIMEOUT_S,
     POLL_S,
     ConnectedJob,
     ConnectError,
@@ -27,7 +28,15 @@ from dtlab.control.connected_job import (
 from dtlab.control.errors import DtlabError
 from dtlab.records import job_folder as jf
 
-__all__ = ["ConnectError", "ConnectedJob", "connect", "current_or_none", "forget"]
+__all__ = [
+    "LEASE_S",
+    "PAUSE_TIMEOUT_S",
+    "ConnectError",
+    "ConnectedJob",
+    "connect",
+    "current_or_none",
+    "forget",
+]
 
 PROFILE = "ipython"
 CLIENT_FILE = "security/ipcontroller-job-client.json"
