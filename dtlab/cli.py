@@ -203,7 +203,8 @@ def doctor(path: str, explain: bool = False, out=None, salvage: bool = False) ->
         return UNREADABLE
     print("\n".join(lines), file=out)
     if results:
-        print(wrapped(doctor_summary(results, reasons=not explain)), file=out)
+        summary = doctor_summary(results, reasons=not explain, named=bool(found.problems))
+        print(wrapped(summary), file=out)
         if explain:
             print(checks_table(results).text(TEXT_WIDTH), file=out)
     else:

@@ -86,6 +86,9 @@ def test_the_summary_says_every_check_passed_only_when_every_check_looked():
         (r.check, r.passed_because) for r in healthy if r.outcome != "passed"
     ]
     assert doctor_summary(healthy).startswith("no problem found: every check passed")
+    # a hang or a death named above it (dtlab doctor on a run folder): not "no problem"
+    beside = doctor_summary(healthy, named=True)
+    assert beside.startswith("no other problem in the step records: every check passed")
 
     blind = run_checks(evidence(job(num_steps=12, indices=())))
     text = doctor_summary(blind)

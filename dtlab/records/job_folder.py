@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -101,6 +102,13 @@ def read_json(path: Path) -> Any:
         raise ValueError(f"{path}: not JSON ({e})") from None
 
 
+def _signal_name(number: int | None) -> str:
+    try:
+        return f"{signal.Signals(number or 0).name} ({number})"
+    except ValueError:
+        return f"signal {number}"
+
+
 @dataclass(frozen=True)
 class RankOutcome:
     """How a rank's script ended. ``kind``: "finished" (it returned), "exited"
@@ -121,7 +129,7 @@ class RankOutcome:
         if self.kind == "failed":
             return f"rank {self.rank} failed {at}: {self.ename}: {self.evalue}"
         if self.kind == "killed":
-            return f"rank {self.rank} was stopped by signal {self.code} {at}"
+            return f"rank {self.rank} was stopped by {_signal_name(self.code)} {at}"
         if self.kind == "exited":
             return f"rank {self.rank} exited with code {self.code} {at}"
         return f"rank {self.rank} finished {at}"

@@ -124,9 +124,10 @@ def findings_table(findings: Sequence[Finding]) -> Table:
     return Table("findings", headers, rows, notes)
 
 
-def doctor_summary(results: Sequence, *, reasons: bool = True) -> str:
+def doctor_summary(results: Sequence, *, reasons: bool = True, named: bool = False) -> str:
     """How many checks passed, found something or could not look, then the findings
-    ranked, most severe first. "every check passed" only when every check looked. The
+    ranked, most severe first. "every check passed" only when every check looked;
+    ``named``: a problem was named above (a hang, a death), so none is "no problem". The
     checks that could not look follow, those sharing a reason in one line (a pipeline's
     five checks of replicas); ``reasons=False`` names them only (a table says why).
     One line per item: ``wrapped`` fits it to a width."""
@@ -144,12 +145,11 @@ def doctor_summary(results: Sequence, *, reasons: bool = True) -> str:
         if part
     )
     lines = []
+    none = "no other problem in the step records" if named else "no problem found"
     if not findings and not unchecked:
-        lines.append(
-            f"no problem found: every check passed ({counts}; --explain shows what each looked at)"
-        )
+        lines.append(f"{none}: every check passed ({counts}; --explain shows what each looked at)")
     elif not findings:
-        lines.append(f"no problem found in what could be checked: {counts}")
+        lines.append(f"{none} in what could be checked: {counts}")
     else:
         lines.append(f"{len(findings)} finding(s) ({counts}), most severe first:")
         for number, f in enumerate(findings, 1):
