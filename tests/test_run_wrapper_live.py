@@ -315,6 +315,12 @@ def test_a_rank_that_skips_the_all_reduces_hangs_the_job_and_the_doctor_names_it
         stop(proc)
         raise
     end_with_sigterm(proc)
+    # both ranks wait in gloo, where Python's handler never runs: each still says how it
+    # ended (not a SIGKILL after torchrun's grace, unsaid)
+    outcomes = jf.read_job(tmp_path / "job").outcomes
+    assert {r: (o.kind, o.code, o.step) for r, o in outcomes.items()} == {
+        r: ("killed", signal.SIGTERM, 3) for r in range(N)
+    }
 
 
 def test_a_rank_aborted_in_a_collective_leaves_its_steps_and_its_line(tmp_path):

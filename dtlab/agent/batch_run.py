@@ -16,9 +16,11 @@ collective of its own).
 
 The process ends as the script's would have: its exit code, its ``sys.exit`` message, its
 uncaught exception through ``sys.excepthook`` (from the script's own frames), a
-KeyboardInterrupt or a SIGTERM (from torchrun, when another rank failed) by the signal.
-Records are flushed first, and ``outcome.json`` says how the rank ended. dtlab never
-breaks the script: should its own recording fail, it says so once and the script runs on.
+KeyboardInterrupt or a SIGTERM (from torchrun, when another rank failed) by the signal,
+also when it comes while the rank waits in a collective that never returns
+(:mod:`dtlab.agent.late_signal`). Records are flushed first, and ``outcome.json`` says how
+the rank ended. dtlab never breaks the script: should its own recording fail, it says so
+once and the script runs on.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from dtlab.agent import batch_engine
+from dtlab.agent.late_signal import SignalWatch
 from dtlab.agent.rank_folder import RankFolder, Watchdog
 from dtlab.agent.rendezvous import FR_BUFFER_ENV, FR_BUFFER_SIZE
 from dtlab.agent.state import RANK
@@ -74,6 +77,7 @@ class _Run:
     script: Any = None  # the ScriptRun
     pid: int = field(default_factory=os.getpid)  # the rank's (not a worker it forked)
     fatal: Any = None  # the open fatal.txt faulthandler writes into
+    term: SignalWatch | None = None  # SIGTERM while the main thread waits in a C call
     ended: bool = False  # outcome written
 
 
@@ -98,6 +102,9 @@ def run(options: Options) -> int:
     previous = signal.getsignal(signal.SIGTERM)
     if previous in (signal.SIG_DFL, None):  # (a handler someone set stays theirs)
         signal.signal(signal.SIGTERM, lambda signum, frame: _on_term(state, signum))
+        # (one blocked in a collective: a thread ends the rank in its stead)
+        state.term = SignalWatch(signal.SIGTERM, lambda signum: _finish(state, signum))
+        state.term.start()
     try:
         _drive(state)
     finally:
@@ -266,6 +273,8 @@ def _on_term(state: _Run, signum: int) -> None:
     """SIGTERM (torchrun stops the other ranks when one failed): records flushed, the
     outcome said, then the process ends by the signal, as it would have. In a process the
     script forked (a DataLoader worker, which inherits the handler), only the latter."""
+    if state.term is not None:
+        state.term.handled()
     try:
         if os.getpid() == state.pid:
             _finish(state, signum)
