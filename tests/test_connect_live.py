@@ -25,7 +25,16 @@ from dtlab.control.connect import ConnectedJob, ConnectError
 from dtlab.control.errors import DtlabError
 from dtlab.views.figures import dashboard_trace_index
 from tests.conftest import GLOO_TEARDOWN, untimed
-from tests.test_run_wrapper_live import SCRIPTS, TORCHRUN, N, losses, run, start, stop
+from tests.test_run_wrapper_live import (
+    SCRIPTS,
+    TORCHRUN,
+    N,
+    hangs_now,
+    losses,
+    run,
+    start,
+    stop,
+)
 
 pytestmark = pytest.mark.timeout(600)
 WRAP = [*TORCHRUN, "-m", "dtlab.run"]
@@ -422,15 +431,15 @@ def test_a_hung_job_shows_its_hang_report_first_and_its_stacks(tmp_path, ip, cap
     cmd = [*WRAP, "--run-dir", str(run_dir), "--hang-timeout", "2", script, "--hang-rank", "1"]
     proc = start(cmd, tmp_path)
     try:
-        reports = [run_dir / f"rank-{r}" / "hang.json" for r in range(N)]
-        deadline = time.monotonic() + 120
-        while not all(p.exists() for p in reports):
-            assert proc.poll() is None and time.monotonic() < deadline, "no hang report"
-            time.sleep(0.2)
+        _hung_after(run_dir, proc, 3)
         ip.run_line_magic("dt_connect", str(run_dir))
         said = capsys.readouterr().out
         assert "rank 1 made no step for 2 s after step 3" in said
         assert said.index("made no step") < said.index("<dtlab ConnectedJob")
+        # the verdict from the ranks' Flight Recorders, before the notebook asks anything
+        verdict = next(text for text in said.splitlines() if text.startswith("hung: "))
+        assert "rank 0 is in all_reduce #" in verdict and "rank 1 never entered it" in verdict
+        assert said.index(verdict) < said.index("<dtlab ConnectedJob")
         dt = ip.user_ns["dt"]
         with pytest.raises(DtlabError, match=r"not every rank reached step 4.*dt\.stacks\(\)"):
             dt.pause(timeout=3)
@@ -443,6 +452,16 @@ def test_a_hung_job_shows_its_hang_report_first_and_its_stacks(tmp_path, ip, cap
         dt.disconnect()
     finally:
         stop(proc)
+
+
+def _hung_after(run_dir: Path, proc: subprocess.Popen, step: int) -> None:
+    """Wait until every rank's watchdog reports it made no step after ``step`` (on a busy
+    machine a rank may also be late for an earlier step and report that one resumed)."""
+    deadline = time.monotonic() + 120
+    while {r: h.step for r, h in hangs_now(run_dir).items()} != dict.fromkeys(range(N), step):
+        assert proc.poll() is None, "the job ended instead of hanging"
+        assert time.monotonic() < deadline, f"no hang report after step {step} from every rank"
+        time.sleep(0.2)
 
 
 def _ds_config(tmp_path: Path) -> str:
