@@ -1,12 +1,15 @@
-"""Runbooks 02, 05, 06, 07, 10, 11, 12 and 13, executed top to bottom by a real kernel: each
-names the fault it makes on purpose (rank, step, parameter or module) and shows that the fix
-worked (13: that the job it connected to runs on)."""
+"""Runbooks 02, 05, 06, 07, 10, 11, 12, 13 and 14, executed top to bottom by a real kernel:
+each names the fault it makes on purpose (rank, step, parameter or module) and shows that
+the fix worked (13: that the job it connected to runs on)."""
 
 import re
 from ast import literal_eval
+from pathlib import Path
 
+import psutil
 import pytest
 
+from dtlab.records import job_folder as jf
 from tests.test_doctor_text import unwrapped
 from tests.test_notebooks import descendants, execute, text_of
 
@@ -302,3 +305,66 @@ def test_connect_runbook_finds_the_planted_learning_rate_and_leaves_the_job_runn
     offline = texts(code, "job.terminate()")[0]
     assert "the learning rate at step 1 is 0.1 on rank 1" in unwrapped(offline)
     assert offline.rstrip().endswith("exit code 1")
+
+
+def alive(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running (a zombie has ended)."""
+    found = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                found.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def test_hang_runbook_names_the_uneven_shards_from_the_folder_and_the_fix_runs_clean():
+    before = descendants()
+    nb, seen, left = execute(
+        "14_batch_job_hangs_at_epoch_end.ipynb", lambda: descendants() - before
+    )
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    errors = [
+        (c.source, o["ename"], o["evalue"])
+        for c in code
+        for o in c.get("outputs", [])
+        if o["output_type"] == "error"
+    ]
+    assert errors == []
+    # the verdict from the folder alone, the job still running: the same collective by
+    # count, another operation on each rank, and each rank's line of train.py
+    found = texts(code, "text, code = found")[0]
+    assert found.rstrip().endswith("exit code 1")
+    assert "rank 0 made no step for 5 s after step 19" in found, found
+    assert "rank 1 made no step for 5 s after step 19" in found, found
+    verdict = next(line for line in found.splitlines() if line.startswith("hung: "))
+    assert "mismatched collective #" in verdict and "rank 0 passed all_reduce" in verdict
+    assert "rank 1 passed barrier" in verdict, verdict
+    assert "no other problem in the step records" in found  # the hang is one
+    script = next(c.source for c in code if 'SCRIPT = r"""' in c.source)
+    lines = script.split('r"""', 1)[1].split('"""', 1)[0].splitlines()  # train.py's
+
+    def source(text: str) -> int:
+        return 1 + next(i for i, line in enumerate(lines) if text in line)
+
+    where = found.splitlines()[found.splitlines().index(verdict) + 1 :][:2]
+    assert where[0].startswith(f"    rank 0 in `<module>` (train.py:{source('loss.backward()')}")
+    assert where[1].startswith(f"    rank 1 in `<module>` (train.py:{source('dist.barrier()')}")
+    connected = texts(code, "%dt_connect")[0]
+    assert connected.index("hung: ") < connected.index("ConnectedJob: 2 ranks")
+    stacks = texts(code, "stacks = %dt_stacks")[0]
+    assert f'train.py", line {source("dist.barrier()")}' in stacks, stacks
+    # stopped as scancel would: every rank's ending on record, nothing of the job left
+    stopped = texts(code, "%dt_disconnect")[0]
+    assert "rank 0 was stopped by SIGTERM (15) at step 19" in stopped, stopped
+    assert "rank 1 was stopped by SIGTERM (15) at step 19" in stopped, stopped
+    started = texts(code, "run_dir = ")[0]
+    pid = int(re.search(r"the job still runs \(pid (\d+)\), hung", started)[1])
+    run_dir = re.search(r"\((/\S+)/rank-1/stacks\.txt\)", found)[1]
+    ranks = [info.pid for info in jf.read_job(Path(run_dir)).ranks.values()]
+    assert len(ranks) == 2 and alive([pid, *ranks]) == []
+    assert seen == set() and left == []
+    fixed = texts(code, "fixed = ")[0]
+    assert "the fixed job's exit code 0" in fixed
+    assert "steps 1-19 recorded on every rank" in fixed and fixed.rstrip().endswith("exit code 0")
