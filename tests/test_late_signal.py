@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -38,7 +40,7 @@ PROGRAM = textwrap.dedent(
 
     parent = os.getpid()
     signal.signal(signal.SIGTERM, handler)
-    watch = SignalWatch(signal.SIGTERM, lambda s: write(f"stuck {s}"), grace_s=0.05)
+    watch = SignalWatch(signal.SIGTERM, handler, lambda s: write(f"stuck {s}"), grace_s=0.05)
     assert watch.start()
     ready, up = os.pipe()
     child = os.fork()
@@ -49,14 +51,33 @@ PROGRAM = textwrap.dedent(
     os.read(ready, 2)  # (a signal before the child's Python is up is dropped by Python)
     os.kill(child, signal.SIGTERM)
     os.waitpid(child, 0)
-    print("blocking", flush=True)
+    if sys.argv[2:] == ["theirs"]:  # the script's own handler, installed after dtlab's
+        signal.signal(signal.SIGTERM, lambda signum, frame: write("theirs"))
     mutex = ctypes.create_string_buffer(64)  # zeroed: glibc's default mutex
     libc = ctypes.CDLL(None)
     libc.pthread_mutex_lock(mutex)
+    print("blocking on", ctypes.addressof(mutex), flush=True)
     libc.pthread_mutex_lock(mutex)  # never returns; the GIL is released
     write("returned")
     """
 )
+
+
+def blocked(proc: subprocess.Popen) -> None:
+    """Wait until the program's main thread waits on its mutex (its futex call's first
+    argument, read from /proc): a signal sent before would find it in Python."""
+    assert proc.stdout is not None
+    said = proc.stdout.readline().split()
+    assert said[:2] == ["blocking", "on"], said
+    address = int(said[2])
+    deadline = time.monotonic() + 60
+    syscall = Path(f"/proc/{proc.pid}/task/{proc.pid}/syscall")
+    while True:
+        fields = syscall.read_text().split()
+        if len(fields) > 1 and fields[1].startswith("0x") and int(fields[1], 16) == address:
+            return
+        assert time.monotonic() < deadline, f"never blocked on its mutex: {fields}"
+        time.sleep(0.01)
 
 
 def test_sigterm_while_blocked_in_a_c_call_is_handled_by_the_watch(tmp_path):
@@ -65,8 +86,7 @@ def test_sigterm_while_blocked_in_a_c_call_is_handled_by_the_watch(tmp_path):
         [sys.executable, "-c", PROGRAM, str(said)], stdout=subprocess.PIPE, text=True
     )
     try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "blocking"
+        blocked(proc)
         # the child's SIGTERM (taken by the child's handler) is not the parent's: the
         # parent lives on well past the watch's grace
         with pytest.raises(psutil.TimeoutExpired):
@@ -82,6 +102,24 @@ def test_sigterm_while_blocked_in_a_c_call_is_handled_by_the_watch(tmp_path):
     assert said.read_text().splitlines() == ["handler False", f"stuck {signal.SIGTERM}"]
 
 
+def test_a_handler_the_script_installed_after_dtlab_is_left_to_run_when_it_can(tmp_path):
+    """torchtitan and HF Trainer install their own SIGTERM handlers (a checkpoint on
+    preemption): the watch must not end the process in their stead."""
+    said = tmp_path / "said.txt"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PROGRAM, str(said), "theirs"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        blocked(proc)
+        proc.send_signal(signal.SIGTERM)
+        with pytest.raises(psutil.TimeoutExpired):  # well past the watch's grace
+            psutil.Process(proc.pid).wait(timeout=2)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert said.read_text().splitlines() == ["handler False"]  # the child's only
+
+
 def test_a_wakeup_fd_set_by_another_is_left_alone():
     program = textwrap.dedent(
         """
@@ -91,7 +129,7 @@ def test_a_wakeup_fd_set_by_another_is_left_alone():
         theirs, _ = socket.socketpair()
         theirs.setblocking(False)
         signal.set_wakeup_fd(theirs.fileno())
-        assert not SignalWatch(signal.SIGTERM, print).start()
+        assert not SignalWatch(signal.SIGTERM, print, print).start()
         assert signal.set_wakeup_fd(-1) == theirs.fileno()
         print("left alone")
         """

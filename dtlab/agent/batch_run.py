@@ -101,9 +101,13 @@ def run(options: Options) -> int:
     state.script = RANK.script_run = script
     previous = signal.getsignal(signal.SIGTERM)
     if previous in (signal.SIG_DFL, None):  # (a handler someone set stays theirs)
-        signal.signal(signal.SIGTERM, lambda signum, frame: _on_term(state, signum))
+
+        def on_term(signum, frame):
+            _on_term(state, signum)
+
+        signal.signal(signal.SIGTERM, on_term)
         # (one blocked in a collective: a thread ends the rank in its stead)
-        state.term = SignalWatch(signal.SIGTERM, lambda signum: _finish(state, signum))
+        state.term = SignalWatch(signal.SIGTERM, on_term, lambda signum: _finish(state, signum))
         state.term.start()
     try:
         _drive(state)

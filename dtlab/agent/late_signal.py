@@ -28,9 +28,20 @@ _HOOKED: list[bool] = []  # the at-fork hook registered (it stays in forked chil
 
 
 class SignalWatch:
-    def __init__(self, signum: int, on_stuck: Callable[[int], None], grace_s: float = 2.0):
+    """``handler``: the Python handler installed for ``signum`` (it calls :meth:`handled`
+    first); ``on_stuck(signum)``: its work, done from the watch's thread. A handler the
+    script installs later is the script's: the watch then leaves the signal to it."""
+
+    def __init__(
+        self,
+        signum: int,
+        handler: Callable,
+        on_stuck: Callable[[int], None],
+        grace_s: float = 2.0,
+    ):
         self.signum = signum
         self.grace_s = grace_s
+        self._handler = handler
         self._on_stuck = on_stuck
         self._handled = threading.Event()
         self._read: socket.socket | None = None
@@ -71,7 +82,9 @@ class SignalWatch:
                 return
             if not got:
                 return
-            if self.signum in got and not self._handled.wait(self.grace_s):
+            if self.signum not in got or self._handled.wait(self.grace_s):
+                continue
+            if signal.getsignal(self.signum) is self._handler:  # (not the script's own)
                 try:
                     self._on_stuck(self.signum)
                 finally:
