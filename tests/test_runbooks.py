@@ -18,9 +18,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 PLOTLY = "application/vnd.plotly.v1+json"
 
 
-def run_clean(name: str) -> list:
-    """Execute the notebook; no cell raised, and nothing it started outlives its last cell
-    (``%dt_shutdown``). Returns its code cells."""
+def executed(name: str) -> tuple[list, set, list]:
+    """Execute the notebook; no cell raised. Returns its code cells, the processes it had
+    started before its last cell, and those of them still running after it."""
     before = descendants()
     nb, seen, left = execute(name, lambda: descendants() - before)
     code = [c for c in nb.cells if c.cell_type == "code"]
@@ -31,6 +31,13 @@ def run_clean(name: str) -> list:
         if o["output_type"] == "error"
     ]
     assert errors == []
+    return code, seen or set(), left
+
+
+def run_clean(name: str) -> list:
+    """Execute the notebook; nothing it started outlives its last cell (``%dt_shutdown``).
+    Returns its code cells."""
+    code, seen, left = executed(name)
     assert len(seen) >= 10  # controller, fork server, 4 engines, 4 nannies
     assert left == []
     return code
@@ -278,16 +285,7 @@ def test_deepspeed_runbook_names_the_scripts_own_accumulation_and_restarts(deeps
 
 
 def test_connect_runbook_finds_the_planted_learning_rate_and_leaves_the_job_running():
-    before = descendants()
-    nb, seen, left = execute("13_connect_to_a_running_job.ipynb", lambda: descendants() - before)
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    errors = [
-        (c.source, o["ename"], o["evalue"])
-        for c in code
-        for o in c.get("outputs", [])
-        if o["output_type"] == "error"
-    ]
-    assert errors == []
+    code, seen, left = executed("13_connect_to_a_running_job.ipynb")
     assert len(seen) >= 3  # torchrun and its 2 ranks, until the last cell stops them
     assert left == []
     connected = texts(code, "%dt_connect")[0]
@@ -320,18 +318,7 @@ def alive(pids: list[int]) -> list[int]:
 
 
 def test_hang_runbook_names_the_uneven_shards_from_the_folder_and_the_fix_runs_clean():
-    before = descendants()
-    nb, seen, left = execute(
-        "14_batch_job_hangs_at_epoch_end.ipynb", lambda: descendants() - before
-    )
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    errors = [
-        (c.source, o["ename"], o["evalue"])
-        for c in code
-        for o in c.get("outputs", [])
-        if o["output_type"] == "error"
-    ]
-    assert errors == []
+    code, seen, left = executed("14_batch_job_hangs_at_epoch_end.ipynb")
     # the verdict from the folder alone, the job still running: the same collective by
     # count, another operation on each rank, and each rank's line of train.py
     found = texts(code, "text, code = found")[0]
