@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 
 _ACTIVE: list[SignalWatch] = []  # the watch of this process (the at-fork hook reads it)
-_HOOKED: list[bool] = []  # the at-fork hook registered (it stays in forked children)
 
 
 class SignalWatch:
@@ -62,9 +61,6 @@ class SignalWatch:
             write.close()
             return False
         self._read, self._write = read, write
-        if not _HOOKED:
-            os.register_at_fork(after_in_child=_forget_in_child)
-            _HOOKED.append(True)
         _ACTIVE[:] = [self]
         threading.Thread(target=self._watch, name="dtlab-signal-watch", daemon=True).start()
         return True
@@ -115,3 +111,6 @@ def _forget_in_child() -> None:
         signal.set_wakeup_fd(-1)
     except ValueError:  # (forked from a thread that is not the child's main one)
         pass
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
